@@ -1,0 +1,105 @@
+"""Native PyTorch FSDP2 (`fully_shard`): NCCL on GPUs, gloo on CPU. One process per device, via torchrun."""
+
+from __future__ import annotations
+
+import functools
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
+
+from xla_shard.backends.base import Backend, apply_activation_checkpointing
+from xla_shard.config.schema import ShardingStrategy
+from xla_shard.data import local_rows
+from xla_shard.wrap import checkpoint_targets, wrap_targets
+
+
+class TorchFsdpBackend(Backend):
+    name = "torch_fsdp"
+
+    def check(self) -> None:
+        super().check()
+        if "RANK" not in os.environ and "LOCAL_RANK" not in os.environ:
+            return  # the launcher re-checks inside torchrun, where the world size is known
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.cfg.fsdp.sharding_strategy.is_hybrid:
+            try:
+                self.cfg.mesh.resolve(world)
+            except ValueError as exc:
+                self.reject("mesh", f"{exc} (torchrun processes)")
+        if self.cfg.train.global_batch_size % world:
+            self.reject("train.global_batch_size",
+                        f"{self.cfg.train.global_batch_size} does not split evenly over {world} processes")
+
+    def setup(self) -> None:
+        cuda = torch.cuda.is_available()
+        if cuda:
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local_rank)
+            self.device = torch.device("cuda", local_rank)
+            self.device_kind = torch.cuda.get_device_name(local_rank)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.num_devices = self.world
+        self.check()
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        fsdp = self.cfg.fsdp
+        if fsdp.activation_checkpointing:
+            # Non-reentrant checkpointing: kwargs and tensors nested in tuples get exact gradients.
+            apply_activation_checkpointing(checkpoint_targets(model, fsdp),
+                                           functools.partial(checkpoint, use_reentrant=False))
+        model.to(self.device)
+        strategy = fsdp.sharding_strategy
+        if strategy is ShardingStrategy.NO_SHARD:
+            return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                                           bucket_cap_mb=fsdp.bucket_cap_mb)
+        kwargs = dict(mesh=self._mesh(), reshard_after_forward=strategy.reshards_after_forward)
+        if fsdp.mixed_precision == "bf16":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if fsdp.offload_params:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        for module in wrap_targets(model, fsdp):
+            fully_shard(module, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    def _mesh(self):
+        device_type = self.device.type
+        if self.cfg.fsdp.sharding_strategy.is_hybrid:
+            replica, shard = self.cfg.mesh.resolve(self.world)
+            return init_device_mesh(device_type, (replica, shard), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(device_type, (self.world,), mesh_dim_names=("shard",))
+
+    def local_batch(self, global_batch: torch.Tensor) -> torch.Tensor:
+        return local_rows(global_batch, self.rank, self.world).to(self.device)
+
+    def forward_context(self):
+        # FSDP2's MixedPrecisionPolicy casts parameters; DDP (NO_SHARD) needs autocast for bf16.
+        enabled = self.cfg.fsdp.mixed_precision == "bf16" and self.cfg.fsdp.sharding_strategy is ShardingStrategy.NO_SHARD
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    def mean_loss(self, loss: torch.Tensor) -> float:
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        return total.item() / self.world
+
+    def local_bytes(self, tensors: list[torch.Tensor]) -> list[int]:
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t.to_local() if isinstance(t, DTensor) else t
+        return [local(t).numel() * t.element_size() for t in tensors]
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,109 @@
+"""torch_xla FSDPv1 (`XlaFullyShardedDataParallel`): one process per device, launched by `xmp.spawn`.
+
+On XLA's CPU client only world size 1 runs: multi-replica collectives die in XLA's CPU rendezvous (see
+DESIGN.md), so multi-replica FSDPv1 is a TPU-only path.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from xla_shard.backends import xla_common
+from xla_shard.backends.base import Backend, apply_activation_checkpointing
+from xla_shard.config.schema import ShardingStrategy
+from xla_shard.data import local_rows
+from xla_shard.wrap import checkpoint_targets, wrap_targets
+
+
+class XlaFsdpBackend(Backend):
+    name = "xla_fsdp"
+
+    def check(self) -> None:
+        super().check()
+        fsdp = self.cfg.fsdp
+        if fsdp.offload_params:
+            self.reject("fsdp.offload_params", "torch_xla FSDP has no CPU offload; set it to false")
+        if fsdp.sharding_strategy.is_hybrid:
+            self.reject("fsdp.sharding_strategy", f"{fsdp.sharding_strategy.value} needs a 2-D mesh; use backend "
+                                                  "xla_spmd (replica x fsdp mesh) for hybrid sharding")
+        if fsdp.sharding_strategy is ShardingStrategy.NO_SHARD:
+            self.reject("fsdp.sharding_strategy", "NO_SHARD is data parallelism; use backend xla_spmd with "
+                                                  "NO_SHARD, which runs it without FSDP")
+        self._check_xla_settings()
+        if not xla_common.on_tpu() and self.cfg.cpu_devices != 1:
+            self.reject("cpu_devices", f"FSDPv1 runs on XLA's CPU client at 1 device only (got {self.cfg.cpu_devices}): "
+                                       "its multi-replica collectives fail there. Use xla_spmd for CPU sharding")
+
+    def _check_xla_settings(self) -> None:
+        if not self.cfg.fsdp.xla_settings:
+            return
+        xla_common.configure_runtime(self.cfg.cpu_devices)
+        from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
+
+        accepted = set(inspect.signature(XlaFullyShardedDataParallel.__init__).parameters) - {"self", "module"}
+        owned = {"reshard_after_forward", "compute_dtype", "auto_wrap_policy", "auto_wrapper_callable"}
+        for key in self.cfg.fsdp.xla_settings:
+            if key in owned:
+                self.reject(f"fsdp.xla_settings.{key}", "set by xla_shard from the fsdp section; remove it here")
+            if key not in accepted:
+                self.reject(f"fsdp.xla_settings.{key}", "not an argument of XlaFullyShardedDataParallel")
+
+    def setup(self) -> None:
+        xla_common.configure_runtime(self.cfg.cpu_devices)
+        import torch_xla
+        import torch_xla.runtime as xr
+
+        self.device = torch_xla.device()
+        self.device_kind = xla_common.device_kind()
+        self.rank, self.world = xr.global_ordinal(), xr.world_size()
+        self.num_devices = self.world
+        if self.cfg.train.global_batch_size % self.world:
+            self.reject("train.global_batch_size",
+                        f"{self.cfg.train.global_batch_size} does not split evenly over {self.world} replicas")
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
+
+        fsdp = self.cfg.fsdp
+        if fsdp.activation_checkpointing:
+            apply_activation_checkpointing(checkpoint_targets(model, fsdp), xla_common.xla_checkpoint)
+        targets = {id(m) for m in wrap_targets(model, fsdp)}
+
+        def policy(module, recurse, **_):
+            return recurse or id(module) in targets
+
+        settings = dict(fsdp.xla_settings)
+        settings["reshard_after_forward"] = fsdp.sharding_strategy.reshards_after_forward
+        if fsdp.mixed_precision == "bf16":
+            settings["compute_dtype"] = torch.bfloat16
+        return XlaFullyShardedDataParallel(model.to(self.device), auto_wrap_policy=policy if targets else None,
+                                           **settings)
+
+    def local_batch(self, global_batch: torch.Tensor) -> torch.Tensor:
+        return local_rows(global_batch, self.rank, self.world).to(self.device)
+
+    def after_step(self) -> None:
+        import torch_xla
+
+        torch_xla.sync()
+
+    def mean_loss(self, loss: torch.Tensor) -> float:
+        import torch_xla.core.xla_model as xm
+
+        if self.world == 1:
+            return loss.item()
+        return xm.mesh_reduce("loss", loss.item(), lambda values: sum(values) / len(values))
+
+    def compilations(self) -> int:
+        return xla_common.compilations()
+
+    def local_bytes(self, tensors: list[torch.Tensor]) -> list[int]:
+        return [t.numel() * t.element_size() for t in tensors]
+
+    def barrier(self) -> None:
+        import torch_xla.core.xla_model as xm
+
+        xm.rendezvous("xla_shard")

@@ -1,0 +1,197 @@
+"""The one config schema every backend reads.
+
+Validation here is structural (types, names, ranges). Whether a backend can honour a valid value is the
+backend's call (`Backend.check`), so the same file runs everywhere or fails with a message naming the key
+and the backend.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ShardingStrategy(str, enum.Enum):
+    """The five strategies of the FSDP guide; 1-5 are accelerate's numeric spellings."""
+
+    FULL_SHARD = "FULL_SHARD"
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"
+    NO_SHARD = "NO_SHARD"
+    HYBRID_SHARD = "HYBRID_SHARD"
+    HYBRID_SHARD_ZERO2 = "HYBRID_SHARD_ZERO2"
+
+    @classmethod
+    def parse(cls, value: Any) -> "ShardingStrategy":
+        if isinstance(value, cls):
+            return value
+        members = list(cls)
+        if isinstance(value, int) and not isinstance(value, bool) or (isinstance(value, str) and value.isdigit()):
+            index = int(value)
+            if 1 <= index <= len(members):
+                return members[index - 1]
+            raise ValueError(f"numeric strategy must be 1-{len(members)}, got {value}")
+        if isinstance(value, str):
+            name = value.strip().upper().replace(" ", "_").replace("-", "_")
+            if name in cls.__members__:
+                return cls[name]
+        raise ValueError(f"unknown strategy {value!r}; expected one of {', '.join(cls.__members__)} or 1-5")
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+
+class WrapPolicy(str, enum.Enum):
+    TRANSFORMER_BASED_WRAP = "TRANSFORMER_BASED_WRAP"
+    SIZE_BASED_WRAP = "SIZE_BASED_WRAP"
+    NO_WRAP = "NO_WRAP"
+
+
+class Backend(str, enum.Enum):
+    AUTO = "auto"
+    XLA_SPMD = "xla_spmd"
+    XLA_FSDP = "xla_fsdp"
+    TORCH_FSDP = "torch_fsdp"
+
+
+class FsdpSection(_Section):
+    sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+    auto_wrap_policy: WrapPolicy = WrapPolicy.TRANSFORMER_BASED_WRAP
+    # Class names resolved against the model's own modules; empty means the model's `_no_split_modules`.
+    transformer_layer_cls_to_wrap: list[str] = Field(default_factory=list)
+    min_num_params: int = Field(default=100_000_000, ge=1)
+    activation_checkpointing: bool = False
+    offload_params: bool = False
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    state_dict_type: Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"] = "SHARDED_STATE_DICT"
+    # NO_SHARD on torch_fsdp runs DDP; this is its gradient bucket.
+    bucket_cap_mb: float = Field(default=25.0, gt=0)
+    # Passed unchanged to XlaFullyShardedDataParallel (xla_fsdp only), as transformers' `xla_fsdp_settings`.
+    xla_settings: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("sharding_strategy", mode="before")
+    @classmethod
+    def _strategy(cls, value: Any) -> ShardingStrategy:
+        return ShardingStrategy.parse(value)
+
+    @field_validator("auto_wrap_policy", mode="before")
+    @classmethod
+    def _wrap_policy(cls, value: Any) -> Any:
+        return value.strip().upper() if isinstance(value, str) else value
+
+    @field_validator("transformer_layer_cls_to_wrap", mode="before")
+    @classmethod
+    def _layer_names(cls, value: Any) -> Any:
+        if value is None:
+            return []
+        if isinstance(value, str):  # accelerate writes "LlamaDecoderLayer,MLP"
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _precision(cls, value: Any) -> Any:
+        if value is None or value is False:
+            return "no"
+        aliases = {"bfloat16": "bf16", "float16": "fp16", "fp32": "no", "float32": "no", "none": "no"}
+        return aliases.get(str(value).lower(), str(value).lower()) if isinstance(value, str) else value
+
+
+class MeshSection(_Section):
+    """SPMD device mesh: `fsdp` devices shard parameters, `replica` groups hold copies (HYBRID_SHARD).
+
+    `fsdp: -1` means "all devices left after the replica axis". torch_fsdp uses the same two numbers for
+    its 2-D DeviceMesh under HYBRID_SHARD.
+    """
+
+    fsdp: int = -1
+    replica: int = Field(default=1, ge=1)
+
+    @field_validator("fsdp")
+    @classmethod
+    def _fsdp(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError("must be a positive device count or -1 (all devices)")
+        return value
+
+    def resolve(self, num_devices: int) -> tuple[int, int]:
+        """(replica, fsdp) for `num_devices`, or ValueError naming what does not divide."""
+        if num_devices % self.replica:
+            raise ValueError(f"mesh.replica={self.replica} does not divide the {num_devices} devices")
+        fsdp = num_devices // self.replica if self.fsdp == -1 else self.fsdp
+        if self.replica * fsdp != num_devices:
+            raise ValueError(
+                f"mesh replica x fsdp = {self.replica} x {fsdp} = {self.replica * fsdp} "
+                f"does not match the {num_devices} devices"
+            )
+        return self.replica, fsdp
+
+
+class ModelSection(_Section):
+    # A preset name (see `xla_shard.models.PRESETS`) or a local transformers config.json / directory.
+    name: str = "tiny-llama"
+    # Applied on top of the transformers config, e.g. {num_hidden_layers: 4}.
+    overrides: dict[str, Any] = Field(default_factory=dict)
+
+
+class TrainSection(_Section):
+    steps: int = Field(default=8, ge=1)
+    global_batch_size: int = Field(default=8, ge=1)
+    seq_len: int = Field(default=64, ge=2)
+    optimizer: Literal["sgd", "adamw"] = "adamw"
+    lr: float = Field(default=1e-3, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    seed: int = 0
+    # "synthetic", or a local .txt / .jsonl file (jsonl: one {"text": ...} per line), tokenized as bytes.
+    data: str = "synthetic"
+    log_every: int = Field(default=1, ge=1)
+    # Denominator of MFU in FLOP/s per device; null uses the device table (`xla_shard.metrics.PEAK_FLOPS`).
+    peak_flops_per_device: float | None = Field(default=None, gt=0)
+    # Steps after which a new XLA graph compilation is reported as a recompile.
+    warmup_steps: int = Field(default=2, ge=1)
+
+
+class ShardConfig(_Section):
+    backend: Backend = Backend.AUTO
+    # Devices to use on CPU: XLA virtual devices (xla_spmd) or gloo processes (torch_fsdp, via torchrun).
+    cpu_devices: int = Field(default=4, ge=1)
+    model: ModelSection = Field(default_factory=ModelSection)
+    fsdp: FsdpSection = Field(default_factory=FsdpSection)
+    mesh: MeshSection = Field(default_factory=MeshSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    output_dir: str = "runs/default"
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_shorthand(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _backend(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ShardConfig":
+        fsdp = self.fsdp
+        if fsdp.auto_wrap_policy is not WrapPolicy.TRANSFORMER_BASED_WRAP and fsdp.transformer_layer_cls_to_wrap:
+            raise ValueError(
+                "fsdp.transformer_layer_cls_to_wrap is set but fsdp.auto_wrap_policy is "
+                f"{fsdp.auto_wrap_policy.value}; use TRANSFORMER_BASED_WRAP or drop the class list"
+            )
+        if not fsdp.sharding_strategy.is_hybrid and self.mesh.replica != 1:
+            raise ValueError(
+                f"mesh.replica={self.mesh.replica} needs fsdp.sharding_strategy HYBRID_SHARD or "
+                f"HYBRID_SHARD_ZERO2, not {fsdp.sharding_strategy.value}"
+            )
+        return self

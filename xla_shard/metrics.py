@@ -1,0 +1,105 @@
+"""Step metrics: model FLOPs, MFU against a table of device peaks, JSON lines and a progress bar."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+# Dense bf16 peak FLOP/s per chip (TPU) or per GPU, from the vendors' spec sheets.
+PEAK_FLOPS: dict[str, float] = {
+    "tpu v4": 275e12,
+    "tpu v5e": 197e12,
+    "tpu v5litepod": 197e12,
+    "tpu v5p": 459e12,
+    "tpu v6e": 918e12,
+    "h200": 989e12,
+    "h100": 989e12,
+    "a100": 312e12,
+}
+
+
+def train_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """PaLM's count (appendix B): 6 x non-embedding params + 12 x layers x hidden x seq for attention.
+
+    Recomputation under activation checkpointing is not counted: this is MFU, not hardware utilisation.
+    """
+    config = model.config
+    params = sum(p.numel() for p in model.parameters())
+    params -= model.get_input_embeddings().weight.numel()
+    layers = config.num_hidden_layers
+    hidden = config.hidden_size
+    return 6.0 * params + 12.0 * layers * hidden * seq_len
+
+
+def peak_for(device_kind: str) -> float | None:
+    kind = device_kind.lower()
+    for name, flops in PEAK_FLOPS.items():
+        if name in kind:
+            return flops
+    return None
+
+
+def measure_cpu_matmul_flops(size: int = 512, repeats: int = 8) -> float:
+    """fp32 matmul FLOP/s of this host: the stated MFU basis on CPU, where no spec-sheet peak applies."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2.0 * size**3 * repeats / (time.perf_counter() - start)
+
+
+@dataclass
+class MfuBasis:
+    peak_per_device: float
+    description: str
+
+
+class StepLogger:
+    """Writes one JSON line per logged step and drives a progress bar on a terminal (main process only)."""
+
+    def __init__(self, output_dir: str, total_steps: int, enabled: bool, start_step: int = 0):
+        self.enabled = enabled
+        self.file = None
+        self.bar = None
+        if not enabled:
+            return
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        self.file = open(Path(output_dir) / "metrics.jsonl", "a")
+        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", disable=not sys.stderr.isatty(),
+                        dynamic_ncols=True)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.bar.disable:
+            print(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()), file=sys.stderr, flush=True)
+
+    def advance(self, record: dict[str, Any] | None) -> None:
+        if self.enabled:
+            self.bar.update(1)
+            if record:
+                self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                     mfu=f"{record['mfu']:.2%}")
+
+    def warn(self, message: str) -> None:
+        if self.enabled:
+            tqdm.write(f"WARNING: {message}", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.bar.close()
+            self.file.close()
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)

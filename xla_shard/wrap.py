@@ -1,0 +1,65 @@
+"""Which submodules get their own FSDP unit, decided once for every backend.
+
+Backends receive a list of module objects; they never re-implement a policy, so `auto-wrap picks the same
+modules` holds across FSDPv1, FSDPv2 and FSDP2 by construction.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from xla_shard.config.schema import FsdpSection, WrapPolicy
+from xla_shard.errors import ConfigError
+
+
+def layer_classes(model: nn.Module, names: list[str]) -> tuple[type[nn.Module], ...]:
+    """Resolve class names against the model's own modules; empty means the model's `_no_split_modules`."""
+    wanted = list(names) or sorted(getattr(model, "_no_split_modules", None) or [])
+    if not wanted:
+        raise ConfigError("fsdp.transformer_layer_cls_to_wrap",
+                          f"{type(model).__name__} declares no _no_split_modules; name the layer class to wrap")
+    present = {type(m).__name__: type(m) for m in model.modules()}
+    missing = [name for name in wanted if name not in present]
+    if missing:
+        candidates = sorted(n for n in present if "layer" in n.lower() or "block" in n.lower()) or sorted(present)
+        raise ConfigError("fsdp.transformer_layer_cls_to_wrap",
+                          f"no module of {type(model).__name__} is a {missing[0]!r}; "
+                          f"layer-like classes in this model: {', '.join(candidates)}")
+    return tuple(present[name] for name in wanted)
+
+
+def wrap_targets(model: nn.Module, fsdp: FsdpSection) -> list[nn.Module]:
+    """Modules to shard as their own unit, children before parents (the root is never listed)."""
+    if fsdp.auto_wrap_policy is WrapPolicy.NO_WRAP:
+        return []
+    if fsdp.auto_wrap_policy is WrapPolicy.TRANSFORMER_BASED_WRAP:
+        classes = layer_classes(model, fsdp.transformer_layer_cls_to_wrap)
+        return [m for m in _post_order(model) if m is not model and isinstance(m, classes)]
+    targets: list[nn.Module] = []
+    _size_based(model, model, fsdp.min_num_params, targets)
+    return targets
+
+
+def checkpoint_targets(model: nn.Module, fsdp: FsdpSection) -> list[nn.Module]:
+    """Activation checkpointing wraps whole transformer layers, whatever the wrap policy."""
+    names = fsdp.transformer_layer_cls_to_wrap if fsdp.auto_wrap_policy is WrapPolicy.TRANSFORMER_BASED_WRAP else []
+    classes = layer_classes(model, names)
+    return [m for m in model.modules() if isinstance(m, classes)]
+
+
+def _post_order(module: nn.Module):
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
+
+
+def _size_based(root: nn.Module, module: nn.Module, min_params: int, out: list[nn.Module]) -> int:
+    """torch's size_based_auto_wrap_policy: wrap a module once the parameters not yet wrapped below it
+    reach `min_params`. Returns the count still unwrapped."""
+    unwrapped = sum(p.numel() for p in module.parameters(recurse=False))
+    for child in module.children():
+        unwrapped += _size_based(root, child, min_params, out)
+    if module is not root and unwrapped >= min_params:
+        out.append(module)
+        return 0
+    return unwrapped
