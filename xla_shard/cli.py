@@ -41,10 +41,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config_check(args) -> int:
-    cfg = cfglib.load(args.config, args.set)
     from xla_shard import backends
+    from xla_shard.train import preflight
 
+    cfg = cfglib.load(args.config, args.set)
     backends.create(cfg)  # the backend's own checks, without starting it
+    preflight(cfg)
     print(cfglib.dump(cfg), end="")
     return 0
 

@@ -76,12 +76,29 @@ class Backend(abc.ABC):
     def local_bytes(self, tensors: list[torch.Tensor]) -> list[int]:
         """Bytes each tensor occupies on *one* device (the largest shard), for the memory report."""
 
+    @abc.abstractmethod
+    def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The whole (unsharded) value of a parameter, gradient or state, on the host."""
+
+    @abc.abstractmethod
+    def sharded_units(self, model: nn.Module) -> list[str]:
+        """Qualified names (wrapper prefixes removed) of the modules sharded as their own unit; '' is the root."""
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     def barrier(self) -> None:
         pass
+
+
+def unit_names(model: nn.Module, unit_type: type, wrapper_prefixes: tuple[str, ...]) -> list[str]:
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, unit_type):
+            parts = [p for p in name.split(".") if p not in wrapper_prefixes]
+            names.append(".".join(parts))
+    return names
 
 
 def apply_activation_checkpointing(modules: list[nn.Module], checkpoint_fn: CheckpointFn) -> None:

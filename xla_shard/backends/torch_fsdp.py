@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from xla_shard.backends.base import Backend, apply_activation_checkpointing
+from xla_shard.backends.base import Backend, apply_activation_checkpointing, unit_names
 from xla_shard.config.schema import ShardingStrategy
 from xla_shard.data import local_rows
 from xla_shard.wrap import checkpoint_targets, wrap_targets
@@ -96,6 +96,12 @@ class TorchFsdpBackend(Backend):
         def local(t: torch.Tensor) -> torch.Tensor:
             return t.to_local() if isinstance(t, DTensor) else t
         return [local(t).numel() * t.element_size() for t in tensors]
+
+    def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
+
+    def sharded_units(self, model: nn.Module) -> list[str]:
+        return unit_names(model, FSDPModule, ("module",))
 
     def barrier(self) -> None:
         dist.barrier()

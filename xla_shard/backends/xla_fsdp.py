@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from xla_shard.backends import xla_common
-from xla_shard.backends.base import Backend, apply_activation_checkpointing
+from xla_shard.backends.base import Backend, apply_activation_checkpointing, unit_names
 from xla_shard.config.schema import ShardingStrategy
 from xla_shard.data import local_rows
 from xla_shard.wrap import checkpoint_targets, wrap_targets
@@ -96,6 +96,14 @@ class XlaFsdpBackend(Backend):
         if self.world == 1:
             return loss.item()
         return xm.mesh_reduce("loss", loss.item(), lambda values: sum(values) / len(values))
+
+    def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().cpu()
+
+    def sharded_units(self, model: nn.Module) -> list[str]:
+        from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
+
+        return unit_names(model, XlaFullyShardedDataParallel, ("_fsdp_wrapped_module", "_fpw_module"))
 
     def compilations(self) -> int:
         return xla_common.compilations()

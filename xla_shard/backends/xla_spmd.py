@@ -6,12 +6,14 @@ is split over both. On a multi-slice pod, `replica` is the slow (DCN) axis, whic
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 from torch import nn
 
 from xla_shard.backends import xla_common
-from xla_shard.backends.base import Backend, apply_activation_checkpointing
+from xla_shard.backends.base import Backend, apply_activation_checkpointing, unit_names
 from xla_shard.config.schema import ShardingStrategy
 from xla_shard.wrap import checkpoint_targets, wrap_targets
 
@@ -36,6 +38,8 @@ class XlaSpmdBackend(Backend):
         import torch_xla.runtime as xr
 
         xr.use_spmd()
+        # FSDPv2 hangs a gradient barrier hook on the root too; transformers' ModelOutput root cannot take it.
+        warnings.filterwarnings("ignore", message="For backward hooks to be called")
         self.num_devices = xr.global_runtime_device_count()
         self.local_devices = xr.addressable_runtime_device_count()
         try:
@@ -71,9 +75,24 @@ class XlaSpmdBackend(Backend):
         def policy(module, recurse, **_):
             return recurse or id(module) in targets
 
-        return SpmdFullyShardedDataParallel(
+        wrapped = SpmdFullyShardedDataParallel(
             model.to(self.device), mesh=self.mesh, shard_output=self._shard_output,
             auto_wrap_policy=policy if targets else None, extra_data_axis="replica")
+        self._shard_gradients_like_params(wrapped)
+        return wrapped
+
+    def _shard_gradients_like_params(self, model: nn.Module) -> None:
+        """Left alone, GSPMD materialises gradients replicated (an all-reduce, full size on every device).
+        Annotating each gradient with its parameter's sharding turns that into a reduce-scatter."""
+        import torch_xla.distributed.spmd as xs
+        from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
+
+        def hook(param: torch.Tensor) -> None:
+            # FSDPv2's own placement rule for parameters, so gradient and parameter shards line up.
+            xs.mark_sharding(param.grad, self.mesh, _prepare_spmd_partition_spec(param, shard_maximal=True))
+
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(hook)
 
     def _shard_output(self, output, mesh) -> None:
         """Inner layers return hidden states, the root a ModelOutput: shard whichever tensor leads, by batch."""
@@ -101,12 +120,22 @@ class XlaSpmdBackend(Backend):
     def mean_loss(self, loss: torch.Tensor) -> float:
         return loss.item()  # already the global-batch mean: SPMD computes one global program
 
+    def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().cpu()
+
+    def sharded_units(self, model: nn.Module) -> list[str]:
+        from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
+
+        return unit_names(model, SpmdFullyShardedDataParallel, ("_orig_module",))
+
     def compilations(self) -> int:
         return xla_common.compilations()
 
     def local_bytes(self, tensors: list[torch.Tensor]) -> list[int]:
         import torch_xla
+        import torch_xla.core.xla_model as xm
 
+        xm.wait_device_ops()  # shard handles are unreadable while the step is still executing
         shards = torch_xla._XLAC._get_local_shards(list(tensors))
         return [max(data.numel() for data, _ in per_tensor) * t.element_size()
                 for t, per_tensor in zip(tensors, shards)]

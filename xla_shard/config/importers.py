@@ -40,7 +40,10 @@ _FIXED_BEHAVIOUR = {
 
 
 def looks_like_accelerate(raw: dict[str, Any]) -> bool:
-    return "distributed_type" in raw or "fsdp_config" in raw or any(k.startswith("fsdp_") for k in raw)
+    """Keys only accelerate writes; transformers' fsdp_config may also spell its keys with `fsdp_`."""
+    markers = {"distributed_type", "fsdp_config", "compute_environment", "fsdp_sharding_strategy",
+               "fsdp_auto_wrap_policy", "mixed_precision", "num_processes"}
+    return bool(markers & set(raw))
 
 
 def looks_like_transformers(raw: dict[str, Any]) -> bool:

@@ -41,6 +41,8 @@ def to_native(raw: dict[str, Any]) -> tuple[dict[str, Any], str, list[str]]:
         return (*_tagged(importers.from_accelerate(raw), "accelerate"),)
     if importers.looks_like_transformers(raw):
         return (*_tagged(importers.from_transformers(raw), "transformers fsdp_config"),)
+    if any(k.startswith("fsdp_") for k in raw):
+        return (*_tagged(importers.from_accelerate(raw), "accelerate"),)
     return raw, "xla_shard", []  # let validation name the unknown key
 
 

@@ -1,0 +1,55 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+# Nothing may reach the Hugging Face hub; XLA's CPU client stays quiet.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    for key in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_USE_SPMD", "LOCAL_RANK", "RANK", "WORLD_SIZE"):
+        env.pop(key, None)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`xla-shard ARGS` in a fresh process, as a user would run it."""
+    return subprocess.run([sys.executable, "-m", "xla_shard.cli", *args], cwd=cwd or REPO, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_probe(out: Path, *overrides: str, nproc: int = 0, timeout: int = 600) -> dict:
+    """tests/workers/probe.py in a fresh process (under torchrun when nproc > 0); returns what it saved."""
+    import torch
+
+    probe = [str(WORKERS / "probe.py"), str(out), *overrides]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc \
+        else [sys.executable]
+    done = subprocess.run(launcher + probe, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=out.parent)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(out)
+
+
+@pytest.fixture
+def cli():
+    return run_cli
+
+
+@pytest.fixture
+def probe(tmp_path):
+    counter = iter(range(1000))
+
+    def _probe(*overrides: str, nproc: int = 0) -> dict:
+        return run_probe(tmp_path / f"probe{next(counter)}.pt", *overrides, nproc=nproc)
+
+    return _probe

@@ -1,0 +1,130 @@
+"""Every backend, really run on CPU: xla_spmd on 4 XLA virtual devices, xla_fsdp on 1, torch_fsdp on 2 gloo
+processes. Each run is a fresh process, as a user would start it."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from xla_shard import config
+from xla_shard.data import TokenSource
+from xla_shard.models import build_model
+
+pytestmark = pytest.mark.slow
+
+TINY = ["model=tiny-llama", "train.seq_len=32", "train.global_batch_size=8", "train.seed=3"]
+BACKENDS = {
+    "xla_spmd": (["backend=xla_spmd", "cpu_devices=4"], 0),
+    "xla_fsdp": (["backend=xla_fsdp", "cpu_devices=1"], 0),
+    "torch_fsdp": (["backend=torch_fsdp"], 2),
+}
+SGD_STEPS = 4
+
+
+def _eager_losses(overrides):
+    """The reference: plain unsharded eager PyTorch, written here without xla_shard's loop."""
+    cfg = config.load(None, overrides)
+    model = build_model(cfg.model, cfg.train.seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.train.lr)
+    source = TokenSource(cfg.train, model.config.vocab_size)
+    losses = []
+    for step in range(cfg.train.steps):
+        batch = source.global_batch(step)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture(scope="module")
+def sgd_runs(tmp_path_factory):
+    """`xla-shard train` on each backend with SGD; the metrics.jsonl records per backend."""
+    from conftest import run_cli
+
+    common = TINY + ["train.optimizer=sgd", "train.lr=0.5", f"train.steps={SGD_STEPS}"]
+    runs = {"eager": _eager_losses(common)}
+    for name, (sets, nproc) in BACKENDS.items():
+        out = tmp_path_factory.mktemp(name)
+        args = ["train"] + [a for s in common + sets + [f"output_dir={out}"] for a in ("--set", s)]
+        if nproc:
+            args += ["--nproc-per-node", str(nproc)]
+        done = run_cli(*args)
+        assert done.returncode == 0, done.stderr[-4000:]
+        runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return runs
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_loss_curve_matches_unsharded_eager(sgd_runs, backend):
+    reference = sgd_runs["eager"]
+    losses = [r["loss"] for r in sgd_runs[backend]]
+    assert len(losses) == SGD_STEPS
+    assert reference[-1] < reference[0] - 0.05, "the reference must actually train for parity to mean anything"
+    for step, (got, want) in enumerate(zip(losses, reference)):
+        assert math.isclose(got, want, rel_tol=1e-4), f"{backend} step {step + 1}: {got} vs eager {want}"
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_metrics_lines(sgd_runs, backend):
+    records = sgd_runs[backend]
+    assert [r["step"] for r in records] == list(range(1, SGD_STEPS + 1))
+    tokens = 8 * 32
+    for r in records:
+        assert r["backend"] == backend
+        assert r["tokens_per_s"] == pytest.approx(tokens / r["step_time_s"])
+        assert 0 < r["mfu"] < 1
+    if backend.startswith("xla"):
+        # The steady state compiles nothing new: the step graph is static after warm-up.
+        after_warmup = [r["compilations"] for r in records[1:]]
+        assert len(set(after_warmup)) == 1, after_warmup
+        assert not any("recompiles" in r for r in records)
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    """One step of each backend, with and without activation checkpointing (AdamW, so optimizer state exists)."""
+    from conftest import run_probe
+
+    results = {}
+    for name, (sets, nproc) in BACKENDS.items():
+        for ckpt in (False, True):
+            out = tmp_path_factory.mktemp(f"{name}_{ckpt}") / "probe.pt"
+            results[name, ckpt] = run_probe(out, *TINY, *sets, "train.optimizer=adamw",
+                                            f"fsdp.activation_checkpointing={str(ckpt).lower()}", nproc=nproc)
+    return results
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_activation_checkpointing_gradients_are_exact(probes, backend):
+    plain, checkpointed = probes[backend, False], probes[backend, True]
+    assert plain["loss"] == pytest.approx(checkpointed["loss"], rel=1e-6)
+    assert plain["grads"].keys() == checkpointed["grads"].keys() and len(plain["grads"]) > 10
+    for name, grad in plain["grads"].items():
+        assert grad.abs().max() > 0, f"{name} has no gradient: the comparison would prove nothing"
+        torch.testing.assert_close(checkpointed["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_auto_wrap_units(probes, backend):
+    layers = config.load(None, TINY).model
+    expected = [""] + [f"model.layers.{i}" for i in range(build_model(layers, 0).config.num_hidden_layers)]
+    assert sorted(probes[backend, False]["units"]) == sorted(expected)
+
+
+@pytest.mark.parametrize("backend", ["xla_spmd", "torch_fsdp"])
+def test_full_shard_holds_one_nth_per_device(probes, backend):
+    result = probes[backend, False]
+    n = result["devices"]
+    assert n > 1
+    memory = result["memory"]
+    # Padding: a shard holds at most ceil(dim / n) slices of the sharded dimension, whichever dim that is.
+    padded = sum(4 * max(math.ceil(g.shape[d] / n) * g.numel() // g.shape[d] for d in range(g.dim()))
+                 for g in result["grads"].values())
+    for kind in ("params", "grads"):
+        assert memory[f"{kind}_unsharded"] > 0
+        assert memory[kind] <= padded, (kind, memory)
+        assert memory[kind] <= memory[f"{kind}_unsharded"] / n * 1.1, (kind, memory)
+    assert memory["optimizer"] <= 2 * padded  # AdamW: exp_avg and exp_avg_sq, sharded like the params

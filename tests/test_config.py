@@ -1,0 +1,195 @@
+"""The config schema, `--set` overrides, importers, and the one-line errors users see."""
+
+import json
+import subprocess
+
+import pytest
+import yaml
+
+from conftest import FIXTURES
+from xla_shard import config
+from xla_shard.cli import main
+from xla_shard.config.schema import ShardingStrategy
+from xla_shard.errors import ConfigError
+
+
+def test_defaults_and_overrides_keep_their_types():
+    cfg = config.load(None, ["train.steps=3", "fsdp.activation_checkpointing=true", "model=tiny-gpt2",
+                             "fsdp.transformer_layer_cls_to_wrap=[GPT2Block]", "train.lr=0.5"])
+    assert cfg.train.steps == 3 and cfg.train.lr == 0.5
+    assert cfg.fsdp.activation_checkpointing is True
+    assert cfg.model.name == "tiny-gpt2"
+    assert cfg.fsdp.transformer_layer_cls_to_wrap == ["GPT2Block"]
+
+
+@pytest.mark.parametrize("spelling, expected", [
+    (1, "FULL_SHARD"), ("2", "SHARD_GRAD_OP"), (3, "NO_SHARD"), ("hybrid_shard", "HYBRID_SHARD"),
+    (5, "HYBRID_SHARD_ZERO2"), ("full shard", "FULL_SHARD")])
+def test_strategy_spellings(spelling, expected):
+    cfg = config.validate({"fsdp": {"sharding_strategy": spelling}})
+    assert cfg.fsdp.sharding_strategy is ShardingStrategy[expected]
+
+
+def test_comma_separated_layer_classes_like_accelerate():
+    cfg = config.validate({"fsdp": {"transformer_layer_cls_to_wrap": "LlamaDecoderLayer, LlamaMLP"}})
+    assert cfg.fsdp.transformer_layer_cls_to_wrap == ["LlamaDecoderLayer", "LlamaMLP"]
+
+
+@pytest.mark.parametrize("raw, key, words", [
+    ({"fsdp": {"sharding_stratgy": 1}}, "fsdp.sharding_stratgy", "did you mean 'fsdp.sharding_strategy'"),
+    ({"trian": {}}, "trian", "did you mean 'train'"),
+    ({"train": {"steps": "many"}}, "train.steps", "valid integer"),
+    ({"fsdp": {"sharding_strategy": 9}}, "fsdp.sharding_strategy", "1-5"),
+    ({"fsdp": {"sharding_strategy": "SHARD_EVERYTHING"}}, "fsdp.sharding_strategy", "FULL_SHARD"),
+    ({"backend": "tpu_magic"}, "backend", "xla_spmd"),
+    ({"mesh": {"fsdp": 0}}, "mesh.fsdp", "positive"),
+    ({"train": {"optimizer": "lamb"}}, "train.optimizer", "sgd"),
+])
+def test_bad_values_name_the_key(raw, key, words):
+    with pytest.raises(ConfigError) as err:
+        config.validate(raw)
+    assert err.value.key == key
+    assert words in str(err.value)
+
+
+def test_replica_axis_needs_a_hybrid_strategy():
+    with pytest.raises(ConfigError, match="mesh.replica=2 needs fsdp.sharding_strategy HYBRID_SHARD"):
+        config.validate({"mesh": {"replica": 2}})
+
+
+def test_mesh_must_divide_devices():
+    assert config.validate({"mesh": {"replica": 2}, "fsdp": {"sharding_strategy": 4}}).mesh.resolve(8) == (2, 4)
+    with pytest.raises(ValueError, match="does not divide the 6 devices"):
+        config.validate({"mesh": {"replica": 4}, "fsdp": {"sharding_strategy": 4}}).mesh.resolve(6)
+    with pytest.raises(ValueError, match="3 x 3 = 9"):
+        config.validate({"mesh": {"replica": 3, "fsdp": 3}, "fsdp": {"sharding_strategy": 4}}).mesh.resolve(6)
+
+
+def _seed_guide(tmp_path, extra: str = ""):
+    path = tmp_path / "accelerate.yaml"
+    path.write_text((FIXTURES / "accelerate_fsdp_guide.yaml").read_text() + extra)
+    return path
+
+
+def test_accelerate_yaml_from_the_guide_as_printed(tmp_path):
+    raw = config.read_raw(_seed_guide(tmp_path))
+    native, kind, notes = config.to_native(raw)
+    cfg = config.validate(native)
+    assert kind == "accelerate"
+    assert cfg.backend.value == "torch_fsdp"
+    assert cfg.fsdp.sharding_strategy is ShardingStrategy.FULL_SHARD
+    assert cfg.fsdp.auto_wrap_policy.value == "TRANSFORMER_BASED_WRAP"
+    assert cfg.fsdp.transformer_layer_cls_to_wrap == ["BertLayer"]
+    assert cfg.fsdp.offload_params is True
+    assert cfg.fsdp.state_dict_type == "SHARDED_STATE_DICT"
+    assert cfg.fsdp.mixed_precision == "bf16"
+    # FSDP1 knobs with no key here are reported, not dropped.
+    assert any(n.startswith("fsdp_backward_prefetch_policy") for n in notes)
+    assert any(n.startswith("fsdp_use_orig_params") for n in notes)
+
+
+def test_accelerate_yaml_with_the_guides_tpu_lines(tmp_path):
+    extra = (FIXTURES / "accelerate_tpu_lines.yaml").read_text()
+    cfg = config.validate(config.to_native(config.read_raw(_seed_guide(tmp_path, extra)))[0])
+    assert cfg.backend.value == "xla_fsdp"
+    assert cfg.fsdp.activation_checkpointing is True
+    assert cfg.fsdp.xla_settings == {}
+
+
+def test_accelerate_yaml_nested_as_accelerate_writes_it(tmp_path):
+    flat = yaml.safe_load(_seed_guide(tmp_path).read_text())
+    nested = {k: v for k, v in flat.items() if not k.startswith("fsdp_")}
+    nested["fsdp_config"] = {k: v for k, v in flat.items() if k.startswith("fsdp_") and k != "fsdp_config"}
+    nested["fsdp_config"]["fsdp_sharding_strategy"] = 2
+    cfg = config.validate(config.to_native(nested)[0])
+    assert cfg.fsdp.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP
+    assert cfg.fsdp.transformer_layer_cls_to_wrap == ["BertLayer"]
+
+
+def test_accelerate_yaml_that_is_not_fsdp_is_refused():
+    with pytest.raises(ConfigError, match="distributed_type.*MULTI_GPU"):
+        config.to_native({"distributed_type": "MULTI_GPU", "fsdp_config": {}})
+
+
+def test_transformers_fsdp_config_v2():
+    raw = json.loads((FIXTURES / "transformers_fsdp_config.json").read_text())
+    native, kind, _ = config.to_native(raw)
+    cfg = config.validate(native)
+    assert kind == "transformers fsdp_config"
+    assert cfg.backend.value == "xla_spmd"
+    assert cfg.fsdp.transformer_layer_cls_to_wrap == ["LlamaDecoderLayer"]
+    assert cfg.fsdp.activation_checkpointing is True
+
+
+def test_transformers_fsdp_config_v1_size_based():
+    raw = json.loads((FIXTURES / "transformers_fsdp_config_v1.json").read_text())
+    cfg = config.validate(config.to_native(raw)[0])
+    assert cfg.backend.value == "xla_fsdp"
+    assert cfg.fsdp.auto_wrap_policy.value == "SIZE_BASED_WRAP"
+    assert cfg.fsdp.min_num_params == 20000
+    assert cfg.fsdp.xla_settings == {"flatten_parameters": False}
+
+
+def test_transformers_fsdp_config_unknown_key():
+    with pytest.raises(ConfigError) as err:
+        config.to_native({"xla": True, "xla_fsdp_grad_ckpt": True, "shard_everything": 1})
+    assert err.value.key == "shard_everything"
+
+
+# ---- the CLI, as users meet it ----------------------------------------------------------------------
+
+def _one_line_error(done, *words):
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_cli_config_import_round_trips(cli, tmp_path):
+    out = tmp_path / "native.yaml"
+    done = cli("config", "import", str(FIXTURES / "transformers_fsdp_config.json"), "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "imported from transformers fsdp_config" in done.stderr
+    assert config.load(out).backend.value == "xla_spmd"
+
+
+def test_cli_config_check_prints_every_default(cli, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: tiny-llama\nbackend: torch_fsdp\n")
+    done = cli("config", "check", str(path), "--set", "train.steps=2")
+    assert done.returncode == 0, done.stderr
+    printed = yaml.safe_load(done.stdout)
+    assert printed["train"]["steps"] == 2
+    assert printed["fsdp"]["sharding_strategy"] == "FULL_SHARD"
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["fsdp.sharding_stratgy=1"], ["fsdp.sharding_stratgy", "did you mean"]),
+    (["train.steps=abc"], ["train.steps"]),
+    (["backend=xla_spmd", "fsdp.sharding_strategy=SHARD_GRAD_OP"], ["fsdp.sharding_strategy", "backend xla_spmd"]),
+    (["backend=xla_fsdp", "fsdp.offload_params=true"], ["fsdp.offload_params", "backend xla_fsdp"]),
+    (["backend=torch_fsdp", "fsdp.mixed_precision=fp16"], ["fsdp.mixed_precision", "backend torch_fsdp"]),
+    (["backend=torch_fsdp", "fsdp.xla_settings={flatten_parameters: false}"], ["fsdp.xla_settings"]),
+    (["backend=xla_fsdp", "fsdp.xla_settings={no_such_arg: 1}"], ["fsdp.xla_settings.no_such_arg"]),
+    (["fsdp.transformer_layer_cls_to_wrap=[BertLayer]"], ["fsdp.transformer_layer_cls_to_wrap", "BertLayer",
+                                                           "LlamaDecoderLayer"]),
+    (["model=no-such-model"], ["model.name", "no-such-model"]),
+    (["train.data=/nonexistent/corpus.txt"], ["train.data", "/nonexistent/corpus.txt"]),
+])
+def test_cli_bad_config_is_one_line_exit_2(capsys, sets, words):
+    args = ["config", "check", str(FIXTURES / "transformers_fsdp_config.json")]
+    for item in sets:
+        args += ["--set", item]
+    code = main(args)  # in-process for speed; the subprocess tests below cover the real entry point
+    _one_line_error(subprocess.CompletedProcess(args, code, "", capsys.readouterr().err), *words)
+
+
+def test_cli_missing_file(cli):
+    _one_line_error(cli("train", "/nonexistent/config.yaml"), "/nonexistent/config.yaml")
+
+
+def test_cli_guide_yaml_on_xla_refuses_offload(cli, tmp_path):
+    path = _seed_guide(tmp_path, (FIXTURES / "accelerate_tpu_lines.yaml").read_text())
+    _one_line_error(cli("config", "check", str(path)), "fsdp.offload_params", "xla_fsdp")

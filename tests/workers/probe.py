@@ -1,0 +1,38 @@
+"""Run one step of a backend and save what the tests assert on.
+
+Usage: probe.py OUT.pt [KEY=VALUE ...]   (config overrides; under torchrun every rank runs it, rank 0 writes)
+Saves: loss, full gradients by parameter name (before the optimizer step), per-device memory after one
+optimizer step, and the names of the modules sharded as their own unit.
+"""
+
+import dataclasses
+import sys
+
+import torch
+
+from xla_shard import config
+from xla_shard.train import Trainer
+
+
+def main(out: str, *overrides: str) -> None:
+    trainer = Trainer(config.load(None, overrides)).setup()
+    backend, model = trainer.backend, trainer.model
+    batch = backend.local_batch(trainer.source.global_batch(0))
+    with backend.forward_context():
+        loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    backend.after_step()
+    grads = {name: backend.full_tensor(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+    loss_value = backend.mean_loss(loss)
+    trainer.optimizer.step()
+    backend.after_step()
+    memory = dataclasses.asdict(trainer.memory_report())
+    units = backend.sharded_units(model)
+    if backend.is_main:
+        torch.save({"loss": loss_value, "grads": grads, "memory": memory, "units": units,
+                    "devices": backend.num_devices}, out)
+    backend.shutdown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
