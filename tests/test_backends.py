@@ -71,6 +71,7 @@ def test_loss_curve_matches_unsharded_eager(sgd_runs, backend):
 def test_metrics_lines(sgd_runs, backend):
     records = sgd_runs[backend]
     assert [r["step"] for r in records] == list(range(1, SGD_STEPS + 1))
+    assert records[0]["mfu_basis"].startswith("cpu: measured fp32 matmul")
     tokens = 8 * 32
     for r in records:
         assert r["backend"] == backend

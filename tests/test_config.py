@@ -193,3 +193,10 @@ def test_cli_missing_file(cli):
 def test_cli_guide_yaml_on_xla_refuses_offload(cli, tmp_path):
     path = _seed_guide(tmp_path, (FIXTURES / "accelerate_tpu_lines.yaml").read_text())
     _one_line_error(cli("config", "check", str(path)), "fsdp.offload_params", "xla_fsdp")
+
+
+@pytest.mark.slow
+def test_cli_train_mesh_that_does_not_divide_the_devices(cli):
+    done = cli("train", "--set", "backend=xla_spmd", "--set", "cpu_devices=4", "--set", "fsdp.sharding_strategy=4",
+               "--set", "mesh.replica=3")
+    _one_line_error(done, "'mesh'", "xla_spmd", "does not divide the 4 devices")

@@ -108,6 +108,8 @@ class Trainer:
                         "mfu": self.flops_per_token * tokens_per_s / (self.peak_per_device * backend.num_devices),
                         "backend": backend.name, "devices": backend.num_devices,
                     }
+                    if not self.records:
+                        record["mfu_basis"] = self.mfu_basis
                     compiles = backend.compilations()
                     if compiles is not None:
                         record["compilations"] = compiles

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import types
 from typing import Any, Callable, ClassVar
 
@@ -57,7 +58,7 @@ class Backend(abc.ABC):
         """This process's part of the global batch, on the device, laid out as the backend needs."""
 
     def forward_context(self):
-        import contextlib
+        """Wraps the forward pass (autocast where the backend needs it)."""
         return contextlib.nullcontext()
 
     def after_step(self) -> None:
