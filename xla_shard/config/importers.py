@@ -125,11 +125,11 @@ def from_accelerate(raw: dict[str, Any]) -> tuple[dict[str, Any], Notes]:
         notes.append(f"num_processes={flat['num_processes']}: pass --nproc-per-node to `xla-shard train` "
                      "(launch setting, not part of the config)")
 
-    handled = set(direct) | {"mixed_precision", "xla", "xla_fsdp_v2", "xla_fsdp_settings", "xla_fsdp_grad_ckpt",
-                             "distributed_type", "num_processes"}
-    _fixed_notes([k for k in flat if k.removeprefix("fsdp_") in _FIXED_BEHAVIOUR], notes)
-    handled |= {k for k in flat if k.removeprefix("fsdp_") in _FIXED_BEHAVIOUR}
-    handled |= _ACCELERATE_LAUNCH_KEYS
+    fixed = [k for k in flat if k.removeprefix("fsdp_") in _FIXED_BEHAVIOUR]
+    _fixed_notes(fixed, notes)
+    handled = set(direct) | set(fixed) | _ACCELERATE_LAUNCH_KEYS | {
+        "mixed_precision", "xla", "xla_fsdp_v2", "xla_fsdp_settings", "xla_fsdp_grad_ckpt", "distributed_type",
+        "num_processes"}
     unknown = sorted(k for k in flat if k not in handled)
     if unknown:
         raise ConfigError(unknown[0], "not an accelerate FSDP key that xla_shard knows how to import")

@@ -34,19 +34,18 @@ def read_raw(path: str | Path) -> dict[str, Any]:
 
 def to_native(raw: dict[str, Any]) -> tuple[dict[str, Any], str, list[str]]:
     """(native dict, detected format, import notes)."""
-    native_keys = set(ShardConfig.model_fields)
-    if set(raw) <= native_keys:
+    if set(raw) <= set(ShardConfig.model_fields):
         return raw, "xla_shard", []
     if importers.looks_like_accelerate(raw):
-        return (*_tagged(importers.from_accelerate(raw), "accelerate"),)
+        return _imported(importers.from_accelerate(raw), "accelerate")
     if importers.looks_like_transformers(raw):
-        return (*_tagged(importers.from_transformers(raw), "transformers fsdp_config"),)
+        return _imported(importers.from_transformers(raw), "transformers fsdp_config")
     if any(k.startswith("fsdp_") for k in raw):
-        return (*_tagged(importers.from_accelerate(raw), "accelerate"),)
+        return _imported(importers.from_accelerate(raw), "accelerate")
     return raw, "xla_shard", []  # let validation name the unknown key
 
 
-def _tagged(result: tuple[dict[str, Any], list[str]], kind: str) -> tuple[dict[str, Any], str, list[str]]:
+def _imported(result: tuple[dict[str, Any], list[str]], kind: str) -> tuple[dict[str, Any], str, list[str]]:
     native, notes = result
     return native, kind, notes
 
