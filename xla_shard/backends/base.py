@@ -77,9 +77,11 @@ class Backend(abc.ABC):
     def local_bytes(self, tensors: list[torch.Tensor]) -> list[int]:
         """Bytes each tensor occupies on *one* device (the largest shard), for the memory report."""
 
-    @abc.abstractmethod
     def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The whole (unsharded) value of a parameter, gradient or state, on the host."""
+        """The whole (unsharded) value of a parameter, gradient or state, on the host.
+
+        XLA tensors are global values already; backends whose tensors are local shards override this."""
+        return tensor.detach().cpu()
 
     @abc.abstractmethod
     def sharded_units(self, model: nn.Module) -> list[str]:

@@ -97,9 +97,6 @@ class XlaFsdpBackend(Backend):
             return loss.item()
         return xm.mesh_reduce("loss", loss.item(), lambda values: sum(values) / len(values))
 
-    def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.detach().cpu()
-
     def sharded_units(self, model: nn.Module) -> list[str]:
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
 

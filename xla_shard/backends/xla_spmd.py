@@ -87,12 +87,14 @@ class XlaSpmdBackend(Backend):
         import torch_xla.distributed.spmd as xs
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
 
-        def hook(param: torch.Tensor) -> None:
-            # FSDPv2's own placement rule for parameters, so gradient and parameter shards line up.
-            xs.mark_sharding(param.grad, self.mesh, _prepare_spmd_partition_spec(param, shard_maximal=True))
+        def shard_like(spec):
+            def hook(param: torch.Tensor) -> None:
+                xs.mark_sharding(param.grad, self.mesh, spec)
+            return hook
 
         for param in model.parameters():
-            param.register_post_accumulate_grad_hook(hook)
+            # FSDPv2's own placement rule for parameters, computed once, so gradient and parameter shards line up.
+            param.register_post_accumulate_grad_hook(shard_like(_prepare_spmd_partition_spec(param, shard_maximal=True)))
 
     def _shard_output(self, output, mesh) -> None:
         """Inner layers return hidden states, the root a ModelOutput: shard whichever tensor leads, by batch."""
@@ -119,9 +121,6 @@ class XlaSpmdBackend(Backend):
 
     def mean_loss(self, loss: torch.Tensor) -> float:
         return loss.item()  # already the global-batch mean: SPMD computes one global program
-
-    def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.detach().cpu()
 
     def sharded_units(self, model: nn.Module) -> list[str]:
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
