@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
 from xla_shard import config as cfglib
 from xla_shard.errors import UserError
+
+
+# Exit status after a SIGTERM stop with the checkpoint committed (128 + SIGTERM, as a shell reports it):
+# scripts/train_loop.sh restarts on it, and the restart resumes.
+PREEMPTED_EXIT = 143
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,7 +41,91 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("file")
     imp.add_argument("-o", "--output", help="write the converted config here instead of stdout")
     imp.set_defaults(func=_config_import)
+    gcp = commands.add_parser("gcp", help="render gcloud deployment scripts from a config")
+    gcp_commands = gcp.add_subparsers(dest="gcp_command", required=True)
+    render = gcp_commands.add_parser("render", help="deploy.sh, teardown.sh, startup.sh and the config")
+    render.add_argument("config")
+    render.add_argument("--target", required=True, choices=["tpu-vm", "queued-resource", "gpu-vm"])
+    render.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    render.add_argument("--out", metavar="DIR", help="write the files here (default: print deploy.sh)")
+    render.set_defaults(func=_gcp_render)
+
+    ckpt = commands.add_parser("ckpt", help="list, verify or export checkpoints")
+    ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    ls = ckpt_commands.add_parser("list", help="checkpoints under a checkpoint.dir, committed or not")
+    ls.add_argument("url", help="checkpoint.dir: a local path, gs://bucket/prefix, ...")
+    ls.set_defaults(func=_ckpt_list)
+    verify = ckpt_commands.add_parser("verify", help="check every shard's size and crc32, and completeness")
+    verify.add_argument("url", help="one checkpoint (.../step-00000100) or a checkpoint.dir (its newest)")
+    verify.set_defaults(func=_ckpt_verify)
+    export = ckpt_commands.add_parser("export", help="write a Hugging Face model directory (safetensors)")
+    export.add_argument("url", help="one checkpoint (.../step-00000100) or a checkpoint.dir (its newest)")
+    export.add_argument("--to", required=True, metavar="DIR", help="output directory (local)")
+    export.add_argument("--max-shard-size", default="2GB", help="split safetensors files at this size")
+    export.set_defaults(func=_ckpt_export)
     return parser
+
+
+def _gcp_render(args) -> int:
+    from pathlib import Path
+
+    from xla_shard.deploy.render import render
+
+    rendering = render(cfglib.load(args.config, args.set), args.target)
+    if not args.out:
+        print(rendering.files["deploy.sh"], end="")
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in rendering.files.items():
+        (out / name).write_text(text)
+        if name.endswith(".sh"):
+            (out / name).chmod(0o755)
+    print(f"wrote {', '.join(rendering.files)} to {out}; run {out / 'deploy.sh'} (DRY_RUN=1 to preview)")
+    return 0
+
+
+def _ckpt_list(args) -> int:
+    import datetime
+
+    from xla_shard.checkpoint.inspect import list_checkpoints
+
+    rows = list_checkpoints(args.url)
+    if not rows:
+        print(f"no checkpoints under {args.url}")
+        return 0
+    print(f"{'step':>10}  {'state':<10} {'bytes':>12}  {'writers':>7}  {'backend':<10} created")
+    for row in rows:
+        if not row.committed:
+            print(f"{row.step:>10}  {'incomplete':<10} {'-':>12}  {'-':>7}  {'-':<10} -")
+            continue
+        created = datetime.datetime.fromtimestamp(row.created).isoformat(timespec="seconds")
+        print(f"{row.step:>10}  {'committed':<10} {row.bytes:>12}  {row.writers:>7}  {row.backend:<10} {created}")
+    return 0
+
+
+def _ckpt_verify(args) -> int:
+    from xla_shard.checkpoint.inspect import verify
+
+    manifest, problems = verify(args.url)
+    for problem in problems:
+        print(f"xla-shard: error: {problem}", file=sys.stderr)
+    if problems:
+        return 2
+    files = manifest.data["files"]
+    print(f"OK {manifest.url}: step {manifest.step}, {len(files)} file(s), {len(manifest.tensors)} tensors, "
+          f"{sum(f['bytes'] for f in files.values())} bytes, every crc32 matches")
+    return 0
+
+
+def _ckpt_export(args) -> int:
+    from xla_shard.checkpoint.export import export, parse_size
+
+    report = export(args.url, args.to, parse_size(args.max_shard_size))
+    print(f"exported step {report.step}: {report.tensors} tensors, {report.bytes} bytes in "
+          f"{len(report.files)} file(s) to {args.to}; largest tensor {report.largest_tensor_bytes} bytes, "
+          f"host memory grew by at most {report.peak_rss_growth_bytes} bytes")
+    return 0
 
 
 def _config_check(args) -> int:
@@ -81,8 +169,9 @@ def _train(args) -> int:
     if name == "xla_fsdp":
         preflight(cfg)
         return _xla_spawn(cfg)
-    Trainer(cfg, backend).setup().run()
-    return 0
+    trainer = Trainer(cfg, backend).setup()
+    trainer.run()
+    return PREEMPTED_EXIT if trainer.preempted else 0
 
 
 def _torchrun(args, cfg) -> int:
@@ -92,13 +181,16 @@ def _torchrun(args, cfg) -> int:
     nproc = args.nproc_per_node or (torch.cuda.device_count() if torch.cuda.is_available() else cfg.cpu_devices)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "xla_shard.cli", *sys.argv[1:]]
-    return subprocess.call(command)
+    os.execv(sys.executable, command)  # torchrun takes this PID, so SIGTERM reaches it (and its workers)
 
 
 def _spawned(index: int, cfg) -> None:
     from xla_shard.train import Trainer
 
-    Trainer(cfg).setup().run()
+    trainer = Trainer(cfg).setup()
+    trainer.run()
+    if trainer.preempted:
+        sys.exit(PREEMPTED_EXIT)
 
 
 def _xla_spawn(cfg) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -10,10 +11,13 @@ import torch
 
 from xla_shard import backends
 from xla_shard.backends.base import Backend
+from xla_shard.checkpoint import CheckpointError, Checkpointer
 from xla_shard.config.schema import ShardConfig, TrainSection
 from xla_shard.data import TokenSource
 from xla_shard.metrics import StepLogger, measure_cpu_matmul_flops, peak_for, train_flops_per_token
+from xla_shard.errors import ConfigError
 from xla_shard.models import build_model
+from xla_shard.preemption import PreemptionGuard
 from xla_shard.wrap import checkpoint_targets, wrap_targets
 
 
@@ -58,12 +62,49 @@ class Trainer:
         backend.setup()
         model = build_model(cfg.model, cfg.train.seed)
         self.flops_per_token = train_flops_per_token(model, cfg.train.seq_len)
+        self.hf_config = {**model.config.to_dict(), "architectures": [type(model).__name__]}
         self.source = TokenSource(cfg.train, model.config.vocab_size)
         self.model = backend.wrap(model)
         self.model.train()
         self.optimizer = make_optimizer(self.model.parameters(), cfg.train)
         self.peak_per_device, self.mfu_basis = self._mfu_basis()
+        self.start_step, self.checkpointer, self.preempted = 0, None, False
+        if cfg.checkpoint.dir:
+            self.checkpointer = Checkpointer(cfg.checkpoint, backend, self._describe, log=self._log)
+            url = self.checkpointer.resume_point()
+            if url:
+                manifest = self.checkpointer.load(url, self.model, self.optimizer, self._check_resumable)
+                self.start_step = manifest.step
+                self._log(f"resumed from {url} at step {manifest.step}")
         return self
+
+    def _log(self, message: str) -> None:
+        if self.backend.is_main:
+            print(f"xla-shard: {message}", file=sys.stderr, flush=True)
+
+    def _describe(self) -> dict[str, Any]:
+        """What the manifest records about the run that wrote it."""
+        backend = self.backend
+        return {"backend": backend.name, "num_devices": backend.num_devices,
+                "mesh": dict(zip(("replica", "fsdp"), self.cfg.mesh.resolve(backend.num_devices)))
+                if self.cfg.fsdp.sharding_strategy.is_hybrid else {"fsdp": backend.num_devices},
+                "config": self.cfg.model_dump(mode="json", by_alias=True), "hf_config": self.hf_config}
+
+    # Keys that must agree for a resumed run to continue the same model, optimizer state and data stream.
+    RESUME_KEYS = ("model.name", "model.overrides", "train.optimizer", "train.seed", "train.data",
+                   "train.global_batch_size", "train.seq_len")
+
+    def _check_resumable(self, manifest) -> None:
+        saved, current = manifest.data["config"], self.cfg.model_dump(mode="json", by_alias=True)
+        for key in self.RESUME_KEYS:
+            section, name = key.split(".")
+            if saved[section][name] != current[section][name]:
+                raise ConfigError(key, f"is {current[section][name]!r} but the checkpoint {manifest.url} was "
+                                       f"written with {saved[section][name]!r}; resuming would not continue "
+                                       "that run (set checkpoint.resume=never to start fresh)")
+        if manifest.step > self.cfg.train.steps:
+            raise ConfigError("train.steps", f"{self.cfg.train.steps} is behind the checkpoint's step "
+                                             f"{manifest.step} ({manifest.url})")
 
     def _mfu_basis(self) -> tuple[float, str]:
         configured = self.cfg.train.peak_flops_per_device
@@ -88,45 +129,74 @@ class Trainer:
         self.backend.after_step()
         return loss
 
-    def run(self, start_step: int = 0) -> list[dict[str, Any]]:
-        cfg, backend = self.cfg, self.backend
-        logger = StepLogger(cfg.output_dir, cfg.train.steps, enabled=backend.is_main, start_step=start_step)
-        tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
-        compiled_after_warmup = None
+    def run(self) -> list[dict[str, Any]]:
+        cfg, ckpt = self.cfg, self.checkpointer
+        logger = StepLogger(cfg.output_dir, cfg.train.steps, enabled=self.backend.is_main, start_step=self.start_step)
+        self._compiled_after_warmup = None
+        self._interval = (time.perf_counter(), 0)
         try:
-            interval_start, interval_steps = time.perf_counter(), 0
-            for step in range(start_step, cfg.train.steps):
-                loss = self.step(step)
-                interval_steps += 1
-                record = None
-                if (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps:
-                    loss_value = backend.mean_loss(loss)
-                    elapsed = (time.perf_counter() - interval_start) / interval_steps
-                    tokens_per_s = tokens_per_step / elapsed
-                    record = {
-                        "step": step + 1, "loss": loss_value, "step_time_s": elapsed, "tokens_per_s": tokens_per_s,
-                        "mfu": self.flops_per_token * tokens_per_s / (self.peak_per_device * backend.num_devices),
-                        "backend": backend.name, "devices": backend.num_devices,
-                    }
-                    if not self.records:
-                        record["mfu_basis"] = self.mfu_basis
-                    compiles = backend.compilations()
-                    if compiles is not None:
-                        record["compilations"] = compiles
-                        if step + 1 == cfg.train.warmup_steps:
-                            compiled_after_warmup = compiles
-                        elif compiled_after_warmup is not None and compiles > compiled_after_warmup:
-                            record["recompiles"] = compiles - compiled_after_warmup
-                            logger.warn(f"step {step + 1}: XLA compiled {compiles - compiled_after_warmup} new graph(s) "
-                                        "after warm-up; the step is not static (changing shapes or Python-side "
-                                        "control flow). Set PT_XLA_DEBUG_LEVEL=2 to see why.")
-                    self.records.append(record)
-                    logger.log(record)
-                    interval_start, interval_steps = time.perf_counter(), 0
-                logger.advance(record)
+            with PreemptionGuard(cfg.checkpoint.preemption_grace_s) as preemption:
+                for step in range(self.start_step, cfg.train.steps):
+                    loss = self.step(step)
+                    done = step + 1
+                    record = self._record(done, loss, logger)
+                    logger.advance(record)
+                    if ckpt and (done % cfg.checkpoint.every_steps == 0 or done == cfg.train.steps):
+                        ckpt.save(done, self.model, self.optimizer)
+                    if self.backend.any_rank(preemption.requested):
+                        self._stop_for_preemption(done, preemption)
+                        self.preempted = True
+                        break
+                if ckpt:
+                    ckpt.wait()  # the last save commits before the run counts as finished
         finally:
             logger.close()
         return self.records
+
+    def _stop_for_preemption(self, done: int, preemption: PreemptionGuard) -> None:
+        ckpt = self.checkpointer
+        if ckpt is None:
+            self._log(f"SIGTERM: stopping after step {done} (no checkpoint.dir: nothing saved)")
+            return
+        if ckpt.saving_step != done:
+            ckpt.save(done, self.model, self.optimizer)
+        if ckpt.wait(timeout=preemption.remaining_s()):
+            self._log(f"SIGTERM: stopped after step {done}; checkpoint committed, rerun the same command to resume")
+        else:
+            raise CheckpointError(f"SIGTERM: the step {done} checkpoint did not commit within "
+                                  f"checkpoint.preemption_grace_s={preemption.grace_s:g}; the last committed one "
+                                  f"({ckpt.last_committed}) stays the resume point")
+
+    def _record(self, done: int, loss: torch.Tensor, logger: StepLogger) -> dict[str, Any] | None:
+        cfg, backend = self.cfg, self.backend
+        start, steps = self._interval
+        steps += 1
+        self._interval = (start, steps)
+        if done % cfg.train.log_every and done != cfg.train.steps:
+            return None
+        elapsed = (time.perf_counter() - start) / steps
+        tokens_per_s = cfg.train.global_batch_size * cfg.train.seq_len / elapsed
+        record = {
+            "step": done, "loss": backend.mean_loss(loss), "step_time_s": elapsed, "tokens_per_s": tokens_per_s,
+            "mfu": self.flops_per_token * tokens_per_s / (self.peak_per_device * backend.num_devices),
+            "backend": backend.name, "devices": backend.num_devices,
+        }
+        if not self.records:
+            record["mfu_basis"] = self.mfu_basis
+        compiles = backend.compilations()
+        if compiles is not None:
+            record["compilations"] = compiles
+            if done == self.start_step + cfg.train.warmup_steps:
+                self._compiled_after_warmup = compiles
+            elif self._compiled_after_warmup is not None and compiles > self._compiled_after_warmup:
+                record["recompiles"] = compiles - self._compiled_after_warmup
+                logger.warn(f"step {done}: XLA compiled {record['recompiles']} new graph(s) after warm-up; the "
+                            "step is not static (changing shapes or Python-side control flow). Set "
+                            "PT_XLA_DEBUG_LEVEL=2 to see why.")
+        self.records.append(record)
+        logger.log(record)
+        self._interval = (time.perf_counter(), 0)
+        return record
 
     def memory_report(self) -> MemoryReport:
         params = [p for p in self.model.parameters()]

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import abc
+import base64
 import contextlib
+import random
 import types
-from typing import Any, Callable, ClassVar
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 from torch import nn
@@ -14,6 +17,22 @@ from xla_shard.config.schema import ShardConfig
 from xla_shard.errors import ConfigError
 
 CheckpointFn = Callable[..., Any]
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) inside a tensor's global shape
+Chunk = tuple[tuple[int, ...], torch.Tensor]  # (offsets, host copy of that box)
+
+
+@dataclass
+class StateTensor:
+    """One tensor of the training state as checkpointing sees it: a global name and shape, the boxes this
+    process writes (host copies, taken before the step goes on) and, for loading, the boxes it holds and how
+    to put values into them."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: Callable[[], list[Chunk]]
+    boxes: Callable[[], list[Box]]
+    fill: Callable[[list[torch.Tensor]], None]
 
 
 class Backend(abc.ABC):
@@ -91,8 +110,78 @@ class Backend(abc.ABC):
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def writer(self) -> tuple[int, int]:
+        """(index, count) of the processes that write checkpoint shards."""
+        return self.rank, self.world
+
+    # ---- checkpoint state --------------------------------------------------------------------------
+    # Module names a wrapper inserts into parameter names; removed so every backend saves the same names.
+    wrapper_prefixes: ClassVar[tuple[str, ...]] = ()
+
+    def named_parameters(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in model.named_parameters():
+            yield ".".join(p for p in name.split(".") if p not in self.wrapper_prefixes), param
+
+    def state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+              stored: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> list[StateTensor]:
+        """Model parameters as `model/<name>` and optimizer state as `optim/<name>/<key>`.
+
+        Saving passes no `stored`; loading passes what the checkpoint holds, and optimizer state the optimizer
+        has not created yet (it does so lazily at its first step) is created here, laid out like its parameter.
+        """
+        tensors = []
+        for name, param in self.named_parameters(model):
+            tensors.append(self._state_tensor(f"model/{name}", param))
+            opt_state = optimizer.state[param]
+            keys = [k for k, v in opt_state.items() if torch.is_tensor(v)] if stored is None else [
+                key.rsplit("/", 1)[1] for key in stored if key.startswith(f"optim/{name}/")]
+            for key in keys:
+                if key not in opt_state:
+                    shape, dtype = stored[f"optim/{name}/{key}"]
+                    opt_state[key] = (self.zeros_like(param) if tuple(shape) == tuple(param.shape)
+                                      else torch.zeros(shape, dtype=dtype))
+                tensors.append(self._state_tensor(f"optim/{name}/{key}", opt_state[key]))
+        return tensors
+
+    def _state_tensor(self, name: str, tensor: torch.Tensor) -> StateTensor:
+        return StateTensor(name, tuple(tensor.shape), tensor.dtype, lambda: self.local_chunks(tensor),
+                           lambda: self.local_boxes(tensor), lambda values: self.fill_local(tensor, values))
+
+    def zeros_like(self, param: torch.Tensor) -> torch.Tensor:
+        """A zero tensor sharded like `param` (optimizer state being restored)."""
+        return torch.zeros_like(param)
+
+    def local_chunks(self, tensor: torch.Tensor) -> list[Chunk]:
+        """The boxes of `tensor` this process writes, copied to the host. Replicated tensors: rank 0 only."""
+        if not self.is_main:
+            return []
+        return [((0,) * tensor.dim(), tensor.detach().to("cpu", copy=True))]
+
+    def local_boxes(self, tensor: torch.Tensor) -> list[Box]:
+        return [((0,) * tensor.dim(), tuple(tensor.shape))]
+
+    @torch.no_grad()
+    def fill_local(self, tensor: torch.Tensor, values: list[torch.Tensor]) -> None:
+        tensor.copy_(values[0])
+
+    def rng_state(self) -> dict[str, Any]:
+        """This process's random number generators, JSON-serialisable (it goes into the shard index)."""
+        version, internal, gauss = random.getstate()
+        return {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+                "python": [version, list(internal), gauss]}
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+
     def barrier(self) -> None:
         pass
+
+    def any_rank(self, flag: bool) -> bool:
+        """True if `flag` is set on any process, so that all stop at the same step (preemption)."""
+        return flag
 
 
 def unit_names(model: nn.Module, unit_type: type, wrapper_prefixes: tuple[str, ...]) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import functools
 import os
 from datetime import timedelta
@@ -11,11 +12,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from xla_shard.backends.base import Backend, apply_activation_checkpointing, unit_names
+from xla_shard.backends.base import Backend, Box, Chunk, apply_activation_checkpointing, unit_names
 from xla_shard.config.schema import ShardingStrategy
 from xla_shard.data import local_rows
 from xla_shard.wrap import checkpoint_targets, wrap_targets
@@ -23,6 +25,7 @@ from xla_shard.wrap import checkpoint_targets, wrap_targets
 
 class TorchFsdpBackend(Backend):
     name = "torch_fsdp"
+    wrapper_prefixes = ("module",)  # DistributedDataParallel (NO_SHARD); fully_shard keeps names as they are
 
     def check(self) -> None:
         super().check()
@@ -105,6 +108,53 @@ class TorchFsdpBackend(Backend):
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def any_rank(self, flag: bool) -> bool:
+        value = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    # ---- checkpoint state: DTensor shards are boxes at the offset DTensor computes --------------------
+    @staticmethod
+    def _local_box(tensor: DTensor) -> Box:
+        shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        return tuple(offset), tuple(shape)
+
+    def local_chunks(self, tensor: torch.Tensor) -> list[Chunk]:
+        if not isinstance(tensor, DTensor):
+            return super().local_chunks(tensor)
+        coordinate = tensor.device_mesh.get_coordinate()
+        if any(isinstance(p, Replicate) and coordinate[dim] != 0 for dim, p in enumerate(tensor.placements)):
+            return []  # another replica writes this box
+        local = tensor.to_local()
+        if local.numel() == 0:
+            return []
+        return [(self._local_box(tensor)[0], local.detach().to("cpu", copy=True))]
+
+    def local_boxes(self, tensor: torch.Tensor) -> list[Box]:
+        if not isinstance(tensor, DTensor):
+            return super().local_boxes(tensor)
+        return [self._local_box(tensor)] if tensor.to_local().numel() else []
+
+    @torch.no_grad()
+    def fill_local(self, tensor: torch.Tensor, values: list[torch.Tensor]) -> None:
+        if isinstance(tensor, DTensor):
+            if values:
+                tensor.to_local().copy_(values[0])
+        else:
+            tensor.copy_(values[0])
+
+    def rng_state(self) -> dict:
+        state = super().rng_state()
+        if self.device.type == "cuda":
+            state["cuda"] = base64.b64encode(torch.cuda.get_rng_state(self.device).numpy().tobytes()).decode()
+        return state
+
+    def set_rng_state(self, state: dict) -> None:
+        super().set_rng_state(state)
+        if self.device.type == "cuda" and "cuda" in state:
+            torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8),
+                                     self.device)
 
     def shutdown(self) -> None:
         if dist.is_initialized():

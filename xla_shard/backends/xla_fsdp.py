@@ -6,13 +6,16 @@ DESIGN.md), so multi-replica FSDPv1 is a TPU-only path.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import math
 
 import torch
 from torch import nn
 
 from xla_shard.backends import xla_common
-from xla_shard.backends.base import Backend, apply_activation_checkpointing, unit_names
+from xla_shard.backends.base import Backend, StateTensor, apply_activation_checkpointing, unit_names
+from xla_shard.checkpoint.layout import range_to_boxes
 from xla_shard.config.schema import ShardingStrategy
 from xla_shard.data import local_rows
 from xla_shard.wrap import checkpoint_targets, wrap_targets
@@ -20,6 +23,7 @@ from xla_shard.wrap import checkpoint_targets, wrap_targets
 
 class XlaFsdpBackend(Backend):
     name = "xla_fsdp"
+    wrapper_prefixes = ("_fsdp_wrapped_module", "_fpw_module")
 
     def check(self) -> None:
         super().check()
@@ -108,7 +112,84 @@ class XlaFsdpBackend(Backend):
     def local_bytes(self, tensors: list[torch.Tensor]) -> list[int]:
         return [t.numel() * t.element_size() for t in tensors]
 
+    def any_rank(self, flag: bool) -> bool:
+        import torch_xla.core.xla_model as xm
+
+        return flag if self.world == 1 else xm.mesh_reduce("preempt", flag, any)
+
     def barrier(self) -> None:
         import torch_xla.core.xla_model as xm
 
         xm.rendezvous("xla_shard")
+
+    # ---- checkpoint state ---------------------------------------------------------------------------
+    # Each FSDPv1 parameter is a 1-D shard: rank r holds elements [r*L, (r+1)*L) of the original parameter
+    # flattened (or, with flatten_parameters, of several originals laid end to end), then padding. Each
+    # original's part of that range is a contiguous run of its elements, which is a few boxes of its shape.
+    def _pieces(self, module_name: str, module, shard) -> list[tuple[str, tuple[int, ...], int, int, int]]:
+        """(original name, shape, start in the shard, start in the original's elements, count) per original."""
+        prefix = f"{module_name}." if module_name else ""
+        flat = module.module  # XlaFlattenParamsWrapper
+        base = shard._orig_name.rsplit(".", 1)
+        if base[-1].startswith("flat_param_"):
+            names, shapes, numels = flat.metadata(int(base[-1][len("flat_param_"):]))
+            owner = f"{prefix}{base[0]}." if len(base) == 2 else prefix
+            originals = [(f"{owner}{n}", tuple(sh), n_el) for n, sh, n_el in zip(names, shapes, numels)]
+        else:
+            originals = [(f"{prefix}{shard._orig_name}", tuple(shard._orig_size), math.prod(shard._orig_size))]
+        length = shard.numel()
+        lo, hi = self.rank * length, (self.rank + 1) * length  # this rank's range of the full flat parameter
+        pieces, start = [], 0
+        for name, shape, numel in originals:
+            a, b = max(lo, start), min(hi, start + numel)
+            if a < b:
+                canonical = ".".join(p for p in name.split(".") if p not in self.wrapper_prefixes)
+                pieces.append((canonical, shape, a - lo, a - start, b - a))
+            start += numel
+        return pieces
+
+    def state(self, model, optimizer, stored=None) -> list[StateTensor]:
+        from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
+
+        tensors = []
+        for module_name, module in model.named_modules():
+            if not isinstance(module, XlaFullyShardedDataParallel):
+                continue
+            module_name = ".".join(p for p in module_name.split(".") if p not in self.wrapper_prefixes)
+            for shard in module.sharded_params:
+                pieces = self._pieces(module_name, module, shard)
+                host = functools.lru_cache(maxsize=None)(lambda t: t.detach().cpu())
+                opt_state = optimizer.state[shard]
+                for name, shape, at, first, count in pieces:
+                    tensors.append(self._piece(f"model/{name}", shard, shape, at, first, count, host))
+                    keys = [k for k, v in opt_state.items() if torch.is_tensor(v)] if stored is None else [
+                        key.rsplit("/", 1)[1] for key in stored if key.startswith(f"optim/{name}/")]
+                    for key in keys:
+                        if key not in opt_state:
+                            stored_shape, dtype = stored[f"optim/{name}/{key}"]
+                            opt_state[key] = (torch.zeros_like(shard) if tuple(stored_shape) == shape
+                                              else torch.zeros(stored_shape, dtype=dtype))
+                        value = opt_state[key]
+                        if value.dim() == 0:
+                            tensors.append(self._state_tensor(f"optim/{name}/{key}", value))
+                        else:
+                            tensors.append(self._piece(f"optim/{name}/{key}", value, shape, at, first, count, host))
+        return tensors
+
+    def _piece(self, name, tensor, shape, at, first, count, host) -> StateTensor:
+        boxes = range_to_boxes(shape, first, first + count)
+
+        def chunks():
+            data, out, pos = host(tensor), [], at
+            for offsets, sizes in boxes:
+                n = math.prod(sizes)
+                out.append((offsets, data[pos:pos + n].reshape(sizes).clone()))
+                pos += n
+            return out
+
+        @torch.no_grad()
+        def fill(values):
+            flat = torch.cat([v.reshape(-1) for v in values]).to(tensor.dtype)
+            tensor[at:at + count].copy_(flat.to(tensor.device))
+
+        return StateTensor(name, shape, tensor.dtype, chunks, lambda: boxes, fill)

@@ -13,13 +13,14 @@ import torch
 from torch import nn
 
 from xla_shard.backends import xla_common
-from xla_shard.backends.base import Backend, apply_activation_checkpointing, unit_names
+from xla_shard.backends.base import Backend, Box, Chunk, apply_activation_checkpointing, unit_names
 from xla_shard.config.schema import ShardingStrategy
 from xla_shard.wrap import checkpoint_targets, wrap_targets
 
 
 class XlaSpmdBackend(Backend):
     name = "xla_spmd"
+    wrapper_prefixes = ("_orig_module",)
 
     def check(self) -> None:
         super().check()
@@ -53,7 +54,8 @@ class XlaSpmdBackend(Backend):
         xs.set_global_mesh(self.mesh)
         self.device = torch_xla.device()
         self.device_kind = xla_common.device_kind()
-        self.host_index = xr.process_index()
+        self.host_index, self.hosts = xr.process_index(), xr.process_count()
+        self._param_specs: dict[torch.Tensor, tuple] = {}
         # Every host builds the same global batch from (seed, step); mark_sharding sends each device its rows.
         self.rank, self.world = 0, 1
         self._batch_axes = ("replica", "fsdp")
@@ -61,6 +63,10 @@ class XlaSpmdBackend(Backend):
     @property
     def is_main(self) -> bool:
         return self.host_index == 0
+
+    @property
+    def writer(self) -> tuple[int, int]:
+        return self.host_index, self.hosts  # each host writes the shards on its own devices
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
@@ -94,7 +100,8 @@ class XlaSpmdBackend(Backend):
 
         for param in model.parameters():
             # FSDPv2's own placement rule for parameters, computed once, so gradient and parameter shards line up.
-            param.register_post_accumulate_grad_hook(shard_like(_prepare_spmd_partition_spec(param, shard_maximal=True)))
+            spec = self._param_specs[param] = _prepare_spmd_partition_spec(param, shard_maximal=True)
+            param.register_post_accumulate_grad_hook(shard_like(spec))
 
     def _shard_output(self, output, mesh) -> None:
         """Inner layers return hidden states, the root a ModelOutput: shard whichever tensor leads, by batch."""
@@ -138,3 +145,78 @@ class XlaSpmdBackend(Backend):
         shards = torch_xla._XLAC._get_local_shards(list(tensors))
         return [max(data.numel() for data, _ in per_tensor) * t.element_size()
                 for t, per_tensor in zip(tensors, shards)]
+
+    # ---- checkpoint state: each host reads and writes the shards on its own devices ---------------
+    @staticmethod
+    def _shard_boxes(tensor: torch.Tensor) -> list[tuple[int, Box]]:
+        """(replica id, box) for each local device's shard, in the runtime's device order."""
+        import torch_xla
+
+        boxes = []
+        for replica, indices in torch_xla._XLAC._get_local_shard_replica_and_indices([tensor])[0]:
+            if indices is Ellipsis:
+                boxes.append((replica, ((0,) * tensor.dim(), tuple(tensor.shape))))
+            else:
+                boxes.append((replica, (tuple(s.start for s in indices), tuple(s.stop - s.start for s in indices))))
+        return boxes
+
+    def local_chunks(self, tensor: torch.Tensor) -> list[Chunk]:
+        if tensor.device.type != "xla":
+            return super().local_chunks(tensor)
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()
+        chunks, seen = [], set()
+        shards = torch_xla._XLAC._get_local_shards([tensor])[0]  # host copies, one per local device
+        for (data, _), (replica, (offsets, sizes)) in zip(shards, self._shard_boxes(tensor)):
+            if replica != 0 or offsets in seen or 0 in sizes:
+                continue
+            seen.add(offsets)
+            chunks.append((offsets, data[tuple(slice(0, n) for n in sizes)]))  # drop XLA's padding
+        return chunks
+
+    def local_boxes(self, tensor: torch.Tensor) -> list[Box]:
+        if tensor.device.type != "xla":
+            return super().local_boxes(tensor)
+        return [box for _, box in self._shard_boxes(tensor)]
+
+    @torch.no_grad()
+    def fill_local(self, tensor: torch.Tensor, values: list[torch.Tensor]) -> None:
+        if tensor.device.type != "xla":
+            return super().fill_local(tensor, values)
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        if all(tuple(v.shape) == tuple(tensor.shape) for v in values):
+            tensor.copy_(values[0].to(tensor.device))  # replicated: no shards to place
+            return
+        xm.wait_device_ops()
+        devices = [device for _, device in torch_xla._XLAC._get_local_shards([tensor])[0]]
+        padded = [max(v.shape[d] for v in values) for d in range(tensor.dim())]  # XLA pads uneven shards
+        datas = [torch.nn.functional.pad(v, [p for d in reversed(range(v.dim())) for p in (0, padded[d] - v.shape[d])])
+                 for v in values]
+        torch_xla._XLAC._load_local_shards(tensor, datas, devices)
+
+    def zeros_like(self, param: torch.Tensor) -> torch.Tensor:
+        import torch_xla
+        import torch_xla.distributed.spmd as xs
+
+        zeros = torch.zeros_like(param)
+        spec = self._param_specs.get(param)
+        if spec:
+            xs.mark_sharding(zeros, self.mesh, spec)
+        torch_xla.sync()  # shards exist only once the tensor is materialised
+        return zeros
+
+    def rng_state(self) -> dict:
+        import torch_xla.core.xla_model as xm
+
+        return {**super().rng_state(), "xla": int(xm.get_rng_state())}
+
+    def set_rng_state(self, state: dict) -> None:
+        import torch_xla.core.xla_model as xm
+
+        super().set_rng_state(state)
+        if "xla" in state:
+            xm.set_rng_state(state["xla"])

@@ -108,4 +108,4 @@ def _did_you_mean(loc: list[str]) -> str:
 
 
 def dump(cfg: ShardConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    return yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False)

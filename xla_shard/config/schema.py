@@ -161,6 +161,57 @@ class TrainSection(_Section):
     warmup_steps: int = Field(default=2, ge=1)
 
 
+class CheckpointSection(_Section):
+    # Any fsspec URL: a local path, gs://bucket/prefix (gcsfs, the VM's credentials), memory://... ;
+    # null turns checkpointing off.
+    dir: str | None = None
+    every_steps: int = Field(default=100, ge=1)
+    # Committed checkpoints kept (newest first); older ones are deleted after each commit.
+    keep_last: int = Field(default=3, ge=1)
+    # Also keep every checkpoint whose step is a multiple of this, for good (null: none).
+    keep_every: int | None = Field(default=None, ge=1)
+    # Upload in a background thread; the step waits only for the device-to-host copy.
+    async_save: bool = Field(default=True, alias="async")
+    # auto: the newest committed checkpoint under `dir`, if any; never; or the URL of one checkpoint.
+    resume: str = "auto"
+    # Seconds a SIGTERM (spot preemption) allows to finish or take the final save before exiting.
+    preemption_grace_s: float = Field(default=120.0, gt=0)
+    # Transient storage errors (HTTP 429/5xx, timeouts, refused connections) are retried for this long.
+    retry_deadline_s: float = Field(default=120.0, gt=0)
+    # How long the main process waits for every rank's shard before it declares the save failed.
+    commit_timeout_s: float = Field(default=600.0, gt=0)
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
+class DeploySection(_Section):
+    """Where `xla-shard gcp render` puts the job. Only the deploy commands read this section."""
+
+    project: str | None = None
+    zone: str = "us-central2-b"
+    name: str = "xla-shard"
+    # TPU: v4-8, v5litepod-8, v5p-8, v6e-8, ... (see xla_shard.deploy.tpu.GENERATIONS)
+    accelerator_type: str = "v4-8"
+    # on-demand | spot | preemptible | reserved
+    provisioning: Literal["on-demand", "spot", "preemptible", "reserved"] = "spot"
+    network: str | None = None
+    subnetwork: str | None = None
+    # Runs the VM with the cloud-platform scope, so gcsfs reaches gs:// checkpoints with its credentials.
+    service_account: str | None = None
+    # Queued resources: how long the request may wait for capacity, e.g. 6h, 2d (gcloud duration).
+    valid_until: str = "6h"
+    # Allow a zone that xla_shard's table does not list for this TPU generation (the table may be stale).
+    allow_unlisted_zone: bool = False
+    # GPU fallback: machine type (GPUs come with a2/a3/g2 types) and node count for torchrun.
+    gpu_machine_type: str = "a3-highgpu-8g"
+    gpu_nodes: int = Field(default=1, ge=1)
+    gpu_image_family: str = "common-cu128-ubuntu-2204-nvidia-570"
+    gpu_image_project: str = "deeplearning-platform-release"
+    # The account the commands ssh in as, and where the code is unpacked in its home on every machine.
+    remote_user: str = "xlashard"
+    remote_dir: str = "xla_shard"
+
+
 class ShardConfig(_Section):
     backend: Backend = Backend.AUTO
     # Devices to use on CPU: XLA virtual devices (xla_spmd) or gloo processes (torch_fsdp, via torchrun).
@@ -169,6 +220,8 @@ class ShardConfig(_Section):
     fsdp: FsdpSection = Field(default_factory=FsdpSection)
     mesh: MeshSection = Field(default_factory=MeshSection)
     train: TrainSection = Field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    deploy: DeploySection = Field(default_factory=DeploySection)
     output_dir: str = "runs/default"
 
     @field_validator("model", mode="before")

@@ -1,0 +1,152 @@
+"""Checkpoint throughput against raw fsspec writes/reads of the same bytes, and async vs sync blocking time.
+
+    python bench/checkpoint_io.py [--mib 256] [--tensors 32] [--repeats 3]
+
+For each target (a local directory, and gs:// on a gcp-storage-emulator this script starts on loopback):
+  save  xla_shard `Checkpointer.save` (encode, checksum, upload, index, commit)  vs  raw `fs.pipe_file` /
+        local write of the same bytes as one object: the same parallelism (one writer, one stream).
+  load  xla_shard `ChunkReader` (ranged reads, crc32 per chunk, assembly)  vs  raw `fs.cat_file` of that file.
+Ratios are raw time / xla_shard time (throughput ratio; target >= 0.8). Then, on the local target, the time
+`save` blocks the training thread with `checkpoint.async` on, against a synchronous save (target <= 0.1),
+and the host memory an export needs against the largest tensor. Median of --repeats, interleaved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from xla_shard.backends.base import StateTensor
+from xla_shard.checkpoint import layout
+from xla_shard.checkpoint.manager import Checkpointer, ChunkReader, read_manifest
+from xla_shard.checkpoint.storage import Storage
+from xla_shard.config.schema import CheckpointSection
+
+
+class HostState:
+    """The checkpoint side of a backend for plain host tensors: one writer that owns every box."""
+
+    name, writer, is_main = "bench", (0, 1), True
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def state(self, model, optimizer, stored=None):
+        return [StateTensor(f"model/{n}", tuple(t.shape), t.dtype, lambda t=t: [((0,) * t.dim(), t.clone())],
+                            lambda t=t: [((0,) * t.dim(), tuple(t.shape))], lambda v, t=t: t.copy_(v[0]))
+                for n, t in self.tensors.items()]
+
+    def rng_state(self):
+        return {}
+
+
+def _describe():
+    return {"backend": "bench", "num_devices": 1, "mesh": {}, "config": {}, "hf_config": {"model_type": "llama"}}
+
+
+def _time(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench_target(url: str, tensors: dict[str, torch.Tensor], repeats: int) -> dict[str, float]:
+    section = CheckpointSection(dir=url, async_save=False, keep_last=repeats)  # no deletes inside the timing
+    backend = HostState(tensors)
+    checkpointer = Checkpointer(section, backend, _describe, log=lambda _: None)
+    raw = Storage(url + "/raw")
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    blob = b"".join(bytes(layout.tensor_bytes(t)) for t in tensors.values())
+    times = {"save": [], "raw_save": [], "load": [], "raw_load": []}
+    for step in range(1, repeats + 1):
+        times["raw_save"].append(_time(lambda: raw.write(f"blob-{step}", blob)))
+        times["save"].append(_time(lambda: checkpointer.save(step, None, None)))
+        storage = Storage(f"{url}/{layout.step_dir(step)}")
+        manifest = read_manifest(storage)
+        reader = ChunkReader(storage, manifest)
+        requests = [(n, ((0,) * len(m["shape"]), tuple(m["shape"]))) for n, m in manifest.tensors.items()]
+        times["raw_load"].append(_time(lambda: raw.read_bytes(f"blob-{step}")))
+        times["load"].append(_time(lambda: reader.read(requests)))
+        raw.remove_tree(f"blob-{step}")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"MiB": nbytes / 2**20, **med,
+            "save_MiB_s": nbytes / 2**20 / med["save"], "raw_save_MiB_s": nbytes / 2**20 / med["raw_save"],
+            "load_MiB_s": nbytes / 2**20 / med["load"], "raw_load_MiB_s": nbytes / 2**20 / med["raw_load"],
+            "save_ratio": med["raw_save"] / med["save"], "load_ratio": med["raw_load"] / med["load"]}
+
+
+def bench_async(url: str, tensors: dict[str, torch.Tensor], repeats: int) -> dict[str, float]:
+    backend = HostState(tensors)
+    sync = Checkpointer(CheckpointSection(dir=url + "/sync", async_save=False, keep_last=1), backend, _describe,
+                        log=lambda _: None)
+    asyn = Checkpointer(CheckpointSection(dir=url + "/async", async_save=True, keep_last=1), backend, _describe,
+                        log=lambda _: None)
+    sync_s, async_s = [], []
+    for step in range(1, repeats + 1):
+        sync_s.append(_time(lambda: sync.save(step, None, None)))
+        async_s.append(_time(lambda: asyn.save(step, None, None)))
+        asyn.wait()
+    return {"sync_save_s": statistics.median(sync_s), "async_blocking_s": statistics.median(async_s),
+            "ratio": statistics.median(async_s) / statistics.median(sync_s)}
+
+
+def bench_export(url: str) -> str:
+    """In a fresh process, so its peak RSS is the export's."""
+    with tempfile.TemporaryDirectory() as out:
+        done = subprocess.run([sys.executable, "-m", "xla_shard.cli", "ckpt", "export", url, "--to", out],
+                              capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
+def _emulator(workdir: str) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    exe = Path(sys.executable).parent / "gcp-storage-emulator"
+    process = subprocess.Popen([str(exe), "start", "--host", "127.0.0.1", "--port", str(port), "--default-bucket",
+                                "bench", "-q"], cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(300):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{port}"
+    return process, "gs://bench/ckpt"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=256, help="total state size")
+    parser.add_argument("--tensors", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    rows = args.mib * 2**20 // 4 // args.tensors // 1024
+    tensors = {f"layer{i}.weight": torch.randn(rows, 1024) for i in range(args.tensors)}
+    with tempfile.TemporaryDirectory() as tmp:
+        emulator, gs_url = _emulator(tmp)
+        try:
+            for label, url in (("local", os.path.join(tmp, "local")), ("gs (emulator)", gs_url)):
+                r = bench_target(url, tensors, args.repeats)
+                print(f"{label:>14}: {r['MiB']:.0f} MiB  save {r['save_MiB_s']:7.1f} MiB/s vs raw "
+                      f"{r['raw_save_MiB_s']:7.1f} (ratio {r['save_ratio']:.2f})  load {r['load_MiB_s']:7.1f} MiB/s "
+                      f"vs raw {r['raw_load_MiB_s']:7.1f} (ratio {r['load_ratio']:.2f})")
+            a = bench_async(os.path.join(tmp, "async"), tensors, args.repeats)
+            print(f"{'async (local)':>14}: save blocks {a['async_blocking_s'] * 1e3:.1f} ms vs synchronous "
+                  f"{a['sync_save_s'] * 1e3:.1f} ms (ratio {a['ratio']:.3f})")
+            print(f"{'export':>14}: {bench_export(os.path.join(tmp, 'local'))}")
+        finally:
+            emulator.kill()
+
+
+if __name__ == "__main__":
+    main()

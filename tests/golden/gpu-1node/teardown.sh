@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Rendered by `xla-shard gcp render --target gpu-vm` from config.yaml. Re-render rather than edit.
+# DRY_RUN=1 prints every command instead of running it; GCLOUD picks the gcloud binary.
+set -euo pipefail
+GCLOUD="${GCLOUD:-gcloud}"
+DRY_RUN="${DRY_RUN:-0}"
+
+run() {
+  printf '+ %s\n' "$*" >&2
+  if [[ "$DRY_RUN" != 1 ]]; then "$@"; fi
+}
+
+# Deletes what the deploy script created. Checkpoints in the bucket stay.
+run "$GCLOUD" compute instances delete xla-shard-a3 --zone=us-central1-a --project=my-project --quiet

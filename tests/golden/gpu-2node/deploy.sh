@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Rendered by `xla-shard gcp render --target gpu-vm` from config.yaml. Re-render rather than edit.
+# DRY_RUN=1 prints every command instead of running it; GCLOUD picks the gcloud binary.
+set -euo pipefail
+GCLOUD="${GCLOUD:-gcloud}"
+DRY_RUN="${DRY_RUN:-0}"
+
+run() {
+  printf '+ %s\n' "$*" >&2
+  if [[ "$DRY_RUN" != 1 ]]; then "$@"; fi
+}
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="${REPO:-$(git rev-parse --show-toplevel)}"
+run git -C "$REPO" archive --format=tar.gz -o "$HERE/xla_shard.tar.gz" HEAD
+
+run "$GCLOUD" compute instances create xla-shard-a3-0 xla-shard-a3-1 --zone=us-central1-a --project=my-project --machine-type=a3-highgpu-8g --image-family=common-cu128-ubuntu-2204-nvidia-570 --image-project=deeplearning-platform-release --boot-disk-size=200GB --maintenance-policy=TERMINATE --provisioning-model=SPOT --instance-termination-action=STOP --scopes=https://www.googleapis.com/auth/cloud-platform --metadata-from-file=startup-script="$HERE"/startup.sh
+run "$GCLOUD" compute scp "$HERE"/xla_shard.tar.gz "$HERE"/config.yaml 'xlashard@xla-shard-a3-0:~/' --zone=us-central1-a --project=my-project
+run "$GCLOUD" compute scp "$HERE"/xla_shard.tar.gz "$HERE"/config.yaml 'xlashard@xla-shard-a3-1:~/' --zone=us-central1-a --project=my-project
+run "$GCLOUD" compute ssh xlashard@xla-shard-a3-0 --zone=us-central1-a --project=my-project '--command=mkdir -p ~/xla_shard && tar xzf ~/xla_shard.tar.gz -C ~/xla_shard && bash ~/xla_shard/scripts/setup_worker.sh gpu'
+run "$GCLOUD" compute ssh xlashard@xla-shard-a3-1 --zone=us-central1-a --project=my-project '--command=mkdir -p ~/xla_shard && tar xzf ~/xla_shard.tar.gz -C ~/xla_shard && bash ~/xla_shard/scripts/setup_worker.sh gpu'
+run "$GCLOUD" compute ssh xlashard@xla-shard-a3-0 --zone=us-central1-a --project=my-project '--command=cd ~/xla_shard && XLA_SHARD_LAUNCHER='"'"'torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=xla-shard-a3-0:29500 --rdzv-id=xla-shard-a3 -m xla_shard.cli train'"'"' setsid nohup scripts/train_loop.sh ~/config.yaml > ~/train.log 2>&1 < /dev/null &'
+run "$GCLOUD" compute ssh xlashard@xla-shard-a3-1 --zone=us-central1-a --project=my-project '--command=cd ~/xla_shard && XLA_SHARD_LAUNCHER='"'"'torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=xla-shard-a3-0:29500 --rdzv-id=xla-shard-a3 -m xla_shard.cli train'"'"' setsid nohup scripts/train_loop.sh ~/config.yaml > ~/train.log 2>&1 < /dev/null &'
+echo "training started on xla-shard-a3; follow the log with:" >&2
+echo "  gcloud compute ssh xlashard@xla-shard-a3-0 --zone=us-central1-a --project=my-project '--command=tail -F ~/train.log'" >&2

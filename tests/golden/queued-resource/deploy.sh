@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Rendered by `xla-shard gcp render --target queued-resource` from config.yaml. Re-render rather than edit.
+# DRY_RUN=1 prints every command instead of running it; GCLOUD picks the gcloud binary.
+set -euo pipefail
+GCLOUD="${GCLOUD:-gcloud}"
+DRY_RUN="${DRY_RUN:-0}"
+
+run() {
+  printf '+ %s\n' "$*" >&2
+  if [[ "$DRY_RUN" != 1 ]]; then "$@"; fi
+}
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="${REPO:-$(git rev-parse --show-toplevel)}"
+run git -C "$REPO" archive --format=tar.gz -o "$HERE/xla_shard.tar.gz" HEAD
+
+run "$GCLOUD" compute tpus queued-resources create xla-shard-v4 --node-id=xla-shard-v4 --zone=us-central2-b --project=my-project --accelerator-type=v4-8 --runtime-version=tpu-ubuntu2204-base --spot --valid-until-duration=6h --scopes=https://www.googleapis.com/auth/cloud-platform --metadata-from-file=startup-script="$HERE"/startup.sh
+# Wait for capacity: ACTIVE means the slice exists; FAILED or SUSPENDED will not recover by waiting.
+while [[ "$DRY_RUN" != 1 ]]; do
+  state="$("$GCLOUD" compute tpus queued-resources describe xla-shard-v4 --zone=us-central2-b --project=my-project '--format=value(state.state)')"
+  case "$state" in
+    ACTIVE) break ;;
+    FAILED|SUSPENDED) echo "queued resource xla-shard-v4: $state" >&2; exit 1 ;;
+    *) echo "queued resource xla-shard-v4: ${state:-unknown}; waiting" >&2; sleep 30 ;;
+  esac
+done
+run "$GCLOUD" compute tpus tpu-vm scp "$HERE"/xla_shard.tar.gz "$HERE"/config.yaml 'xlashard@xla-shard-v4:~/' --zone=us-central2-b --project=my-project --worker=all
+run "$GCLOUD" compute tpus tpu-vm ssh xlashard@xla-shard-v4 --zone=us-central2-b --project=my-project --worker=all '--command=mkdir -p ~/xla_shard && tar xzf ~/xla_shard.tar.gz -C ~/xla_shard && bash ~/xla_shard/scripts/setup_worker.sh tpu'
+run "$GCLOUD" compute tpus tpu-vm ssh xlashard@xla-shard-v4 --zone=us-central2-b --project=my-project --worker=all '--command=cd ~/xla_shard && PJRT_DEVICE=TPU setsid nohup scripts/train_loop.sh ~/config.yaml > ~/train.log 2>&1 < /dev/null &'
+echo "training started on xla-shard-v4; follow the log with:" >&2
+echo "  gcloud compute tpus tpu-vm ssh xlashard@xla-shard-v4 --zone=us-central2-b --project=my-project --worker=0 '--command=tail -F ~/train.log'" >&2

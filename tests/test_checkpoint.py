@@ -1,0 +1,198 @@
+"""Checkpoints end to end through `xla-shard`: resume, portability, faults, export; gs:// against a real
+GCS server (gcp-storage-emulator)."""
+
+import json
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.conftest import start_cli
+
+pytestmark = pytest.mark.slow
+
+CONFIG = "scripts/configs/tiny_llama_cpu.yaml"
+STEPS = 6
+
+
+def losses(output_dir) -> dict[int, float]:
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records}  # a resumed run appends; the last record of a step wins
+
+
+def train(cli, output_dir, *sets, steps=STEPS):
+    done = cli("train", CONFIG, "--set", f"train.steps={steps}", "--set", f"output_dir={output_dir}",
+               *[arg for s in sets for arg in ("--set", s)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted xla_spmd run that checkpoints every step: the losses every resumed run must match."""
+    from tests.conftest import run_cli
+
+    root = tmp_path_factory.mktemp("reference")
+    train(run_cli, root / "run", f"checkpoint.dir={root / 'ckpt'}", "checkpoint.every_steps=1",
+          "checkpoint.keep_last=2", "checkpoint.keep_every=4")
+    return root / "ckpt", losses(root / "run")
+
+
+def test_retention_keeps_the_last_k_and_every_nth(reference):
+    ckpt, _ = reference
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000004", "step-00000005", "step-00000006"]
+
+
+@pytest.mark.parametrize("backend, sets", [
+    ("torch_fsdp", ["backend=torch_fsdp", "cpu_devices=2"]),   # 1 SPMD host -> 2 FSDP2 ranks
+    ("xla_fsdp", ["backend=xla_fsdp", "cpu_devices=1"]),       # -> FSDPv1 flat 1-D shards
+    ("xla_spmd", ["mesh.fsdp=2", "cpu_devices=2"]),            # -> 2 SPMD devices instead of 4
+])
+def test_a_checkpoint_loads_on_another_backend_and_world_size(cli, tmp_path, reference, backend, sets):
+    ckpt, expected = reference
+    train(cli, tmp_path / "run", *sets, f"checkpoint.dir={tmp_path / 'ckpt'}",
+          f"checkpoint.resume={ckpt / 'step-00000004'}")
+    got = losses(tmp_path / "run")
+    assert sorted(got) == [5, 6]
+    for step in (5, 6):
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), (backend, step)
+    # ... and what that backend saved loads back into the SPMD run and continues it.
+    train(cli, tmp_path / "back", f"checkpoint.dir={tmp_path / 'ckpt2'}",
+          f"checkpoint.resume={tmp_path / 'ckpt' / 'step-00000006'}", steps=STEPS + 1)
+    assert sorted(losses(tmp_path / "back")) == [STEPS + 1]
+
+
+def test_sigkill_at_random_points_loses_nothing_and_resumes_bitwise(cli, tmp_path, gcs, reference):
+    """Kill -9 while training (and, saving every step, usually while a save is in flight) to gs://;
+    each restart resumes from the newest committed step and the losses equal the uninterrupted run's."""
+    from xla_shard.checkpoint import Storage, committed_steps
+
+    _, expected = reference
+    url = gcs.url("killed")
+    args = ["train", CONFIG, "--set", f"train.steps={STEPS}", "--set", f"output_dir={tmp_path / 'run'}",
+            "--set", f"checkpoint.dir={url}", "--set", "checkpoint.every_steps=1"]
+    rng = random.Random(1234)
+    for attempt in range(2):
+        process = start_cli(*args, log=tmp_path / f"attempt{attempt}.log")
+        target = rng.randint(1, STEPS - 2)
+        while process.poll() is None:
+            done = losses(tmp_path / "run") if (tmp_path / "run" / "metrics.jsonl").exists() else {}
+            if max(done, default=0) >= target + attempt * 2:
+                time.sleep(rng.uniform(0, 0.15))  # somewhere inside the next step or its save
+                process.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.02)
+        process.wait()
+        committed = committed_steps(Storage(url))
+        assert committed, (tmp_path / f"attempt{attempt}.log").read_text()[-2000:]
+    last = committed[-1]
+    done = train(cli, tmp_path / "run", f"checkpoint.dir={url}", "checkpoint.every_steps=1")
+    assert f"resumed from {url}/step-{last:08d} at step {last}" in done.stderr
+    got = losses(tmp_path / "run")
+    assert set(got) == set(range(1, STEPS + 1))
+    assert {s: got[s] for s in got} == expected  # bitwise: every step, before and after each kill
+    verified = cli("ckpt", "verify", url)
+    assert verified.returncode == 0 and f"step {STEPS}" in verified.stdout, verified.stderr
+
+
+def test_sigterm_saves_and_exits_then_the_restart_resumes(cli, tmp_path, reference):
+    _, expected = reference
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    args = ["train", CONFIG, "--set", f"train.steps={STEPS}", "--set", f"output_dir={run}",
+            "--set", f"checkpoint.dir={ckpt}", "--set", "checkpoint.every_steps=1000"]
+    process = start_cli(*args, log=tmp_path / "log")
+    while process.poll() is None and not ((run / "metrics.jsonl").exists() and max(losses(run), default=0) >= 2):
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 143  # 128 + SIGTERM: stopped on request, checkpoint committed
+    log = (tmp_path / "log").read_text()
+    stopped = max(losses(run))
+    assert f"SIGTERM: stopped after step {stopped}; checkpoint committed" in log
+    assert stopped < STEPS and (ckpt / f"step-{stopped:08d}" / "manifest.json").exists()
+    done = train(cli, run, f"checkpoint.dir={ckpt}", "checkpoint.every_steps=1000")
+    assert f"at step {stopped}" in done.stderr
+    assert losses(run) == expected
+
+
+def test_an_emulator_outage_fails_the_save_loudly_and_keeps_the_last_good_one(cli, tmp_path, gcs):
+    url = gcs.url("outage")
+    args = ["train", CONFIG, "--set", "train.steps=400", "--set", f"output_dir={tmp_path / 'run'}",
+            "--set", f"checkpoint.dir={url}", "--set", "checkpoint.every_steps=2", "--set",
+            "checkpoint.retry_deadline_s=2", "--set", "checkpoint.keep_last=1"]
+    process = start_cli(*args, log=tmp_path / "log")
+    from xla_shard.checkpoint import Storage, committed_steps
+
+    while process.poll() is None and not committed_steps(Storage(url)):
+        time.sleep(0.1)
+    gcs.stop()  # mid-run: the next upload (or its commit) finds nobody listening
+    assert process.wait(timeout=180) == 2
+    log = (tmp_path / "log").read_text()
+    assert "checkpoint save failed" in log and "gave up after retrying for 2s" in log, log[-2000:]
+    assert "Traceback" not in log
+    gcs.start()  # same on-disk store: what was committed before the outage is intact
+    verified = cli("ckpt", "verify", url)
+    assert verified.returncode == 0, verified.stderr
+
+
+def test_verify_and_resume_refuse_a_corrupt_shard(cli, tmp_path, reference):
+    import shutil
+
+    ckpt, _ = reference
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt / "step-00000006", copy / "step-00000006")
+    shard = copy / "step-00000006" / "shards" / "00000-of-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x55
+    shard.write_bytes(bytes(data))
+    verified = cli("ckpt", "verify", str(copy))
+    assert verified.returncode == 2 and "00000-of-00001.safetensors is corrupt" in verified.stderr
+    resumed = cli("train", CONFIG, "--set", f"output_dir={tmp_path / 'run'}", "--set", f"checkpoint.dir={copy}",
+                  "--set", "train.steps=8")
+    assert resumed.returncode == 2
+    assert "00000-of-00001.safetensors is corrupt" in resumed.stderr and "Traceback" not in resumed.stderr
+
+
+def test_a_checkpoint_of_another_model_or_config_is_refused(cli, tmp_path, reference):
+    ckpt, _ = reference
+    other = cli("train", CONFIG, "--set", "model.overrides.num_hidden_layers=1", "--set",
+                f"output_dir={tmp_path / 'a'}", "--set", f"checkpoint.dir={ckpt}", "--set", "train.steps=8")
+    assert other.returncode == 2
+    assert "config key 'model.overrides'" in other.stderr and "step-00000006" in other.stderr
+
+
+def test_export_gives_a_model_transformers_loads_with_identical_weights(cli, tmp_path, reference):
+    from transformers import AutoModelForCausalLM
+
+    from xla_shard.checkpoint.inspect import open_checkpoint
+    from xla_shard.checkpoint.manager import ChunkReader
+
+    ckpt, _ = reference
+    out = tmp_path / "hf"
+    done = cli("ckpt", "export", str(ckpt), "--to", str(out), "--max-shard-size", "150KB")
+    assert done.returncode == 0, done.stderr
+    assert (out / "model.safetensors.index.json").exists() and len(list(out.glob("*.safetensors"))) > 1
+    model = AutoModelForCausalLM.from_pretrained(out)
+    storage, manifest = open_checkpoint(str(ckpt))
+    assert manifest.step == STEPS
+    reader = ChunkReader(storage, manifest)
+    params = dict(model.named_parameters())
+    stored = sorted(n for n in manifest.tensors if n.startswith("model/"))
+    assert sorted(f"model/{n}" for n in params) == stored
+    for name in stored:
+        shape = tuple(manifest.tensors[name]["shape"])
+        (value,) = reader.read([(name, ((0,) * len(shape), shape))])
+        assert torch.equal(params[name[len("model/"):]].detach(), value), name
+
+
+def test_list_shows_committed_and_incomplete(cli, tmp_path, reference):
+    import shutil
+
+    ckpt, _ = reference
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    (copy / "step-00000005" / "manifest.json").unlink()  # as if that save had died before its commit
+    listed = cli("ckpt", "list", str(copy))
+    lines = {line.split()[0]: line.split()[1] for line in listed.stdout.splitlines()[1:]}
+    assert lines == {"4": "committed", "5": "incomplete", "6": "committed"}

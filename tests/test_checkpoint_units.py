@@ -1,0 +1,100 @@
+"""Checkpoint format and storage, in process: boxes, shard encoding, partial reads, retries, corruption."""
+
+import errno
+import itertools
+import math
+
+import pytest
+import torch
+
+from xla_shard.checkpoint import layout
+from xla_shard.checkpoint.manager import ChunkReader, Manifest
+from xla_shard.checkpoint.storage import Storage, StorageError, is_transient
+
+
+@pytest.mark.parametrize("shape", [(7,), (4, 5), (3, 4, 5), (2, 1, 3, 2)])
+def test_range_to_boxes_covers_exactly_the_range(shape):
+    numel = math.prod(shape)
+    flat = torch.arange(numel).reshape(shape)
+    for start, stop in itertools.combinations(range(numel + 1), 2):
+        covered = []
+        for offsets, sizes in layout.range_to_boxes(shape, start, stop):
+            covered += flat[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].reshape(-1).tolist()
+        assert covered == list(range(start, stop)), (shape, start, stop)
+
+
+def _write(storage: Storage, chunks_by_writer: list[list[layout.Entry]]) -> Manifest:
+    tensors, files = {}, {}
+    for rank, entries in enumerate(chunks_by_writer):
+        parts, index = layout.encode_shard(entries)
+        layout.add_checksums(parts, index)
+        name = layout.shard_file(rank, len(chunks_by_writer))
+        storage.write(name, parts)
+        files[name] = {"bytes": index["bytes"]}
+        for tname, meta in index["tensors"].items():
+            merged = tensors.setdefault(tname, {"shape": meta["shape"], "dtype": meta["dtype"], "chunks": []})
+            merged["chunks"] += [{**c, "file": name, "dtype": meta["dtype"]} for c in meta["chunks"]]
+    return Manifest(storage.url, {"files": files, "tensors": tensors})
+
+
+def test_boxes_written_by_one_layout_read_back_in_another():
+    """Rows sharded over 2 writers (FSDP2-like), read as column shards of 4 (SPMD-like) and as one whole."""
+    storage = Storage("memory://layout-test")
+    full = torch.randn(6, 8)
+    entries = [[layout.Entry("w", (6, 8), torch.float32, [((0, 0), full[:3].clone())])],
+               [layout.Entry("w", (6, 8), torch.float32, [((3, 0), full[3:].clone())])]]
+    reader = ChunkReader(storage, _write(storage, entries))
+    columns = reader.read([("w", ((0, c), (6, 2))) for c in range(0, 8, 2)])
+    assert torch.equal(torch.cat(columns, dim=1), full)
+    (whole,) = reader.read([("w", ((0, 0), (6, 8)))])
+    assert torch.equal(whole, full)
+
+
+def test_a_flipped_byte_is_refused_naming_the_file():
+    storage = Storage("memory://corrupt-test")
+    full = torch.randn(4, 4)
+    manifest = _write(storage, [[layout.Entry("w", (4, 4), torch.float32, [((0, 0), full)])]])
+    name = layout.shard_file(0, 1)
+    data = bytearray(storage.read_bytes(name))
+    data[-3] ^= 0xFF
+    storage.write(name, bytes(data))
+    with pytest.raises(Exception, match=r"00000-of-00001\.safetensors is corrupt"):
+        ChunkReader(storage, manifest).read([("w", ((0, 0), (4, 4)))])
+
+
+def test_transient_errors_are_retried_until_they_pass():
+    from gcsfs.retry import HttpError
+
+    storage = Storage("memory://retry-test", retry_deadline_s=10)
+    failures = iter([HttpError({"code": 503, "message": "backend unavailable"}),
+                     HttpError({"code": 429, "message": "slow down"}),
+                     ConnectionRefusedError(errno.ECONNREFUSED, "refused")])
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return "done"
+
+    assert storage.retry("flaky op", flaky) == "done"
+    assert len(calls) == 4
+
+
+def test_an_outage_fails_at_the_deadline_and_a_real_error_at_once():
+    from gcsfs.retry import HttpError
+
+    storage = Storage("memory://outage-test", retry_deadline_s=1.0)
+    with pytest.raises(StorageError, match="writing gs://b/x: gave up after retrying for 1s"):
+        storage.retry("writing gs://b/x", lambda: (_ for _ in ()).throw(HttpError({"code": 503, "message": "down"})))
+    calls = []
+
+    def forbidden():
+        calls.append(1)
+        raise HttpError({"code": 403, "message": "forbidden"})
+
+    with pytest.raises(StorageError, match="not retried"):
+        storage.retry("writing gs://b/y", forbidden)
+    assert len(calls) == 1
+    assert not is_transient(FileNotFoundError("x")) and is_transient(TimeoutError())

@@ -1,0 +1,76 @@
+"""`xla-shard ckpt list` and `ckpt verify`: what a checkpoint directory holds, and whether it is intact."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from xla_shard.checkpoint import layout
+from xla_shard.checkpoint.manager import (CheckpointError, ChunkReader, Manifest, all_steps, committed_steps,
+                                          read_manifest)
+from xla_shard.checkpoint.storage import Storage
+
+
+def open_checkpoint(url: str) -> tuple[Storage, Manifest]:
+    """A URL naming one checkpoint, or a checkpoint.dir (its newest committed checkpoint)."""
+    storage = Storage(url)
+    if not storage.exists(layout.MANIFEST):
+        steps = committed_steps(storage)
+        if not steps:
+            raise CheckpointError(f"{url}: no committed checkpoint here (no {layout.MANIFEST}, and no "
+                                  "step-*/ directory with one)")
+        storage = Storage(storage.url_of(layout.step_dir(steps[-1])))
+    return storage, read_manifest(storage)
+
+
+@dataclass
+class Row:
+    step: int
+    committed: bool
+    bytes: int | None = None
+    writers: int | None = None
+    backend: str | None = None
+    created: float | None = None
+
+
+def list_checkpoints(url: str) -> list[Row]:
+    storage = Storage(url)
+    committed = set(committed_steps(storage))
+    rows = []
+    for step in all_steps(storage):
+        if step not in committed:
+            rows.append(Row(step, False))
+            continue
+        data = read_manifest(storage, layout.step_dir(step)).data
+        rows.append(Row(step, True, sum(f["bytes"] for f in data["files"].values()), data["writers"],
+                        data["backend"], data["created"]))
+    return rows
+
+
+def verify(url: str) -> tuple[Manifest, list[str]]:
+    """Every file present with its size, header and every chunk matching its crc32, every tensor fully
+    covered. Reads one tensor at a time (bounded memory); returns the problems found."""
+    storage, manifest = open_checkpoint(url)
+    problems: list[str] = []
+    for name, meta in manifest.data["files"].items():
+        where = storage.url_of(name)
+        try:
+            size = storage.size(name)
+            (header,) = storage.read_ranges([name], [0], [meta["header_bytes"]])
+        except FileNotFoundError:
+            problems.append(f"{where}: missing")
+            continue
+        if size != meta["bytes"]:
+            problems.append(f"{where}: {size} bytes, the manifest says {meta['bytes']}")
+        elif layout.crc32_hex(header) != meta["header_crc32"]:
+            problems.append(f"{where}: crc32 of the safetensors header does not match the manifest")
+    reader = ChunkReader(storage, manifest)
+    for name, meta in manifest.tensors.items():
+        shape = tuple(meta["shape"])
+        try:
+            reader.read([(name, ((0,) * len(shape), shape))])
+        except CheckpointError as exc:
+            message = str(exc)
+            if message not in problems:
+                problems.append(message)
+    return manifest, problems

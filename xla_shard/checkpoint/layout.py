@@ -1,0 +1,159 @@
+"""The on-storage format: where files go, how shards are encoded, how boxes of a tensor are addressed.
+
+    <dir>/step-00000020/
+        shards/00001-of-00004.safetensors   one per writer (rank; under SPMD, host): only its own chunks
+        shards/00001-of-00004.json          that writer's index (chunks, byte ranges, crc32s, RNG), last
+        manifest.json                       merged index + step, world, mesh, config, versions: the commit
+
+Every tensor is stored as chunks: boxes (offsets, sizes) of its global shape, the model DCP uses too. Boxes
+describe FSDP2 row shards, SPMD shards along any dimension and, cut into a few boxes each, FSDPv1's flat
+parameter shards, so any backend at any world size reads any checkpoint by intersecting boxes. Shard files
+are plain safetensors files (readable by the `safetensors` library), written here so the byte range of each
+chunk is known before upload and can be fetched alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+FORMAT = "xla_shard.checkpoint/1"
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+          torch.bool: "BOOL"}
+TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) within a tensor's global shape
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    match = _STEP_DIR.match(name.rstrip("/").rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None
+
+
+def shard_file(rank: int, world: int) -> str:
+    return f"shards/{rank:05d}-of-{world:05d}.safetensors"
+
+
+def index_file(rank: int, world: int) -> str:
+    return f"shards/{rank:05d}-of-{world:05d}.json"
+
+
+@dataclass
+class Entry:
+    """One tensor of the training state, and the chunks of it this process writes."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: list[tuple[tuple[int, ...], torch.Tensor]] = field(default_factory=list)  # (offsets, host tensor)
+
+
+# ---- boxes --------------------------------------------------------------------------------------------
+def intersect(a: Box, b: Box) -> Box | None:
+    offsets, sizes = [], []
+    for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1]):
+        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        sizes.append(hi - lo)
+    return tuple(offsets), tuple(sizes)
+
+
+def region(box: Box, within: Box) -> tuple[slice, ...]:
+    """Index of `box` inside a tensor that holds `within`."""
+    return tuple(slice(o - wo, o - wo + s) for o, s, wo in zip(box[0], box[1], within[0]))
+
+
+def range_to_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
+    """The boxes covering elements [start, stop) of a row-major tensor (FSDPv1 shards of flat parameters)."""
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), ())]
+    if len(shape) == 1:
+        return [((start,), (stop - start,))]
+    inner = math.prod(shape[1:])
+    first_full, last_full = -(-start // inner), stop // inner
+    if first_full > last_full:  # inside one row
+        row = start // inner
+        return [((row, *o), (1, *s)) for o, s in range_to_boxes(shape[1:], start - row * inner, stop - row * inner)]
+    boxes = []
+    if start < first_full * inner:
+        row = first_full - 1
+        boxes += [((row, *o), (1, *s)) for o, s in range_to_boxes(shape[1:], start - row * inner, inner)]
+    if last_full > first_full:
+        boxes.append(((first_full,) + (0,) * (len(shape) - 1), (last_full - first_full, *shape[1:])))
+    if stop > last_full * inner:
+        boxes += [((last_full, *o), (1, *s)) for o, s in range_to_boxes(shape[1:], 0, stop - last_full * inner)]
+    return boxes
+
+
+# ---- shard files ----------------------------------------------------------------------------------------
+def chunk_key(name: str, offsets: tuple[int, ...]) -> str:
+    return f"{name}@{','.join(map(str, offsets))}"
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()).toreadonly()
+
+
+def encode_shard(entries: list[Entry]) -> tuple[list[memoryview], dict]:
+    """The safetensors bytes of this writer's chunks (as parts, not joined: part 0 is the header, then one
+    part per chunk in index order) and its index, without checksums: `add_checksums` fills those in, in a
+    thread that runs while the parts upload."""
+    header, parts, chunks, offset = {}, [], {}, 0
+    for entry in entries:
+        for offsets, tensor in entry.chunks:
+            raw = tensor_bytes(tensor)
+            key = chunk_key(entry.name, offsets)
+            header[key] = {"dtype": DTYPES[entry.dtype], "shape": list(tensor.shape),
+                           "data_offsets": [offset, offset + raw.nbytes]}
+            chunks.setdefault(entry.name, []).append(
+                {"offsets": list(offsets), "sizes": list(tensor.shape), "start": offset, "end": offset + raw.nbytes})
+            parts.append(raw)
+            offset += raw.nbytes
+    header["__metadata__"] = {"format": "pt", "writer": FORMAT}
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # safetensors aligns the data section to 8 bytes
+    prefix = struct.pack("<Q", len(head)) + head
+    for chunk_list in chunks.values():  # byte ranges relative to the start of the file
+        for chunk in chunk_list:
+            chunk["start"] += len(prefix)
+            chunk["end"] += len(prefix)
+    tensors = {e.name: {"shape": list(e.shape), "dtype": DTYPES[e.dtype], "chunks": chunks.get(e.name, [])}
+               for e in entries}
+    return [memoryview(prefix), *parts], {"bytes": len(prefix) + offset, "header_bytes": len(prefix),
+                                          "tensors": tensors}
+
+
+def add_checksums(parts: list[memoryview], index: dict) -> None:
+    """crc32 of the header and of every chunk: a load that reads one chunk verifies exactly what it read."""
+    index["header_crc32"] = crc32_hex(parts[0])
+    chunks = [c for meta in index["tensors"].values() for c in meta["chunks"]]
+    for chunk, part in zip(chunks, parts[1:]):
+        chunk["crc32"] = crc32_hex(part)
+
+
+def decode_chunk(data: bytes, dtype: str, sizes: list[int]) -> torch.Tensor:
+    if not data:
+        return torch.empty(sizes, dtype=TORCH_DTYPES[dtype])
+    return torch.frombuffer(bytearray(data), dtype=TORCH_DTYPES[dtype]).reshape(sizes)
+
+
+def crc32_hex(data: bytes | memoryview) -> str:
+    return f"{zlib.crc32(data):08x}"

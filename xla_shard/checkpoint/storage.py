@@ -1,0 +1,161 @@
+"""fsspec storage with bounded retries: local paths, gs:// (gcsfs), memory://, anything fsspec opens.
+
+Every call that touches storage goes through `Storage`, so transient failures (HTTP 408/429/5xx, timeouts,
+refused or reset connections) are retried with jittered exponential backoff up to one deadline, and a real
+outage ends in a `StorageError` naming the URL. Credentials come from the environment (on a TPU VM, the VM's
+service account through the metadata server) and are never logged: messages carry URLs only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+from typing import Callable, TypeVar
+
+import tenacity
+from fsspec.core import url_to_fs
+
+from xla_shard.errors import UserError
+
+T = TypeVar("T")
+
+_TRANSIENT_HTTP = {408, 425, 429, 500, 502, 503, 504}
+_TRANSIENT_ERRNO = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE,
+                    errno.EHOSTUNREACH, errno.ENETUNREACH}
+
+
+# gcsfs logs a full traceback each time its own inner retries run out; `Storage.retry` retries again and
+# reports the failure once, as a StorageError naming the URL. Users who set a gcsfs log level keep it.
+if logging.getLogger("gcsfs").level == logging.NOTSET:
+    logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
+
+
+class StorageError(UserError):
+    """Storage stayed unreachable past the retry deadline, or refused the request outright."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    code = getattr(exc, "code", None) or getattr(exc, "status", None)
+    if isinstance(code, int):
+        return code in _TRANSIENT_HTTP
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError, ConnectionError)):
+        return True
+    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNO:
+        return True
+    try:
+        import aiohttp
+    except ImportError:  # only gcsfs/http filesystems bring aiohttp
+        return False
+    return isinstance(exc, aiohttp.ClientError) and not isinstance(exc, aiohttp.ClientResponseError)
+
+
+def storage_options(url: str) -> dict:
+    if url.startswith("gs://") and os.environ.get("STORAGE_EMULATOR_HOST"):
+        # A local GCS emulator (tests, benchmarks): no credentials, and no gRPC probe for zonal/HNS buckets,
+        # which an emulator never answers (gcsfs would wait 60 s per bucket before falling back).
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        return {"token": "anon"}
+    return {}
+
+
+class Storage:
+    """One filesystem rooted at a URL; paths passed to methods are relative to the root."""
+
+    def __init__(self, url: str, retry_deadline_s: float = 120.0):
+        self.url = url.rstrip("/")
+        self.retry_deadline_s = retry_deadline_s
+        try:
+            self.fs, self.root = url_to_fs(self.url, **storage_options(self.url))
+        except (ValueError, ImportError) as exc:
+            raise StorageError(f"cannot open storage URL {self.url!r}: {exc}") from None
+        self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root.rstrip("/"), *[p.strip("/") for p in parts if p]])
+
+    def url_of(self, *parts: str) -> str:
+        return "/".join([self.url, *[p.strip("/") for p in parts if p]])
+
+    def retry(self, what: str, fn: Callable[[], T]) -> T:
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(is_transient),
+            stop=tenacity.stop_after_delay(self.retry_deadline_s),
+            wait=tenacity.wait_exponential_jitter(multiplier=0.2, max=10.0, jitter=0.2),
+            reraise=True,
+        )
+        try:
+            return retrying(fn)
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            kind = "gave up after retrying for" if is_transient(exc) else "failed, not retried (not transient), within"
+            raise StorageError(f"{what}: {kind} {self.retry_deadline_s:g}s: {type(exc).__name__}: {exc}") from exc
+
+    # ---- operations -------------------------------------------------------------------------------
+    def write(self, rel: str, parts: bytes | list[bytes | memoryview]) -> None:
+        """Write one whole object from its parts. A local file goes to a temporary name first and is renamed,
+        so a crash leaves the old file or the new one; object stores make single-object writes atomic."""
+        parts = [parts] if isinstance(parts, (bytes, bytearray, memoryview)) else parts
+        path = self.path(rel)
+
+        def write():
+            if self.local:
+                self.fs.makedirs(os.path.dirname(path), exist_ok=True)
+                tmp = f"{path}.tmp-{os.getpid()}"
+                with open(tmp, "wb") as out:
+                    for part in parts:
+                        out.write(part)
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.replace(tmp, path)
+            else:
+                self.fs.pipe_file(path, parts[0] if len(parts) == 1 and isinstance(parts[0], bytes)
+                                  else b"".join(parts))
+
+        self.retry(f"writing {self.url_of(rel)}", write)
+
+    def read_bytes(self, rel: str) -> bytes:
+        return self.retry(f"reading {self.url_of(rel)}", lambda: self.fs.cat_file(self.path(rel)))
+
+    def read_ranges(self, rel_paths: list[str], starts: list[int], ends: list[int]) -> list[bytes]:
+        """Byte ranges from many objects in one call; gcsfs fetches them concurrently."""
+        if not rel_paths:
+            return []
+        paths = [self.path(p) for p in rel_paths]
+        result = self.retry(f"reading {len(paths)} range(s) under {self.url}",
+                            lambda: self.fs.cat_ranges(paths, starts, ends, on_error="raise"))
+        return list(result)
+
+    def exists(self, rel: str) -> bool:
+        path = self.path(rel)
+
+        def check():
+            self.fs.invalidate_cache(os.path.dirname(path))
+            return self.fs.exists(path)
+
+        return self.retry(f"checking {self.url_of(rel)}", check)
+
+    def size(self, rel: str) -> int:
+        return self.retry(f"stat {self.url_of(rel)}", lambda: self.fs.size(self.path(rel)))
+
+    def glob(self, pattern: str) -> list[str]:
+        """Matches, relative to the root."""
+        root = self.root.rstrip("/")
+
+        def run():
+            self.fs.invalidate_cache(root)
+            return self.fs.glob(self.path(pattern))
+
+        return sorted(p[len(root) + 1:] if p.startswith(root) else p for p in self.retry(f"listing {self.url}", run))
+
+    def remove_tree(self, rel: str) -> None:
+        def remove():
+            try:
+                self.fs.rm(self.path(rel), recursive=True)
+            except FileNotFoundError:
+                pass
+
+        self.retry(f"deleting {self.url_of(rel)}", remove)
+

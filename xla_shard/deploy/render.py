@@ -1,0 +1,193 @@
+"""Render the gcloud commands and scripts that run a config on Cloud TPU VMs, queued resources or GPU VMs.
+
+Every gcloud command is built here as an argv list (so tests can hand each one to the real gcloud CLI) and
+written into scripts from the templates in `gcp/`. Values come from the config's `deploy`, `backend` and
+`checkpoint` sections; package versions come from pyproject.toml on the machine itself (`pip install -e`),
+so nothing is copied by hand into a second place.
+"""
+
+from __future__ import annotations
+
+import shlex
+import string
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from xla_shard import backends
+from xla_shard.config import dump
+from xla_shard.config.schema import ShardConfig
+from xla_shard.deploy import tpu
+from xla_shard.errors import ConfigError, UserError
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "gcp"
+TARGETS = ("tpu-vm", "queued-resource", "gpu-vm")
+CLOUD_PLATFORM = "https://www.googleapis.com/auth/cloud-platform"
+# GPUs per VM for the machine types whose GPUs come built in.
+GPU_MACHINES = {"a3-highgpu-8g": 8, "a3-megagpu-8g": 8, "a3-ultragpu-8g": 8, "a2-highgpu-1g": 1,
+                "a2-highgpu-8g": 8, "a2-ultragpu-8g": 8, "g2-standard-4": 1, "g2-standard-48": 4}
+
+
+@dataclass
+class Rendering:
+    target: str
+    commands: list[list[str]] = field(default_factory=list)  # every gcloud argv, "gcloud" first
+    files: dict[str, str] = field(default_factory=dict)  # name -> text
+
+
+def _shell(argv: list[str]) -> str:
+    """`run "$GCLOUD" ...`: gcloud through ${GCLOUD:-gcloud}; $HERE expanded by the script."""
+    words = ['"$GCLOUD"'] + [shlex.quote(a).replace("'@HERE@", "\"$HERE\"'").replace("@HERE@", '"$HERE"')
+                              for a in argv[1:]]
+    return "run " + " ".join(words)
+
+
+def _template(name: str) -> string.Template:
+    path = TEMPLATES / name
+    if not path.is_file():
+        raise UserError(f"template {path} not found: `xla-shard gcp render` needs the repository's gcp/ folder")
+    return string.Template(path.read_text())
+
+
+def _check_common(cfg: ShardConfig, hosts: int) -> None:
+    ckpt = cfg.checkpoint.dir
+    if ckpt and hosts > 1 and "://" not in ckpt:
+        raise ConfigError("checkpoint.dir", f"{ckpt!r} is a local path, but this job runs on {hosts} hosts: each "
+                                            "would write its shards to its own disk. Use a gs:// URL")
+    if ckpt and ckpt.startswith("memory://"):
+        raise ConfigError("checkpoint.dir", "memory:// does not outlive the process; use a gs:// URL")
+    if not cfg.deploy.project:
+        raise ConfigError("deploy.project", "set the Google Cloud project to deploy into")
+
+
+def render(cfg: ShardConfig, target: str, config_name: str = "config.yaml") -> Rendering:
+    if target not in TARGETS:
+        raise UserError(f"--target {target!r}: choose one of {', '.join(TARGETS)}")
+    if target == "gpu-vm":
+        return _render_gpu(cfg, config_name)
+    return _render_tpu(cfg, target, config_name)
+
+
+def _tpu_backend(cfg: ShardConfig) -> str:
+    name = backends.resolve_name(cfg) if cfg.backend.value != "auto" else "xla_spmd"
+    if name == "torch_fsdp":
+        raise ConfigError("backend", "torch_fsdp is the CUDA fallback; on a TPU use xla_spmd or xla_fsdp "
+                                     "(or --target gpu-vm)")
+    return name
+
+
+def _render_tpu(cfg: ShardConfig, target: str, config_name: str) -> Rendering:
+    d = cfg.deploy
+    tpu_slice = tpu.parse(d.accelerator_type, d.zone, d.allow_unlisted_zone)
+    _check_common(cfg, tpu_slice.hosts)
+    _tpu_backend(cfg)
+    where = [f"--zone={d.zone}", f"--project={d.project}"]
+    node = f"{d.remote_user}@{d.name}"
+    ssh = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", node, *where, "--worker=all"]
+    placement = [*( [f"--network={d.network}"] if d.network else []),
+                 *( [f"--subnetwork={d.subnetwork}"] if d.subnetwork else [])]
+    account = ([f"--service-account={d.service_account}"] if d.service_account else []) + [f"--scopes={CLOUD_PLATFORM}"]
+    provisioning = {"spot": ["--spot"], "preemptible": ["--preemptible"], "reserved": ["--reserved"],
+                    "on-demand": []}[d.provisioning]
+    rendering = Rendering(target)
+    if target == "tpu-vm":
+        create = ["gcloud", "compute", "tpus", "tpu-vm", "create", d.name, *where,
+                  f"--accelerator-type={tpu_slice.accelerator_type}", f"--version={tpu_slice.runtime_version}",
+                  *provisioning, *placement, *account, "--metadata-from-file=startup-script=@HERE@/startup.sh"]
+        delete = [["gcloud", "compute", "tpus", "tpu-vm", "delete", d.name, *where, "--quiet"]]
+        poll = []
+    else:
+        if d.provisioning == "preemptible":
+            raise ConfigError("deploy.provisioning", "queued resources take spot, reserved or on-demand capacity")
+        create = ["gcloud", "compute", "tpus", "queued-resources", "create", d.name, f"--node-id={d.name}", *where,
+                  f"--accelerator-type={tpu_slice.accelerator_type}", f"--runtime-version={tpu_slice.runtime_version}",
+                  *provisioning, f"--valid-until-duration={_duration(d.valid_until)}", *placement, *account,
+                  "--metadata-from-file=startup-script=@HERE@/startup.sh"]
+        poll = ["gcloud", "compute", "tpus", "queued-resources", "describe", d.name, *where,
+                "--format=value(state.state)"]
+        delete = [["gcloud", "compute", "tpus", "queued-resources", "delete", d.name, *where, "--force", "--quiet"]]
+    copy = ["gcloud", "compute", "tpus", "tpu-vm", "scp", "@HERE@/xla_shard.tar.gz", f"@HERE@/{config_name}",
+            f"{node}:~/", *where, "--worker=all"]
+    launch_env = "PJRT_DEVICE=TPU"
+    setup = ssh + [f"--command={_unpack(d.remote_dir)} && bash ~/{d.remote_dir}/scripts/setup_worker.sh tpu"]
+    launch = ssh + [f"--command=cd ~/{d.remote_dir} && {launch_env} setsid nohup scripts/train_loop.sh "
+                    f"~/{config_name} > ~/train.log 2>&1 < /dev/null &"]
+    follow = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", node, *where, "--worker=0", "--command=tail -F ~/train.log"]
+    rendering.commands = [create, *( [poll] if poll else []), copy, setup, launch, follow, *delete]
+    common = _template("common.sh.tmpl").substitute(target=target, config_name=config_name)
+    values = dict(common=common, name=d.name, create=_shell(create), copy=_shell(copy), setup=_shell(setup),
+                  launch=_shell(launch), follow=shlex.join(follow), poll=_shell(poll)[4:] if poll else "")
+    script = "tpu_vm.sh.tmpl" if target == "tpu-vm" else "queued_resource.sh.tmpl"
+    rendering.files["deploy.sh"] = _template(script).substitute(values)
+    rendering.files["teardown.sh"] = _template("teardown.sh.tmpl").substitute(
+        common=common, delete="\n".join(_shell(c) for c in delete))
+    rendering.files["startup.sh"] = _template("startup.sh.tmpl").substitute(
+        target=target, user=d.remote_user, remote_dir=d.remote_dir, launch_env=launch_env)
+    rendering.files[config_name] = dump(cfg)
+    return rendering
+
+
+def _render_gpu(cfg: ShardConfig, config_name: str) -> Rendering:
+    d = cfg.deploy
+    if cfg.backend.value not in ("auto", "torch_fsdp"):
+        raise ConfigError("backend", f"{cfg.backend.value} runs on TPUs; the GPU fallback is torch_fsdp (or auto)")
+    gpus = GPU_MACHINES.get(d.gpu_machine_type)
+    if gpus is None:
+        raise ConfigError("deploy.gpu_machine_type", f"{d.gpu_machine_type!r} is not a GPU machine type xla_shard "
+                                                     f"knows ({', '.join(GPU_MACHINES)})")
+    _check_common(cfg, d.gpu_nodes)
+    where = [f"--zone={d.zone}", f"--project={d.project}"]
+    names = [d.name] if d.gpu_nodes == 1 else [f"{d.name}-{i}" for i in range(d.gpu_nodes)]
+    provisioning = {"spot": ["--provisioning-model=SPOT", "--instance-termination-action=STOP"],
+                    "preemptible": ["--preemptible"], "reserved": ["--reservation-affinity=any"],
+                    "on-demand": []}[d.provisioning]
+    account = ([f"--service-account={d.service_account}"] if d.service_account else []) + [f"--scopes={CLOUD_PLATFORM}"]
+    create = ["gcloud", "compute", "instances", "create", *names, *where, f"--machine-type={d.gpu_machine_type}",
+              f"--image-family={d.gpu_image_family}", f"--image-project={d.gpu_image_project}",
+              "--boot-disk-size=200GB", "--maintenance-policy=TERMINATE", *provisioning,
+              *([f"--network={d.network}"] if d.network else []), *([f"--subnet={d.subnetwork}"] if d.subnetwork else []),
+              *account, "--metadata-from-file=startup-script=@HERE@/startup.sh"]
+    if d.gpu_nodes == 1:
+        torchrun = f"torchrun --standalone --nproc-per-node={gpus}"
+    else:
+        torchrun = (f"torchrun --nnodes={d.gpu_nodes} --nproc-per-node={gpus} --rdzv-backend=c10d "
+                    f"--rdzv-endpoint={names[0]}:29500 --rdzv-id={d.name}")
+    launch_env = f"XLA_SHARD_LAUNCHER='{torchrun} -m xla_shard.cli train'"
+    copies, setups, launches = [], [], []
+    for name in names:
+        node = f"{d.remote_user}@{name}"
+        copies.append(["gcloud", "compute", "scp", "@HERE@/xla_shard.tar.gz", f"@HERE@/{config_name}", f"{node}:~/",
+                       *where])
+        setups.append(["gcloud", "compute", "ssh", node, *where,
+                       f"--command={_unpack(d.remote_dir)} && bash ~/{d.remote_dir}/scripts/setup_worker.sh gpu"])
+        launches.append(["gcloud", "compute", "ssh", node, *where,
+                         f"--command=cd ~/{d.remote_dir} && {launch_env} setsid nohup scripts/train_loop.sh "
+                         f"~/{config_name} > ~/train.log 2>&1 < /dev/null &"])
+    follow = ["gcloud", "compute", "ssh", f"{d.remote_user}@{names[0]}", *where, "--command=tail -F ~/train.log"]
+    delete = ["gcloud", "compute", "instances", "delete", *names, *where, "--quiet"]
+    rendering = Rendering("gpu-vm", [create, *copies, *setups, *launches, follow, delete])
+    common = _template("common.sh.tmpl").substitute(target="gpu-vm", config_name=config_name)
+    rendering.files["deploy.sh"] = _template("gpu_vm.sh.tmpl").substitute(
+        common=common, name=d.name, create=_shell(create), copy="\n".join(map(_shell, copies)),
+        setup="\n".join(map(_shell, setups)), launch="\n".join(map(_shell, launches)), follow=shlex.join(follow))
+    rendering.files["teardown.sh"] = _template("teardown.sh.tmpl").substitute(common=common, delete=_shell(delete))
+    rendering.files["startup.sh"] = _template("startup.sh.tmpl").substitute(
+        target="gpu-vm", user=d.remote_user, remote_dir=d.remote_dir, launch_env=launch_env.replace("'", "'\\''"))
+    rendering.files[config_name] = dump(cfg)
+    return rendering
+
+
+def _unpack(remote_dir: str) -> str:
+    return f"mkdir -p ~/{remote_dir} && tar xzf ~/xla_shard.tar.gz -C ~/{remote_dir}"
+
+
+def _duration(text: str) -> str:
+    """gcloud reads `--valid-until-duration=30m` as thirty *months*. The config takes s, min, h or d, and
+    minutes are rendered as seconds, so no ambiguous `m` ever reaches gcloud."""
+    import re
+
+    match = re.fullmatch(r"\s*(\d+)\s*(s|sec|min|h|d)\s*", text)
+    if not match:
+        raise ConfigError("deploy.valid_until", f"{text!r}: use a number with s, min, h or d (e.g. 6h, 90min, 2d); "
+                                                "gcloud reads a bare 'm' as months")
+    number, unit = int(match.group(1)), match.group(2)
+    return {"s": f"{number}s", "sec": f"{number}s", "min": f"{number * 60}s", "h": f"{number}h", "d": f"{number}d"}[unit]
