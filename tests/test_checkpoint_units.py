@@ -24,16 +24,14 @@ def test_range_to_boxes_covers_exactly_the_range(shape):
 
 
 def _write(storage: Storage, chunks_by_writer: list[list[layout.Entry]]) -> Manifest:
-    tensors, files = {}, {}
+    indexes = []
     for rank, entries in enumerate(chunks_by_writer):
         parts, index = layout.encode_shard(entries)
         layout.add_checksums(parts, index)
-        name = layout.shard_file(rank, len(chunks_by_writer))
-        storage.write(name, parts)
-        files[name] = {"bytes": index["bytes"]}
-        for tname, meta in index["tensors"].items():
-            merged = tensors.setdefault(tname, {"shape": meta["shape"], "dtype": meta["dtype"], "chunks": []})
-            merged["chunks"] += [{**c, "file": name, "dtype": meta["dtype"]} for c in meta["chunks"]]
+        index["file"] = layout.shard_file(rank, len(chunks_by_writer))
+        storage.write(index["file"], parts)
+        indexes.append(index)
+    files, tensors = layout.merge_indexes(indexes)
     return Manifest(storage.url, {"files": files, "tensors": tensors})
 
 

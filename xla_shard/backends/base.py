@@ -13,11 +13,11 @@ from typing import Any, Callable, ClassVar, Iterator
 import torch
 from torch import nn
 
+from xla_shard.checkpoint.layout import Box
 from xla_shard.config.schema import ShardConfig
 from xla_shard.errors import ConfigError
 
 CheckpointFn = Callable[..., Any]
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) inside a tensor's global shape
 Chunk = tuple[tuple[int, ...], torch.Tensor]  # (offsets, host copy of that box)
 
 
@@ -133,15 +133,9 @@ class Backend(abc.ABC):
         tensors = []
         for name, param in self.named_parameters(model):
             tensors.append(self._state_tensor(f"model/{name}", param))
-            opt_state = optimizer.state[param]
-            keys = [k for k, v in opt_state.items() if torch.is_tensor(v)] if stored is None else [
-                key.rsplit("/", 1)[1] for key in stored if key.startswith(f"optim/{name}/")]
-            for key in keys:
-                if key not in opt_state:
-                    shape, dtype = stored[f"optim/{name}/{key}"]
-                    opt_state[key] = (self.zeros_like(param) if tuple(shape) == tuple(param.shape)
-                                      else torch.zeros(shape, dtype=dtype))
-                tensors.append(self._state_tensor(f"optim/{name}/{key}", opt_state[key]))
+            for key, value in optimizer_state(optimizer.state[param], name, stored, tuple(param.shape),
+                                              lambda: self.zeros_like(param)):
+                tensors.append(self._state_tensor(f"optim/{name}/{key}", value))
         return tensors
 
     def _state_tensor(self, name: str, tensor: torch.Tensor) -> StateTensor:
@@ -168,11 +162,10 @@ class Backend(abc.ABC):
     def rng_state(self) -> dict[str, Any]:
         """This process's random number generators, JSON-serialisable (it goes into the shard index)."""
         version, internal, gauss = random.getstate()
-        return {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
-                "python": [version, list(internal), gauss]}
+        return {"torch": pack_bytes(torch.get_rng_state()), "python": [version, list(internal), gauss]}
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
-        torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+        torch.set_rng_state(unpack_bytes(state["torch"]))
         version, internal, gauss = state["python"]
         random.setstate((version, tuple(internal), gauss))
 
@@ -182,6 +175,31 @@ class Backend(abc.ABC):
     def any_rank(self, flag: bool) -> bool:
         """True if `flag` is set on any process, so that all stop at the same step (preemption)."""
         return flag
+
+
+def optimizer_state(opt_state: dict, name: str, stored: dict | None, like_shape: tuple[int, ...],
+                    zeros_like: Callable[[], torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """(key, tensor) of one parameter's optimizer state. Saving (`stored` None): the tensors it has. Loading:
+    the keys the checkpoint holds, creating those the optimizer has not made yet (it does so lazily at its
+    first step): shaped like the parameter -> `zeros_like()`, laid out like it; scalars ('step') on the host."""
+    if stored is None:
+        return [(k, v) for k, v in opt_state.items() if torch.is_tensor(v)]
+    out = []
+    for key in [k.rsplit("/", 1)[1] for k in stored if k.startswith(f"optim/{name}/")]:
+        if key not in opt_state:
+            shape, dtype = stored[f"optim/{name}/{key}"]
+            opt_state[key] = zeros_like() if tuple(shape) == like_shape else torch.zeros(shape, dtype=dtype)
+        out.append((key, opt_state[key]))
+    return out
+
+
+def pack_bytes(state: torch.Tensor) -> str:
+    """A byte tensor (an RNG state) as text for the JSON shard index."""
+    return base64.b64encode(state.numpy().tobytes()).decode()
+
+
+def unpack_bytes(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
 def unit_names(model: nn.Module, unit_type: type, wrapper_prefixes: tuple[str, ...]) -> list[str]:

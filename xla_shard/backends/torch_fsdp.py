@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import functools
 import os
 from datetime import timedelta
@@ -17,7 +16,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from xla_shard.backends.base import Backend, Box, Chunk, apply_activation_checkpointing, unit_names
+from xla_shard.backends.base import (Backend, Box, Chunk, apply_activation_checkpointing, pack_bytes, unit_names,
+                                     unpack_bytes)
 from xla_shard.config.schema import ShardingStrategy
 from xla_shard.data import local_rows
 from xla_shard.wrap import checkpoint_targets, wrap_targets
@@ -147,14 +147,13 @@ class TorchFsdpBackend(Backend):
     def rng_state(self) -> dict:
         state = super().rng_state()
         if self.device.type == "cuda":
-            state["cuda"] = base64.b64encode(torch.cuda.get_rng_state(self.device).numpy().tobytes()).decode()
+            state["cuda"] = pack_bytes(torch.cuda.get_rng_state(self.device))
         return state
 
     def set_rng_state(self, state: dict) -> None:
         super().set_rng_state(state)
         if self.device.type == "cuda" and "cuda" in state:
-            torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8),
-                                     self.device)
+            torch.cuda.set_rng_state(unpack_bytes(state["cuda"]), self.device)
 
     def shutdown(self) -> None:
         if dist.is_initialized():

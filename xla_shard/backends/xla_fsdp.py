@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from xla_shard.backends import xla_common
-from xla_shard.backends.base import Backend, StateTensor, apply_activation_checkpointing, unit_names
+from xla_shard.backends.base import (Backend, StateTensor, apply_activation_checkpointing, optimizer_state,
+                                     unit_names)
 from xla_shard.checkpoint.layout import range_to_boxes
 from xla_shard.config.schema import ShardingStrategy
 from xla_shard.data import local_rows
@@ -162,14 +163,8 @@ class XlaFsdpBackend(Backend):
                 opt_state = optimizer.state[shard]
                 for name, shape, at, first, count in pieces:
                     tensors.append(self._piece(f"model/{name}", shard, shape, at, first, count, host))
-                    keys = [k for k, v in opt_state.items() if torch.is_tensor(v)] if stored is None else [
-                        key.rsplit("/", 1)[1] for key in stored if key.startswith(f"optim/{name}/")]
-                    for key in keys:
-                        if key not in opt_state:
-                            stored_shape, dtype = stored[f"optim/{name}/{key}"]
-                            opt_state[key] = (torch.zeros_like(shard) if tuple(stored_shape) == shape
-                                              else torch.zeros(stored_shape, dtype=dtype))
-                        value = opt_state[key]
+                    for key, value in optimizer_state(opt_state, name, stored, shape,
+                                                      lambda shard=shard: torch.zeros_like(shard)):
                         if value.dim() == 0:
                             tensors.append(self._state_tensor(f"optim/{name}/{key}", value))
                         else:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,11 +80,9 @@ def export(url: str, out_dir: str, max_shard_bytes: int = 2 * 10**9) -> ExportRe
             offset += sizes[name]
             weight_map[name[len("model/"):]] = file
         header["__metadata__"] = {"format": "pt"}
-        head = json.dumps(header, separators=(",", ":")).encode()
-        head += b" " * (-len(head) % 8)
         tmp = out / f".{file}.partial"
         with open(tmp, "wb") as stream:
-            stream.write(struct.pack("<Q", len(head)) + head)
+            stream.write(layout.safetensors_prefix(header))
             for name in group:
                 shape = tuple(manifest.tensors[name]["shape"])
                 (tensor,) = reader.read([(name, ((0,) * len(shape), shape))])

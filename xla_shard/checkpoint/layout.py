@@ -128,9 +128,7 @@ def encode_shard(entries: list[Entry]) -> tuple[list[memoryview], dict]:
             parts.append(raw)
             offset += raw.nbytes
     header["__metadata__"] = {"format": "pt", "writer": FORMAT}
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # safetensors aligns the data section to 8 bytes
-    prefix = struct.pack("<Q", len(head)) + head
+    prefix = safetensors_prefix(header)
     for chunk_list in chunks.values():  # byte ranges relative to the start of the file
         for chunk in chunk_list:
             chunk["start"] += len(prefix)
@@ -139,6 +137,25 @@ def encode_shard(entries: list[Entry]) -> tuple[list[memoryview], dict]:
                for e in entries}
     return [memoryview(prefix), *parts], {"bytes": len(prefix) + offset, "header_bytes": len(prefix),
                                           "tensors": tensors}
+
+
+def safetensors_prefix(header: dict) -> bytes:
+    """The bytes before a safetensors file's data: header length, then the JSON header padded to 8 bytes."""
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # safetensors aligns the data section to 8 bytes
+    return struct.pack("<Q", len(head)) + head
+
+
+def merge_indexes(indexes: list[dict]) -> tuple[dict, dict]:
+    """Writers' indexes -> the manifest's `files` and `tensors` (each chunk tagged with its file)."""
+    files, tensors = {}, {}
+    for index in indexes:
+        files[index["file"]] = {"bytes": index["bytes"], "header_bytes": index["header_bytes"],
+                                "header_crc32": index["header_crc32"]}
+        for name, meta in index["tensors"].items():
+            merged = tensors.setdefault(name, {"shape": meta["shape"], "dtype": meta["dtype"], "chunks": []})
+            merged["chunks"] += [{**chunk, "file": index["file"], "dtype": meta["dtype"]} for chunk in meta["chunks"]]
+    return files, tensors
 
 
 def add_checksums(parts: list[memoryview], index: dict) -> None:

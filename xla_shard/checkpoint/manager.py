@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from xla_shard.checkpoint import layout
-from xla_shard.checkpoint.storage import Storage, StorageError
+from xla_shard.checkpoint.storage import Storage
 from xla_shard.errors import UserError
 
 
@@ -235,14 +235,8 @@ class Checkpointer:
     def _commit(self, step: int, world: int) -> None:
         directory = layout.step_dir(step)
         indexes = self._gather_indexes(directory, world)
-        files, tensors, rng = {}, {}, {}
-        for index in indexes:
-            files[index["file"]] = {"bytes": index["bytes"], "header_bytes": index["header_bytes"],
-                                    "header_crc32": index["header_crc32"]}
-            rng[str(index["writer"])] = index["rng"]
-            for name, meta in index["tensors"].items():
-                merged = tensors.setdefault(name, {"shape": meta["shape"], "dtype": meta["dtype"], "chunks": []})
-                merged["chunks"] += [{**chunk, "file": index["file"], "dtype": meta["dtype"]} for chunk in meta["chunks"]]
+        files, tensors = layout.merge_indexes(indexes)
+        rng = {str(index["writer"]): index["rng"] for index in indexes}
         for name, meta in tensors.items():  # every element of every tensor is in exactly one chunk
             stored = sum(math.prod(c["sizes"]) for c in meta["chunks"])
             if stored != math.prod(meta["shape"]):
