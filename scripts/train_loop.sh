@@ -2,8 +2,9 @@
 # Run training until it finishes, restarting after preemption or a crash; each restart resumes from the
 # newest committed checkpoint (checkpoint.resume: auto).
 #   scripts/train_loop.sh CONFIG [xla-shard train options...]
-# Exit 0 from training means done. 143 means it stopped on SIGTERM after committing a checkpoint; anything
-# else is a failure. Both restart, up to MAX_RESTARTS times, RESTART_DELAY_S apart.
+# Exit 0 from training means done. 143 means it stopped on SIGTERM after committing a checkpoint; 2 is a user
+# mistake (bad config, refused checkpoint) that a restart would only repeat, so the loop stops; anything else
+# is a failure. 143 and failures restart, up to MAX_RESTARTS times, RESTART_DELAY_S apart.
 # XLA_SHARD_LAUNCHER replaces `xla-shard train` (e.g. a torchrun command); DRY_RUN=1 only prints.
 set -euo pipefail
 config="${1:?usage: train_loop.sh CONFIG [options...]}"
@@ -24,6 +25,10 @@ while true; do
   if [[ "$status" == 0 ]]; then
     echo "train_loop: training finished" >&2
     exit 0
+  fi
+  if [[ "$status" == 2 ]]; then
+    echo "train_loop: exit status 2 (a configuration or input error; see above); not restarting" >&2
+    exit 2
   fi
   if (( restarts >= MAX_RESTARTS )); then
     echo "train_loop: exit status $status after $restarts restart(s); giving up" >&2

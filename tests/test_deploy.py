@@ -129,3 +129,103 @@ def test_train_loop_restarts_after_preemption_until_training_finishes(tmp_path):
     assert done.returncode == 0, done.stderr
     assert count.read_text().splitlines() == ["cfg.yaml --set a=1"] * 2
     assert "exit status 143; restart 1/" in done.stderr
+
+
+# ---- injection: hostile deploy values never execute -------------------------------------------------------
+# Each payload runs `xcanary` (a script on PATH that leaves a file) if any shell ever evaluates it.
+PAYLOADS = ["a$(xcanary)b", "a`xcanary`b", "a';xcanary;'b", 'a";xcanary;"b', "a;xcanary;b", "a&&xcanary",
+            "a|xcanary", "a\nxcanary", "a$IFS$(xcanary)"]
+DEPLOY_KEYS = ["name", "project", "zone", "accelerator_type", "network", "subnetwork", "service_account",
+               "gpu_machine_type", "gpu_image_family", "gpu_image_project", "remote_user", "remote_dir"]
+
+
+@pytest.mark.parametrize("key", DEPLOY_KEYS)
+def test_every_deploy_value_outside_what_gcp_accepts_is_refused_naming_the_key(key):
+    for payload in PAYLOADS + ["", "../../etc" if key == "remote_dir" else "UPPER CASE"]:
+        with pytest.raises(ConfigError) as raised:
+            config.validate({"deploy": {key: payload, "allow_unlisted_zone": True}})
+        assert raised.value.key == f"deploy.{key}", (payload, raised.value)
+    # `config check` goes through the same validation, so it refuses before anything is rendered.
+    done = subprocess.run([sys.executable, "-m", "xla_shard.cli", "config", "check", TPU, "--set",
+                           f"deploy.{key}=a$(xcanary)b"], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 2 and f"config key 'deploy.{key}'" in done.stderr and "Traceback" not in done.stderr
+
+
+def _fake_bin(folder: Path, canary: Path, calls: Path) -> dict:
+    """PATH shims: `xcanary` marks an injection; gcloud runs ssh --command strings in a shell, as the remote
+    login shell would; bash/tar/setsid/getent/sudo stand in for the remote machine and record what they got."""
+    folder.mkdir()
+    shims = {
+        "xcanary": f'echo "$0 $*" >> {canary}',
+        "gcloud": 'for a in "$@"; do case "$a" in --format=*) echo ACTIVE;; --command=*) '
+                  '/bin/bash -c "${a#--command=}";; esac; done; true',
+        "bash": f'printf "bash %s\\n" "$*" >> {calls}',
+        "tar": f'printf "tar %s\\n" "$*" >> {calls}',
+        "setsid": f'printf "setsid %s\\n" "$*" >> {calls}',
+        "getent": 'echo "$2:x:1000:1000::$FAKE_HOME:/bin/bash"',
+        "sudo": 'while [[ "$1" != bash ]]; do shift; done; shift; /bin/bash "$@"',
+    }
+    for name, body in shims.items():
+        (folder / name).write_text(f"#!/bin/bash\n{body}\n")
+        (folder / name).chmod(0o755)
+    return dict(os.environ, PATH=f"{folder}:{os.environ['PATH']}", GCLOUD=str(folder / "gcloud"), REPO=str(REPO))
+
+
+@pytest.mark.parametrize("target", ["tpu-vm", "queued-resource", "gpu-vm"])
+@pytest.mark.parametrize("payload", PAYLOADS)
+def test_rendered_scripts_never_execute_a_value_even_unvalidated(tmp_path, target, payload):
+    """Quoting holds on its own: values forced past validation are rendered, deploy.sh runs (dry and for real,
+    with the remote --command strings run by a shell) and startup.sh runs as root would; nothing executes and
+    each value arrives intact."""
+    cfg = config.load(GPU if target == "gpu-vm" else TPU, ["deploy.gpu_nodes=2"] if target == "gpu-vm" else [])
+    for key in ("name", "project", "zone", "remote_user", "remote_dir", "network", "service_account"):
+        cfg.deploy.__dict__[key] = payload  # bypasses the schema on purpose
+    cfg.deploy.__dict__["allow_unlisted_zone"] = True
+    rendering = render(cfg, target)
+    out, home = tmp_path / "out", tmp_path / "home"
+    out.mkdir()
+    for file, text in rendering.files.items():
+        (out / file).write_text(text)
+    canary, calls = tmp_path / "canary", tmp_path / "calls"
+    env = _fake_bin(tmp_path / "bin", canary, calls)
+    env.update(HOME=str(home), FAKE_HOME=str(home))
+    (home / payload / "scripts").mkdir(parents=True)
+    loop = home / payload / "scripts" / "train_loop.sh"
+    loop.write_text(f'#!/bin/sh\necho "train_loop $*" >> {calls}\n')
+    loop.chmod(0o755)
+    for dry in ("1", "0"):
+        done = subprocess.run(["/bin/bash", str(out / "deploy.sh")], capture_output=True, text=True,
+                              env=dict(env, DRY_RUN=dry), cwd=tmp_path, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert not canary.exists(), (dry, canary.read_text(), done.stderr)
+    setup = f"bash {home}/{payload}/scripts/setup_worker.sh"
+    assert setup in calls.read_text()  # the remote commands ran, with the directory exactly as given
+    done = subprocess.run(["/bin/bash", str(out / "startup.sh")], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert not canary.exists(), canary.read_text()
+    assert f"setsid nohup scripts/train_loop.sh {home}/config.yaml" in calls.read_text()
+
+
+def test_dry_run_works_outside_a_git_checkout(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    for file, text in _render("tpu-vm").files.items():
+        (out / file).write_text(text)
+    env = {k: v for k, v in os.environ.items() if k != "REPO"}
+    done = subprocess.run(["bash", str(out / "deploy.sh")], capture_output=True, text=True, cwd=tmp_path,
+                          env=dict(env, DRY_RUN="1", GCLOUD="/nonexistent/gcloud"))
+    assert done.returncode == 0, done.stderr
+    real = subprocess.run(["bash", str(out / "deploy.sh")], capture_output=True, text=True, cwd=tmp_path,
+                          env=dict(env, GCLOUD="/nonexistent/gcloud"))
+    assert real.returncode == 2 and "set REPO=" in real.stderr
+
+
+def test_train_loop_does_not_restart_after_a_user_error(tmp_path):
+    launcher = tmp_path / "launcher.sh"
+    count = tmp_path / "count"
+    launcher.write_text(f'#!/usr/bin/env bash\necho x >> {count}\nexit 2\n')
+    launcher.chmod(0o755)
+    done = subprocess.run(["bash", str(REPO / "scripts/train_loop.sh"), "cfg.yaml"], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, XLA_SHARD_LAUNCHER=str(launcher), RESTART_DELAY_S="0"))
+    assert done.returncode == 2 and count.read_text() == "x\n" and "not restarting" in done.stderr

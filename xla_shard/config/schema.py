@@ -8,6 +8,7 @@ and the backend.
 from __future__ import annotations
 
 import enum
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -184,6 +185,28 @@ class CheckpointSection(_Section):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
 
 
+# What GCP accepts for each deploy value. Every value ends up in shell scripts (some run as root at boot) and
+# in commands run remotely over ssh, so anything outside these is refused here, before it is rendered.
+_RESOURCE = r"[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?"  # RFC 1035: TPU nodes, instances, images, networks
+DEPLOY_PATTERNS = {
+    "project": (r"(?:[a-z0-9][-a-z0-9.]*[a-z0-9]:)?[a-z][-a-z0-9]{4,28}[a-z0-9]",
+                "a Google Cloud project id: 6-30 lowercase letters, digits or hyphens, starting with a letter"),
+    "zone": (r"[a-z]+-[a-z]+[0-9]+-[a-z]", "a zone such as us-central2-b"),
+    "name": (_RESOURCE, "a GCP resource name: lowercase letters, digits and hyphens, starting with a letter, "
+                        "at most 63 characters"),
+    "accelerator_type": (r"[a-z0-9]+-[0-9]+", "a TPU type such as v4-8 or v5litepod-16"),
+    "network": (r"[a-zA-Z0-9][-a-zA-Z0-9_./:]*", "a network name or resource path"),
+    "subnetwork": (r"[a-zA-Z0-9][-a-zA-Z0-9_./:]*", "a subnetwork name or resource path"),
+    "service_account": (r"[a-z0-9][-a-z0-9._]*@[a-z0-9][-a-z0-9.]*[a-z0-9]", "a service account email"),
+    "gpu_machine_type": (r"[a-z0-9]+(?:-[a-z0-9]+)*", "a Compute Engine machine type such as a3-highgpu-8g"),
+    "gpu_image_family": (_RESOURCE, "an image family name"),
+    "gpu_image_project": (r"[a-z][-a-z0-9]{4,61}[a-z0-9]", "an image project id"),
+    "remote_user": (r"[a-z_][a-z0-9_-]{0,31}", "a Linux user name: lowercase letters, digits, _ or -"),
+    "remote_dir": (r"[A-Za-z0-9_][-A-Za-z0-9_.]*(?:/[A-Za-z0-9_][-A-Za-z0-9_.]*)*",
+                   "a path relative to the remote home: letters, digits, '.', '_', '-' and '/'"),
+}
+
+
 class DeploySection(_Section):
     """Where `xla-shard gcp render` puts the job. Only the deploy commands read this section."""
 
@@ -210,6 +233,23 @@ class DeploySection(_Section):
     # The account the commands ssh in as, and where the code is unpacked in its home on every machine.
     remote_user: str = "xlashard"
     remote_dir: str = "xla_shard"
+
+    @field_validator(*DEPLOY_PATTERNS, mode="after")
+    @classmethod
+    def _shell_safe(cls, value: str | None, info) -> str | None:
+        pattern, what = DEPLOY_PATTERNS[info.field_name]
+        if value is not None and not re.fullmatch(pattern, value):
+            raise ValueError(f"{value!r} is not {what}")
+        if info.field_name == "remote_dir" and ".." in value.split("/"):
+            raise ValueError(f"{value!r} must stay inside the remote home (no '..')")
+        return value
+
+    @model_validator(mode="after")
+    def _node_names_fit(self) -> "DeploySection":
+        if self.gpu_nodes > 1 and len(f"{self.name}-{self.gpu_nodes - 1}") > 63:
+            raise ValueError(f"deploy.name {self.name!r} is too long for {self.gpu_nodes} GPU nodes "
+                             f"('{self.name}-{self.gpu_nodes - 1}' exceeds GCP's 63 characters)")
+        return self
 
 
 class ShardConfig(_Section):

@@ -4,6 +4,11 @@ Every gcloud command is built here as an argv list (so tests can hand each one t
 written into scripts from the templates in `gcp/`. Values come from the config's `deploy`, `backend` and
 `checkpoint` sections; package versions come from pyproject.toml on the machine itself (`pip install -e`),
 so nothing is copied by hand into a second place.
+
+Quoting: the schema admits only what GCP accepts for each `deploy` value, and on top of that every value is
+quoted for the exact shell it reaches: `shlex.quote` for the local script, again inside the `--command`
+strings the remote login shell runs, and inside the `bash -c` string startup.sh runs as the remote user.
+Nothing from the config is ever placed inside double quotes, where `$(...)` would still expand.
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from xla_shard import backends
 from xla_shard.config import dump
 from xla_shard.config.schema import ShardConfig
 from xla_shard.deploy import tpu
@@ -34,11 +38,40 @@ class Rendering:
     files: dict[str, str] = field(default_factory=dict)  # name -> text
 
 
+HERE = "@HERE@"  # in an argv: the folder of the rendered scripts, expanded by the script as "$HERE"
+
+
+def _word(arg: str) -> str:
+    """One argv element as a shell word: quoted literally, except each @HERE@, which becomes "$HERE"."""
+    return '"$HERE"'.join(shlex.quote(part) if part else "" for part in arg.split(HERE))
+
+
 def _shell(argv: list[str]) -> str:
-    """`run "$GCLOUD" ...`: gcloud through ${GCLOUD:-gcloud}; $HERE expanded by the script."""
-    words = ['"$GCLOUD"'] + [shlex.quote(a).replace("'@HERE@", "\"$HERE\"'").replace("@HERE@", '"$HERE"')
-                              for a in argv[1:]]
-    return "run " + " ".join(words)
+    """`run "$GCLOUD" ...`: gcloud through ${GCLOUD:-gcloud}."""
+    return "run " + " ".join(['"$GCLOUD"'] + [_word(a) for a in argv[1:]])
+
+
+def _remote(remote_dir: str, *commands: str) -> str:
+    """A command line for the remote login shell, run in ~/remote_dir (quoted; `~/` stays unquoted so it
+    expands)."""
+    return " && ".join([f"cd ~/{shlex.quote(remote_dir)}", *commands])
+
+
+def _launch(launch_env: dict[str, str], config_name: str, log: str) -> str:
+    env = " ".join(f"{key}={shlex.quote(value)}" for key, value in launch_env.items())
+    return f"{env} setsid nohup scripts/train_loop.sh ~/{shlex.quote(config_name)} {log} 2>&1 < /dev/null &"
+
+
+def _messages(name: str, follow: list[str]) -> dict[str, str]:
+    """The lines deploy.sh prints at the end, as single shell words."""
+    return dict(name=shlex.quote(name), started=shlex.quote(f"training started on {name}; follow the log with:"),
+                follow=shlex.quote(f"  {shlex.join(follow)}"))
+
+
+def _startup(target: str, user: str, remote_dir: str, launch_env: dict[str, str], config_name: str) -> str:
+    command = _remote(remote_dir, _launch(launch_env, config_name, ">> ~/train.log"))
+    return _template("startup.sh.tmpl").substitute(
+        target=target, user=shlex.quote(user), remote_dir=shlex.quote(remote_dir), command=shlex.quote(command))
 
 
 def _template(name: str) -> string.Template:
@@ -67,19 +100,17 @@ def render(cfg: ShardConfig, target: str, config_name: str = "config.yaml") -> R
     return _render_tpu(cfg, target, config_name)
 
 
-def _tpu_backend(cfg: ShardConfig) -> str:
-    name = backends.resolve_name(cfg) if cfg.backend.value != "auto" else "xla_spmd"
-    if name == "torch_fsdp":
+def _check_tpu_backend(cfg: ShardConfig) -> None:
+    if cfg.backend.value == "torch_fsdp":
         raise ConfigError("backend", "torch_fsdp is the CUDA fallback; on a TPU use xla_spmd or xla_fsdp "
                                      "(or --target gpu-vm)")
-    return name
 
 
 def _render_tpu(cfg: ShardConfig, target: str, config_name: str) -> Rendering:
     d = cfg.deploy
     tpu_slice = tpu.parse(d.accelerator_type, d.zone, d.allow_unlisted_zone)
     _check_common(cfg, tpu_slice.hosts)
-    _tpu_backend(cfg)
+    _check_tpu_backend(cfg)
     where = [f"--zone={d.zone}", f"--project={d.project}"]
     node = f"{d.remote_user}@{d.name}"
     ssh = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", node, *where, "--worker=all"]
@@ -92,7 +123,7 @@ def _render_tpu(cfg: ShardConfig, target: str, config_name: str) -> Rendering:
     if target == "tpu-vm":
         create = ["gcloud", "compute", "tpus", "tpu-vm", "create", d.name, *where,
                   f"--accelerator-type={tpu_slice.accelerator_type}", f"--version={tpu_slice.runtime_version}",
-                  *provisioning, *placement, *account, "--metadata-from-file=startup-script=@HERE@/startup.sh"]
+                  *provisioning, *placement, *account, f"--metadata-from-file=startup-script={HERE}/startup.sh"]
         delete = [["gcloud", "compute", "tpus", "tpu-vm", "delete", d.name, *where, "--quiet"]]
         poll = []
     else:
@@ -101,27 +132,25 @@ def _render_tpu(cfg: ShardConfig, target: str, config_name: str) -> Rendering:
         create = ["gcloud", "compute", "tpus", "queued-resources", "create", d.name, f"--node-id={d.name}", *where,
                   f"--accelerator-type={tpu_slice.accelerator_type}", f"--runtime-version={tpu_slice.runtime_version}",
                   *provisioning, f"--valid-until-duration={_duration(d.valid_until)}", *placement, *account,
-                  "--metadata-from-file=startup-script=@HERE@/startup.sh"]
+                  f"--metadata-from-file=startup-script={HERE}/startup.sh"]
         poll = ["gcloud", "compute", "tpus", "queued-resources", "describe", d.name, *where,
                 "--format=value(state.state)"]
         delete = [["gcloud", "compute", "tpus", "queued-resources", "delete", d.name, *where, "--force", "--quiet"]]
-    copy = ["gcloud", "compute", "tpus", "tpu-vm", "scp", "@HERE@/xla_shard.tar.gz", f"@HERE@/{config_name}",
+    copy = ["gcloud", "compute", "tpus", "tpu-vm", "scp", f"{HERE}/xla_shard.tar.gz", f"{HERE}/{config_name}",
             f"{node}:~/", *where, "--worker=all"]
-    launch_env = "PJRT_DEVICE=TPU"
-    setup = ssh + [f"--command={_unpack(d.remote_dir)} && bash ~/{d.remote_dir}/scripts/setup_worker.sh tpu"]
-    launch = ssh + [f"--command=cd ~/{d.remote_dir} && {launch_env} setsid nohup scripts/train_loop.sh "
-                    f"~/{config_name} > ~/train.log 2>&1 < /dev/null &"]
+    launch_env = {"PJRT_DEVICE": "TPU"}
+    setup = ssh + [f"--command={_setup(d.remote_dir, 'tpu')}"]
+    launch = ssh + [f"--command={_remote(d.remote_dir, _launch(launch_env, config_name, '> ~/train.log'))}"]
     follow = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", node, *where, "--worker=0", "--command=tail -F ~/train.log"]
     rendering.commands = [create, *( [poll] if poll else []), copy, setup, launch, follow, *delete]
     common = _template("common.sh.tmpl").substitute(target=target, config_name=config_name)
-    values = dict(common=common, name=d.name, create=_shell(create), copy=_shell(copy), setup=_shell(setup),
-                  launch=_shell(launch), follow=shlex.join(follow), poll=_shell(poll)[4:] if poll else "")
+    values = dict(common=common, create=_shell(create), copy=_shell(copy), setup=_shell(setup),
+                  launch=_shell(launch), poll=_shell(poll)[4:] if poll else "", **_messages(d.name, follow))
     script = "tpu_vm.sh.tmpl" if target == "tpu-vm" else "queued_resource.sh.tmpl"
     rendering.files["deploy.sh"] = _template(script).substitute(values)
     rendering.files["teardown.sh"] = _template("teardown.sh.tmpl").substitute(
         common=common, delete="\n".join(_shell(c) for c in delete))
-    rendering.files["startup.sh"] = _template("startup.sh.tmpl").substitute(
-        target=target, user=d.remote_user, remote_dir=d.remote_dir, launch_env=launch_env)
+    rendering.files["startup.sh"] = _startup(target, d.remote_user, d.remote_dir, launch_env, config_name)
     rendering.files[config_name] = dump(cfg)
     return rendering
 
@@ -145,39 +174,40 @@ def _render_gpu(cfg: ShardConfig, config_name: str) -> Rendering:
               f"--image-family={d.gpu_image_family}", f"--image-project={d.gpu_image_project}",
               "--boot-disk-size=200GB", "--maintenance-policy=TERMINATE", *provisioning,
               *([f"--network={d.network}"] if d.network else []), *([f"--subnet={d.subnetwork}"] if d.subnetwork else []),
-              *account, "--metadata-from-file=startup-script=@HERE@/startup.sh"]
+              *account, f"--metadata-from-file=startup-script={HERE}/startup.sh"]
     if d.gpu_nodes == 1:
-        torchrun = f"torchrun --standalone --nproc-per-node={gpus}"
+        torchrun = ["torchrun", "--standalone", f"--nproc-per-node={gpus}"]
     else:
-        torchrun = (f"torchrun --nnodes={d.gpu_nodes} --nproc-per-node={gpus} --rdzv-backend=c10d "
-                    f"--rdzv-endpoint={names[0]}:29500 --rdzv-id={d.name}")
-    launch_env = f"XLA_SHARD_LAUNCHER='{torchrun} -m xla_shard.cli train'"
+        torchrun = ["torchrun", f"--nnodes={d.gpu_nodes}", f"--nproc-per-node={gpus}", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint={names[0]}:29500", f"--rdzv-id={d.name}"]
+    # train_loop.sh splits this on whitespace; every word is a validated name, so none holds a space.
+    launch_env = {"XLA_SHARD_LAUNCHER": " ".join([*torchrun, "-m", "xla_shard.cli", "train"])}
     copies, setups, launches = [], [], []
     for name in names:
         node = f"{d.remote_user}@{name}"
-        copies.append(["gcloud", "compute", "scp", "@HERE@/xla_shard.tar.gz", f"@HERE@/{config_name}", f"{node}:~/",
+        copies.append(["gcloud", "compute", "scp", f"{HERE}/xla_shard.tar.gz", f"{HERE}/{config_name}", f"{node}:~/",
                        *where])
-        setups.append(["gcloud", "compute", "ssh", node, *where,
-                       f"--command={_unpack(d.remote_dir)} && bash ~/{d.remote_dir}/scripts/setup_worker.sh gpu"])
+        setups.append(["gcloud", "compute", "ssh", node, *where, f"--command={_setup(d.remote_dir, 'gpu')}"])
         launches.append(["gcloud", "compute", "ssh", node, *where,
-                         f"--command=cd ~/{d.remote_dir} && {launch_env} setsid nohup scripts/train_loop.sh "
-                         f"~/{config_name} > ~/train.log 2>&1 < /dev/null &"])
+                         f"--command={_remote(d.remote_dir, _launch(launch_env, config_name, '> ~/train.log'))}"])
     follow = ["gcloud", "compute", "ssh", f"{d.remote_user}@{names[0]}", *where, "--command=tail -F ~/train.log"]
     delete = ["gcloud", "compute", "instances", "delete", *names, *where, "--quiet"]
     rendering = Rendering("gpu-vm", [create, *copies, *setups, *launches, follow, delete])
     common = _template("common.sh.tmpl").substitute(target="gpu-vm", config_name=config_name)
     rendering.files["deploy.sh"] = _template("gpu_vm.sh.tmpl").substitute(
-        common=common, name=d.name, create=_shell(create), copy="\n".join(map(_shell, copies)),
-        setup="\n".join(map(_shell, setups)), launch="\n".join(map(_shell, launches)), follow=shlex.join(follow))
+        common=common, create=_shell(create), copy="\n".join(map(_shell, copies)),
+        setup="\n".join(map(_shell, setups)), launch="\n".join(map(_shell, launches)), **_messages(d.name, follow))
     rendering.files["teardown.sh"] = _template("teardown.sh.tmpl").substitute(common=common, delete=_shell(delete))
-    rendering.files["startup.sh"] = _template("startup.sh.tmpl").substitute(
-        target="gpu-vm", user=d.remote_user, remote_dir=d.remote_dir, launch_env=launch_env.replace("'", "'\\''"))
+    rendering.files["startup.sh"] = _startup("gpu-vm", d.remote_user, d.remote_dir, launch_env, config_name)
     rendering.files[config_name] = dump(cfg)
     return rendering
 
 
-def _unpack(remote_dir: str) -> str:
-    return f"mkdir -p ~/{remote_dir} && tar xzf ~/xla_shard.tar.gz -C ~/{remote_dir}"
+def _setup(remote_dir: str, kind: str) -> str:
+    """Unpack the code into ~/remote_dir and set the machine up (a remote command line)."""
+    quoted = shlex.quote(remote_dir)
+    return (f"mkdir -p ~/{quoted} && tar xzf ~/xla_shard.tar.gz -C ~/{quoted} && "
+            f"bash ~/{quoted}/scripts/setup_worker.sh {kind}")
 
 
 def _duration(text: str) -> str:

@@ -5,18 +5,26 @@ set -euo pipefail
 GCLOUD="${GCLOUD:-gcloud}"
 DRY_RUN="${DRY_RUN:-0}"
 
+# Prints each command as a shell would re-read it (%q), then runs it unless DRY_RUN=1. Never evaluates text.
 run() {
-  printf '+ %s\n' "$*" >&2
+  printf '+' >&2
+  printf ' %q' "$@" >&2
+  printf '\n' >&2
   if [[ "$DRY_RUN" != 1 ]]; then "$@"; fi
 }
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO="${REPO:-$(git rev-parse --show-toplevel)}"
-run git -C "$REPO" archive --format=tar.gz -o "$HERE/xla_shard.tar.gz" HEAD
+# The code at HEAD of the xla_shard checkout (REPO, default: the one this is run from) goes to every worker.
+REPO="${REPO:-$(git rev-parse --show-toplevel 2>/dev/null || true)}"
+if [[ -z "$REPO" && "$DRY_RUN" != 1 ]]; then
+  echo "deploy.sh: run it from inside the xla_shard checkout, or set REPO=/path/to/xla_shard" >&2
+  exit 2
+fi
+run git -C "${REPO:-.}" archive --format=tar.gz -o "$HERE/xla_shard.tar.gz" HEAD
 
 run "$GCLOUD" compute instances create xla-shard-a3 --zone=us-central1-a --project=my-project --machine-type=a3-highgpu-8g --image-family=common-cu128-ubuntu-2204-nvidia-570 --image-project=deeplearning-platform-release --boot-disk-size=200GB --maintenance-policy=TERMINATE --provisioning-model=SPOT --instance-termination-action=STOP --scopes=https://www.googleapis.com/auth/cloud-platform --metadata-from-file=startup-script="$HERE"/startup.sh
 run "$GCLOUD" compute scp "$HERE"/xla_shard.tar.gz "$HERE"/config.yaml 'xlashard@xla-shard-a3:~/' --zone=us-central1-a --project=my-project
 run "$GCLOUD" compute ssh xlashard@xla-shard-a3 --zone=us-central1-a --project=my-project '--command=mkdir -p ~/xla_shard && tar xzf ~/xla_shard.tar.gz -C ~/xla_shard && bash ~/xla_shard/scripts/setup_worker.sh gpu'
 run "$GCLOUD" compute ssh xlashard@xla-shard-a3 --zone=us-central1-a --project=my-project '--command=cd ~/xla_shard && XLA_SHARD_LAUNCHER='"'"'torchrun --standalone --nproc-per-node=8 -m xla_shard.cli train'"'"' setsid nohup scripts/train_loop.sh ~/config.yaml > ~/train.log 2>&1 < /dev/null &'
-echo "training started on xla-shard-a3; follow the log with:" >&2
-echo "  gcloud compute ssh xlashard@xla-shard-a3 --zone=us-central1-a --project=my-project '--command=tail -F ~/train.log'" >&2
+echo 'training started on xla-shard-a3; follow the log with:' >&2
+echo '  gcloud compute ssh xlashard@xla-shard-a3 --zone=us-central1-a --project=my-project '"'"'--command=tail -F ~/train.log'"'"'' >&2

@@ -5,8 +5,11 @@ set -euo pipefail
 GCLOUD="${GCLOUD:-gcloud}"
 DRY_RUN="${DRY_RUN:-0}"
 
+# Prints each command as a shell would re-read it (%q), then runs it unless DRY_RUN=1. Never evaluates text.
 run() {
-  printf '+ %s\n' "$*" >&2
+  printf '+' >&2
+  printf ' %q' "$@" >&2
+  printf '\n' >&2
   if [[ "$DRY_RUN" != 1 ]]; then "$@"; fi
 }
 

@@ -5,14 +5,23 @@ set -euo pipefail
 GCLOUD="${GCLOUD:-gcloud}"
 DRY_RUN="${DRY_RUN:-0}"
 
+# Prints each command as a shell would re-read it (%q), then runs it unless DRY_RUN=1. Never evaluates text.
 run() {
-  printf '+ %s\n' "$*" >&2
+  printf '+' >&2
+  printf ' %q' "$@" >&2
+  printf '\n' >&2
   if [[ "$DRY_RUN" != 1 ]]; then "$@"; fi
 }
 
+name=xla-shard-v4
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO="${REPO:-$(git rev-parse --show-toplevel)}"
-run git -C "$REPO" archive --format=tar.gz -o "$HERE/xla_shard.tar.gz" HEAD
+# The code at HEAD of the xla_shard checkout (REPO, default: the one this is run from) goes to every worker.
+REPO="${REPO:-$(git rev-parse --show-toplevel 2>/dev/null || true)}"
+if [[ -z "$REPO" && "$DRY_RUN" != 1 ]]; then
+  echo "deploy.sh: run it from inside the xla_shard checkout, or set REPO=/path/to/xla_shard" >&2
+  exit 2
+fi
+run git -C "${REPO:-.}" archive --format=tar.gz -o "$HERE/xla_shard.tar.gz" HEAD
 
 run "$GCLOUD" compute tpus queued-resources create xla-shard-v4 --node-id=xla-shard-v4 --zone=us-central2-b --project=my-project --accelerator-type=v4-8 --runtime-version=tpu-ubuntu2204-base --spot --valid-until-duration=6h --scopes=https://www.googleapis.com/auth/cloud-platform --metadata-from-file=startup-script="$HERE"/startup.sh
 # Wait for capacity: ACTIVE means the slice exists; FAILED or SUSPENDED will not recover by waiting.
@@ -20,12 +29,12 @@ while [[ "$DRY_RUN" != 1 ]]; do
   state="$("$GCLOUD" compute tpus queued-resources describe xla-shard-v4 --zone=us-central2-b --project=my-project '--format=value(state.state)')"
   case "$state" in
     ACTIVE) break ;;
-    FAILED|SUSPENDED) echo "queued resource xla-shard-v4: $state" >&2; exit 1 ;;
-    *) echo "queued resource xla-shard-v4: ${state:-unknown}; waiting" >&2; sleep 30 ;;
+    FAILED|SUSPENDED) echo "queued resource $name: $state" >&2; exit 1 ;;
+    *) echo "queued resource $name: ${state:-unknown}; waiting" >&2; sleep 30 ;;
   esac
 done
 run "$GCLOUD" compute tpus tpu-vm scp "$HERE"/xla_shard.tar.gz "$HERE"/config.yaml 'xlashard@xla-shard-v4:~/' --zone=us-central2-b --project=my-project --worker=all
 run "$GCLOUD" compute tpus tpu-vm ssh xlashard@xla-shard-v4 --zone=us-central2-b --project=my-project --worker=all '--command=mkdir -p ~/xla_shard && tar xzf ~/xla_shard.tar.gz -C ~/xla_shard && bash ~/xla_shard/scripts/setup_worker.sh tpu'
 run "$GCLOUD" compute tpus tpu-vm ssh xlashard@xla-shard-v4 --zone=us-central2-b --project=my-project --worker=all '--command=cd ~/xla_shard && PJRT_DEVICE=TPU setsid nohup scripts/train_loop.sh ~/config.yaml > ~/train.log 2>&1 < /dev/null &'
-echo "training started on xla-shard-v4; follow the log with:" >&2
-echo "  gcloud compute tpus tpu-vm ssh xlashard@xla-shard-v4 --zone=us-central2-b --project=my-project --worker=0 '--command=tail -F ~/train.log'" >&2
+echo 'training started on xla-shard-v4; follow the log with:' >&2
+echo '  gcloud compute tpus tpu-vm ssh xlashard@xla-shard-v4 --zone=us-central2-b --project=my-project --worker=0 '"'"'--command=tail -F ~/train.log'"'"'' >&2

@@ -5,19 +5,26 @@ set -euo pipefail
 GCLOUD="${GCLOUD:-gcloud}"
 DRY_RUN="${DRY_RUN:-0}"
 
+# Prints each command as a shell would re-read it (%q), then runs it unless DRY_RUN=1. Never evaluates text.
 run() {
-  printf '+ %s\n' "$*" >&2
+  printf '+' >&2
+  printf ' %q' "$@" >&2
+  printf '\n' >&2
   if [[ "$DRY_RUN" != 1 ]]; then "$@"; fi
 }
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO="${REPO:-$(git rev-parse --show-toplevel)}"
-# The code at HEAD of this checkout, and the config, go to every worker.
-run git -C "$REPO" archive --format=tar.gz -o "$HERE/xla_shard.tar.gz" HEAD
+# The code at HEAD of the xla_shard checkout (REPO, default: the one this is run from) goes to every worker.
+REPO="${REPO:-$(git rev-parse --show-toplevel 2>/dev/null || true)}"
+if [[ -z "$REPO" && "$DRY_RUN" != 1 ]]; then
+  echo "deploy.sh: run it from inside the xla_shard checkout, or set REPO=/path/to/xla_shard" >&2
+  exit 2
+fi
+run git -C "${REPO:-.}" archive --format=tar.gz -o "$HERE/xla_shard.tar.gz" HEAD
 
 run "$GCLOUD" compute tpus tpu-vm create xla-shard-v4 --zone=us-west4-a --project=my-project --accelerator-type=v5litepod-16 --version=v2-alpha-tpuv5-lite --reserved --network=train-net --subnetwork=train-subnet --service-account=sa@p.iam.gserviceaccount.com --scopes=https://www.googleapis.com/auth/cloud-platform --metadata-from-file=startup-script="$HERE"/startup.sh
 run "$GCLOUD" compute tpus tpu-vm scp "$HERE"/xla_shard.tar.gz "$HERE"/config.yaml 'xlashard@xla-shard-v4:~/' --zone=us-west4-a --project=my-project --worker=all
 run "$GCLOUD" compute tpus tpu-vm ssh xlashard@xla-shard-v4 --zone=us-west4-a --project=my-project --worker=all '--command=mkdir -p ~/xla_shard && tar xzf ~/xla_shard.tar.gz -C ~/xla_shard && bash ~/xla_shard/scripts/setup_worker.sh tpu'
 run "$GCLOUD" compute tpus tpu-vm ssh xlashard@xla-shard-v4 --zone=us-west4-a --project=my-project --worker=all '--command=cd ~/xla_shard && PJRT_DEVICE=TPU setsid nohup scripts/train_loop.sh ~/config.yaml > ~/train.log 2>&1 < /dev/null &'
-echo "training started on xla-shard-v4; follow the log with:" >&2
-echo "  gcloud compute tpus tpu-vm ssh xlashard@xla-shard-v4 --zone=us-west4-a --project=my-project --worker=0 '--command=tail -F ~/train.log'" >&2
+echo 'training started on xla-shard-v4; follow the log with:' >&2
+echo '  gcloud compute tpus tpu-vm ssh xlashard@xla-shard-v4 --zone=us-west4-a --project=my-project --worker=0 '"'"'--command=tail -F ~/train.log'"'"'' >&2
