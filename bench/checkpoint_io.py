@@ -27,7 +27,7 @@ import torch
 
 from xla_shard.backends.base import StateTensor
 from xla_shard.checkpoint import layout
-from xla_shard.checkpoint.manager import Checkpointer, ChunkReader, read_manifest
+from xla_shard.checkpoint import Checkpointer, ChunkReader, read_manifest
 from xla_shard.checkpoint.storage import Storage
 from xla_shard.config.schema import CheckpointSection
 

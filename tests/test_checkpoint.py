@@ -166,7 +166,7 @@ def test_export_gives_a_model_transformers_loads_with_identical_weights(cli, tmp
     from transformers import AutoModelForCausalLM
 
     from xla_shard.checkpoint.inspect import open_checkpoint
-    from xla_shard.checkpoint.manager import ChunkReader
+    from xla_shard.checkpoint import ChunkReader
 
     ckpt, _ = reference
     out = tmp_path / "hf"
@@ -196,3 +196,97 @@ def test_list_shows_committed_and_incomplete(cli, tmp_path, reference):
     listed = cli("ckpt", "list", str(copy))
     lines = {line.split()[0]: line.split()[1] for line in listed.stdout.splitlines()[1:]}
     assert lines == {"4": "committed", "5": "incomplete", "6": "committed"}
+
+
+# ---- runs sharing a checkpoint.dir --------------------------------------------------------------------
+def _manifest(step_dir):
+    return json.loads((step_dir / "manifest.json").read_text())
+
+
+def _committed_bytes(ckpt):
+    return {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("resume", ["step-00000004", "never"])
+def test_a_new_run_is_refused_where_it_would_overwrite_another_runs_checkpoints(cli, tmp_path, reference, resume):
+    """Resuming an older step (or starting afresh) next to newer committed checkpoints would rewrite them in
+    place and let retention delete them: refused before training, naming checkpoint.dir; nothing changes."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference[0], ckpt)
+    before = _committed_bytes(ckpt)
+    done = cli("train", CONFIG, "--set", f"output_dir={tmp_path / 'run'}", "--set", f"checkpoint.dir={ckpt}",
+               "--set", f"checkpoint.resume={ckpt / resume if resume != 'never' else 'never'}",
+               "--set", "checkpoint.every_steps=1", "--set", "train.steps=8")
+    assert done.returncode == 2, done.stderr[-2000:]
+    run = _manifest(ckpt / "step-00000006")["run"]["id"]
+    assert "config key 'checkpoint.dir'" in done.stderr and f"run {run} up to step 6" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert _committed_bytes(ckpt) == before
+
+
+def test_auto_resume_names_the_run_it_continues_and_a_branch_keeps_its_own_lineage(cli, tmp_path, reference):
+    import shutil
+
+    ref, expected = reference
+    original = _manifest(ref / "step-00000006")["run"]
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(ref, ckpt)
+    done = train(cli, tmp_path / "run", f"checkpoint.dir={ckpt}", "checkpoint.every_steps=1", steps=STEPS + 1)
+    assert f"at step {STEPS}, continuing run {original['id']}" in done.stderr
+    assert _manifest(ckpt / f"step-{STEPS + 1:08d}")["run"] == original
+
+    # A branch off step 5 into a directory holding another run's step 4: a new run, whose retention
+    # (keep_last=1) deletes only its own older checkpoints, never the other run's.
+    other = tmp_path / "shared"
+    shutil.copytree(ref / "step-00000004", other / "step-00000004")
+    done = train(cli, tmp_path / "branch", f"checkpoint.dir={other}", f"checkpoint.resume={ref / 'step-00000005'}",
+                 "checkpoint.every_steps=1", "checkpoint.keep_last=1", steps=8)
+    branch = _manifest(other / "step-00000008")["run"]
+    assert branch["id"] != original["id"] and branch["parent"]["run"] == original["id"]
+    assert branch["parent"]["step"] == 5 and f"branching off run {original['id']}" in done.stderr
+    assert sorted(p.name for p in other.iterdir()) == ["step-00000004", "step-00000008"]
+    assert _manifest(other / "step-00000004")["run"] == original
+    assert losses(tmp_path / "branch")[6] == expected[6]
+
+
+def test_auto_resume_falls_back_past_a_checkpoint_that_fails_verification(cli, tmp_path, reference):
+    import shutil
+
+    ref, expected = reference
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(ref, ckpt)
+    shard = ckpt / "step-00000006" / "shards" / "00000-of-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x55
+    shard.write_bytes(bytes(data))
+    # ... and a manifest that claims another step than its directory (copied there by hand).
+    shutil.copytree(ckpt / "step-00000004", ckpt / "step-00000007")
+    done = train(cli, tmp_path / "run", f"checkpoint.dir={ckpt}", "checkpoint.every_steps=100", steps=STEPS)
+    log = done.stderr
+    assert "step-00000007/manifest.json says step 4" in log and "00000-of-00001.safetensors is corrupt" in log
+    assert "resumed from" in log and f"{ckpt / 'step-00000005'} at step 5" in log
+    assert losses(tmp_path / "run") == {STEPS: expected[STEPS]}
+    aside = sorted(p.name.rsplit("-", 1)[0] for p in ckpt.glob("corrupt-*"))
+    assert aside == ["corrupt-step-00000006", "corrupt-step-00000007"]  # set aside, not deleted
+    assert (ckpt / "step-00000006" / "manifest.json").exists()  # the new, good step 6
+
+
+def test_xla_spmd_resumes_many_times_on_a_busy_machine(tmp_path, reference):
+    """Restoring creates sharded optimizer state on the device asynchronously; reading shard indices while
+    that runs used to abort ("... while an async operation is in flight"), about one resume in six."""
+    import subprocess
+    import sys
+
+    from tests.conftest import WORKERS, _env
+
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        done = subprocess.run([sys.executable, str(WORKERS / "resume_many.py"), str(reference[0] / "step-00000006"),
+                               "12", "fsdp.activation_checkpointing=true"], env=_env(), capture_output=True,
+                              text=True, timeout=600)
+    finally:
+        for burner in burners:
+            burner.kill()
+    assert done.returncode == 0 and "loaded 12 times" in done.stdout, done.stderr[-3000:]

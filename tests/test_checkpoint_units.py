@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from xla_shard.checkpoint import layout
-from xla_shard.checkpoint.manager import ChunkReader, Manifest
+from xla_shard.checkpoint import ChunkReader, Manifest
 from xla_shard.checkpoint.storage import Storage, StorageError, is_transient
 
 

@@ -70,12 +70,12 @@ class Trainer:
         self.peak_per_device, self.mfu_basis = self._mfu_basis()
         self.start_step, self.checkpointer, self.preempted = 0, None, False
         if cfg.checkpoint.dir:
-            self.checkpointer = Checkpointer(cfg.checkpoint, backend, self._describe, log=self._log)
-            url = self.checkpointer.resume_point()
-            if url:
-                manifest = self.checkpointer.load(url, self.model, self.optimizer, self._check_resumable)
-                self.start_step = manifest.step
-                self._log(f"resumed from {url} at step {manifest.step}")
+            self.checkpointer = Checkpointer(cfg.checkpoint, backend, self._describe, log=self._log,
+                                             identity=cfg.run_identity())
+            self.start_step = self.checkpointer.restore(self.model, self.optimizer)
+            if self.start_step > cfg.train.steps:
+                raise ConfigError("train.steps", f"{cfg.train.steps} is behind the checkpoint's step {self.start_step} "
+                                                 f"(under {cfg.checkpoint.dir})")
         return self
 
     def _log(self, message: str) -> None:
@@ -89,22 +89,6 @@ class Trainer:
                 "mesh": dict(zip(("replica", "fsdp"), self.cfg.mesh.resolve(backend.num_devices)))
                 if self.cfg.fsdp.sharding_strategy.is_hybrid else {"fsdp": backend.num_devices},
                 "config": self.cfg.model_dump(mode="json", by_alias=True), "hf_config": self.hf_config}
-
-    # Keys that must agree for a resumed run to continue the same model, optimizer state and data stream.
-    RESUME_KEYS = ("model.name", "model.overrides", "train.optimizer", "train.seed", "train.data",
-                   "train.global_batch_size", "train.seq_len")
-
-    def _check_resumable(self, manifest) -> None:
-        saved, current = manifest.data["config"], self.cfg.model_dump(mode="json", by_alias=True)
-        for key in self.RESUME_KEYS:
-            section, name = key.split(".")
-            if saved[section][name] != current[section][name]:
-                raise ConfigError(key, f"is {current[section][name]!r} but the checkpoint {manifest.url} was "
-                                       f"written with {saved[section][name]!r}; resuming would not continue "
-                                       "that run (set checkpoint.resume=never to start fresh)")
-        if manifest.step > self.cfg.train.steps:
-            raise ConfigError("train.steps", f"{self.cfg.train.steps} is behind the checkpoint's step "
-                                             f"{manifest.step} ({manifest.url})")
 
     def _mfu_basis(self) -> tuple[float, str]:
         configured = self.cfg.train.peak_flops_per_device
@@ -158,8 +142,7 @@ class Trainer:
         if ckpt is None:
             self._log(f"SIGTERM: stopping after step {done} (no checkpoint.dir: nothing saved)")
             return
-        if ckpt.saving_step != done:
-            ckpt.save(done, self.model, self.optimizer)
+        ckpt.save(done, self.model, self.optimizer)  # a no-op if this step's save is already done or in flight
         if ckpt.wait(timeout=preemption.remaining_s()):
             self._log(f"SIGTERM: stopped after step {done}; checkpoint committed, rerun the same command to resume")
         else:

@@ -151,7 +151,11 @@ class XlaSpmdBackend(Backend):
     def _shard_boxes(tensor: torch.Tensor) -> list[tuple[int, Box]]:
         """(replica id, box) for each local device's shard, in the runtime's device order."""
         import torch_xla
+        import torch_xla.core.xla_model as xm
 
+        # Shard indices, like shard data, are unreadable while an async execution still produces the tensor:
+        # XLA aborts with "Trying to access XLA data ... while an async operation is in flight".
+        xm.wait_device_ops()
         boxes = []
         for replica, indices in torch_xla._XLAC._get_local_shard_replica_and_indices([tensor])[0]:
             if indices is Ellipsis:

@@ -1,7 +1,14 @@
-"""Sharded, atomic, async checkpoints on any fsspec URL; see `manager` for the save protocol."""
+"""Sharded, atomic, async checkpoints on any fsspec URL; see `manager` for the save protocol.
 
-from xla_shard.checkpoint.manager import (CheckpointError, Checkpointer, Manifest, committed_steps, read_manifest)
+`layout` is the on-storage format, `manifest` and `reader` the reading side, `manager` the writing side and
+resume, `inspect` and `export` the tools built on the reader.
+"""
+
+from xla_shard.checkpoint.manager import Checkpointer
+from xla_shard.checkpoint.manifest import (CheckpointError, CorruptCheckpointError, Manifest, committed_steps,
+                                           read_manifest)
+from xla_shard.checkpoint.reader import ChunkReader
 from xla_shard.checkpoint.storage import Storage, StorageError
 
-__all__ = ["CheckpointError", "Checkpointer", "Manifest", "Storage", "StorageError", "committed_steps",
-           "read_manifest"]
+__all__ = ["CheckpointError", "Checkpointer", "ChunkReader", "CorruptCheckpointError", "Manifest", "Storage",
+           "StorageError", "committed_steps", "read_manifest"]

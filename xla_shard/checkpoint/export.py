@@ -15,7 +15,8 @@ from pathlib import Path
 
 from xla_shard.checkpoint import layout
 from xla_shard.checkpoint.inspect import open_checkpoint
-from xla_shard.checkpoint.manager import CheckpointError, ChunkReader
+from xla_shard.checkpoint.manifest import CheckpointError
+from xla_shard.checkpoint.reader import ChunkReader
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

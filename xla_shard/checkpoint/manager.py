@@ -7,27 +7,30 @@ index exists, merges them into `manifest.json` and writes it last. Loaders only 
 manifest, so a crash or an outage before (3) leaves no loadable half-checkpoint, and older checkpoints are
 deleted only after a newer one committed. Coordination goes through storage, not collectives, so an async
 save never races the training step for the process group.
+
+Runs: every manifest records the run (lineage) that wrote it. A step directory that holds a manifest is never
+written again; a run that would write steps another run committed in the same directory is refused before it
+trains; retention deletes only the run's own checkpoints; `resume: auto` says which run it continues, and
+falls back past committed checkpoints that fail verification, setting them aside.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Callable
 
-import torch
-
 from xla_shard.checkpoint import layout
+from xla_shard.checkpoint.manifest import (UNRECORDED_RUN, CheckpointError, CorruptCheckpointError, Manifest,
+                                           Runs, all_steps, committed_steps, read_manifest)
+from xla_shard.checkpoint.reader import ChunkReader
 from xla_shard.checkpoint.storage import Storage
-from xla_shard.errors import UserError
-
-
-class CheckpointError(UserError):
-    """A checkpoint that cannot be used: missing, uncommitted, corrupt, incomplete or from another model."""
+from xla_shard.errors import ConfigError, UserError
 
 
 def versions() -> dict[str, str]:
@@ -42,152 +45,41 @@ def versions() -> dict[str, str]:
     return found
 
 
-# ---- reading ------------------------------------------------------------------------------------------
-@dataclass
-class Manifest:
-    url: str
-    data: dict[str, Any]
-
-    @property
-    def step(self) -> int:
-        return self.data["step"]
-
-    @property
-    def tensors(self) -> dict[str, dict]:
-        return self.data["tensors"]
-
-
-def read_manifest(storage: Storage, step_dir: str = "") -> Manifest:
-    url = storage.url_of(step_dir)
-    try:
-        raw = storage.read_bytes(f"{step_dir}/{layout.MANIFEST}" if step_dir else layout.MANIFEST)
-    except FileNotFoundError:
-        raise CheckpointError(f"{url} is not a committed checkpoint: it has no {layout.MANIFEST} "
-                              "(a save that never finished, or not an xla_shard checkpoint)") from None
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise CheckpointError(f"{url}/{layout.MANIFEST} is not valid JSON: {exc}") from None
-    if data.get("format") != layout.FORMAT:
-        raise CheckpointError(f"{url}/{layout.MANIFEST}: format {data.get('format')!r}, this xla_shard reads "
-                              f"{layout.FORMAT!r}")
-    return Manifest(url, data)
-
-
-def committed_steps(storage: Storage) -> list[int]:
-    steps = {layout.parse_step_dir(path.rsplit("/", 1)[0]) for path in storage.glob(f"step-*/{layout.MANIFEST}")}
-    return sorted(s for s in steps if s is not None)
-
-
-def all_steps(storage: Storage) -> list[int]:
-    steps = {layout.parse_step_dir(path) for path in storage.glob("step-*")}
-    return sorted(s for s in steps if s is not None)
-
-
-class ChunkReader:
-    """Assembles boxes of stored tensors from the chunks that overlap them, verifying each chunk's crc32."""
-
-    def __init__(self, storage: Storage, manifest: Manifest, step_dir: str = ""):
-        self.storage, self.manifest, self.step_dir = storage, manifest, step_dir
-
-    def read(self, requests: list[tuple[str, layout.Box]]) -> list[torch.Tensor]:
-        needed: dict[tuple[str, int], dict] = {}
-        plans = []
-        for name, box in requests:
-            meta = self.manifest.tensors[name]
-            parts = []
-            for chunk in meta["chunks"]:
-                overlap = layout.intersect(box, (tuple(chunk["offsets"]), tuple(chunk["sizes"])))
-                if overlap is not None or not box[1]:
-                    needed[(chunk["file"], chunk["start"])] = chunk
-                    parts.append((chunk, overlap or box))
-            plans.append((name, box, meta["dtype"], parts))
-        keys = list(needed)
-        blobs = self._fetch(keys, needed)
-        values = []
-        for name, box, dtype, parts in plans:
-            within = [(tuple(chunk["offsets"]), tuple(chunk["sizes"])) for chunk, _ in parts]
-            if len(parts) == 1 and within[0] == box:  # the common case: a box is exactly one stored chunk
-                values.append(blobs[(parts[0][0]["file"], parts[0][0]["start"])])
-                continue
-            out = torch.empty(box[1], dtype=layout.TORCH_DTYPES[dtype])
-            covered = 0  # stored chunks never overlap (checked at commit), so volumes add up
-            for (chunk, overlap), chunk_box in zip(parts, within):
-                src = blobs[(chunk["file"], chunk["start"])]
-                out[layout.region(overlap, box)] = src[layout.region(overlap, chunk_box)]
-                covered += math.prod(overlap[1])
-            if covered != math.prod(box[1]):
-                raise CheckpointError(f"{self.manifest.url}: tensor {name} is incomplete: part of "
-                                      f"{list(box[1])} at {list(box[0])} is in no shard file")
-            values.append(out)
-        return values
-
-    def _fetch(self, keys: list[tuple[str, int]], chunks: dict) -> dict[tuple[str, int], torch.Tensor]:
-        """Chunks adjacent in one file are fetched as one range (up to `_MAX_SPAN`), spans in parallel threads,
-        each verifying and decoding its own chunks while the others still read."""
-        spans: list[list] = []  # [file, start, end, keys]
-        for key in sorted(keys):
-            chunk = chunks[key]
-            last = spans[-1] if spans else None
-            if (last and last[0] == chunk["file"] and chunk["start"] - last[2] <= _MAX_GAP
-                    and chunk["end"] - last[1] <= _MAX_SPAN):
-                last[2] = max(last[2], chunk["end"])
-                last[3].append(key)
-            else:
-                spans.append([chunk["file"], chunk["start"], chunk["end"], [key]])
-        prefix = f"{self.step_dir}/" if self.step_dir else ""
-
-        def fetch(span) -> list[tuple[tuple[str, int], torch.Tensor]]:
-            file, span_start, span_end, span_keys = span
-            try:
-                (blob,) = self.storage.read_ranges([prefix + file], [span_start], [span_end])
-            except FileNotFoundError:
-                raise CheckpointError(f"{self.manifest.url}/{file}: shard file missing") from None
-            view, out = memoryview(blob), []
-            for key in span_keys:
-                chunk = chunks[key]
-                data = view[chunk["start"] - span_start:chunk["end"] - span_start]
-                if len(data) != chunk["end"] - chunk["start"] or layout.crc32_hex(data) != chunk["crc32"]:
-                    raise CheckpointError(f"{self.manifest.url}/{file} is corrupt: bytes {chunk['start']}-"
-                                          f"{chunk['end']} fail their crc32 (run `xla-shard ckpt verify`)")
-                out.append((key, layout.decode_chunk(data, chunk["dtype"], chunk["sizes"])))
-            return out
-
-        if len(spans) == 1:
-            return dict(fetch(spans[0]))
-        with ThreadPoolExecutor(min(_THREADS, len(spans))) as pool:
-            return {key: value for result in pool.map(fetch, spans) for key, value in result}
-
-
-_MAX_GAP = 1 << 20  # bytes of unneeded data worth reading to save a request
-_MAX_SPAN = 32 << 20  # ... and the most one request reads, so that reads and checksums overlap
-_THREADS = 4
-
-
 # ---- writing ------------------------------------------------------------------------------------------
 class Checkpointer:
-    """One per training process. `save` returns once the step may go on; `wait` surfaces any failure."""
+    """One per training process. `restore` picks up where `checkpoint.resume` says; `save` returns once the
+    step may go on; `wait` surfaces any failure.
 
-    def __init__(self, section, backend, describe: Callable[[], dict[str, Any]], log: Callable[[str], None] = print):
+    `identity` maps config keys to this run's values; a checkpoint written with other values is refused by
+    `restore`, naming the key (another model, optimizer, seed or data stream would not continue that run).
+    """
+
+    def __init__(self, section, backend, describe: Callable[[], dict[str, Any]], log: Callable[[str], None] = print,
+                 identity: dict[str, Any] | None = None):
         self.section = section
         self.backend = backend
         self.describe = describe  # config, mesh, ... for the manifest
         self.log = log
+        self.identity = identity or {}
         self.storage = Storage(section.dir, section.retry_deadline_s)
+        self.runs = Runs(self.storage)
+        self.run: dict[str, Any] = _new_run()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.saving_step: int | None = None
-        self.last_blocking_s = 0.0
+        self.last_saved: int | None = None  # newest step this process saved (committed or in flight)
         self.last_committed: int | None = None
 
     # ---- save ---------------------------------------------------------------------------------------
     def save(self, step: int, model, optimizer, block: bool = False) -> None:
+        """Snapshot now, upload and commit (in the background with `checkpoint.async`). A step already saved
+        by this process is not saved again: its directory is committed and is never rewritten."""
+        if step == self.last_saved:
+            return
         self.wait()  # at most one save in flight; an earlier failure surfaces here
-        start = time.perf_counter()
         entries = [layout.Entry(t.name, t.shape, t.dtype, t.chunks()) for t in self.backend.state(model, optimizer)]
         rng = self.backend.rng_state()
-        self.last_blocking_s = time.perf_counter() - start
-        self.saving_step = step
+        self.saving_step = self.last_saved = step
         if self.section.async_save and not block:
             self._thread = threading.Thread(target=self._background, args=(step, entries, rng),
                                             name=f"xla-shard-save-{step}", daemon=True)
@@ -219,6 +111,11 @@ class Checkpointer:
 
     def _upload_and_commit(self, step: int, entries: list[layout.Entry], rng: dict) -> None:
         directory = layout.step_dir(step)
+        if self.storage.exists(f"{directory}/{layout.MANIFEST}"):
+            self.runs.forget(step)
+            raise CheckpointError(f"{self.storage.url_of(directory)} is already committed (run "
+                                  f"{self.runs.run_of(step)}); a committed checkpoint is never rewritten in place. "
+                                  "Another run is writing to this checkpoint.dir")
         rank, world = self.backend.writer
         parts, index = layout.encode_shard(entries)
         shard = layout.shard_file(rank, world)
@@ -243,8 +140,8 @@ class Checkpointer:
                 raise CheckpointError(f"step {step}: tensor {name} has {stored} of {math.prod(meta['shape'])} "
                                       "elements in its shards; not committing")
         manifest = {"format": layout.FORMAT, "step": step, "writers": world, "created": time.time(),
-                    **self.describe(), "versions": versions(), "data": {"next_step": step},
-                    "files": files, "rng": rng, "tensors": tensors}
+                    "run": self.run, **self.describe(), "versions": versions(), "files": files, "rng": rng,
+                    "tensors": tensors}
         self.storage.write(f"{directory}/{layout.MANIFEST}", json.dumps(manifest, indent=1).encode())
         self.last_committed = step
         self.log(f"checkpoint step {step} committed: {self.storage.url_of(directory)}")
@@ -266,31 +163,111 @@ class Checkpointer:
         return [found[rank] for rank in range(world)]
 
     def _retain(self, newest: int) -> None:
-        """Keep the newest `keep_last` committed checkpoints and every `keep_every`-th; delete the rest, and
-        the debris of saves that never committed, older than the newest commit."""
+        """Keep this run's newest `keep_last` committed checkpoints and every `keep_every`-th; delete its others,
+        and the debris of saves that never committed, older than the newest commit. Other runs' committed
+        checkpoints are never touched."""
         committed = committed_steps(self.storage)
-        keep = set(committed[-self.section.keep_last:])
+        own = [s for s in committed if self.runs.run_of(s) == self.run["id"]]
+        keep = set(own[-self.section.keep_last:])
         if self.section.keep_every:
-            keep |= {s for s in committed if s % self.section.keep_every == 0}
+            keep |= {s for s in own if s % self.section.keep_every == 0}
+        others = set(committed) - set(own)
         for step in all_steps(self.storage):
-            if step < newest and step not in keep:
+            if step < newest and step not in keep and step not in others:
                 self.storage.remove_tree(layout.step_dir(step))
+                self.runs.forget(step)
 
-    # ---- resume ---------------------------------------------------------------------------------------
-    def resume_point(self) -> str | None:
-        """URL of the checkpoint `checkpoint.resume` asks for, or None for a fresh start."""
+    # ---- restore --------------------------------------------------------------------------------------
+    def restore(self, model, optimizer) -> int:
+        """Load what `checkpoint.resume` asks for into `model` and `optimizer` (and this process's RNGs);
+        return the step to continue from, 0 for a fresh start."""
         resume = self.section.resume
         if resume == "never":
-            return None
+            self._claim(0, "checkpoint.resume=never starts a new run")
+            return 0
         if resume == "auto":
-            steps = committed_steps(self.storage)
-            return self.storage.url_of(layout.step_dir(steps[-1])) if steps else None
-        return resume
+            return self._restore_newest(model, optimizer)
+        return self._restore_url(resume, model, optimizer)
 
-    def load(self, url: str, model, optimizer, check: Callable[[Manifest], None]) -> Manifest:
+    def _restore_newest(self, model, optimizer) -> int:
+        skipped: list[str] = []
+        for step in reversed(committed_steps(self.storage)):
+            url = self.storage.url_of(layout.step_dir(step))
+            try:
+                manifest, error = self._load(url, model, optimizer), None
+            except CorruptCheckpointError as exc:
+                manifest, error = None, exc
+            if self.backend.any_rank(error is not None):  # each process reads only its own chunks: agree
+                skipped.append(f"step {step}: {error or 'failed verification on another process'}")
+                self._set_aside(step, skipped[-1])
+                continue
+            self._continue(manifest)
+            self._clear_debris(after=step)
+            return step
+        if skipped:
+            raise CheckpointError(f"no committed checkpoint under {self.storage.url} loads; the newest: {skipped[0]}")
+        self._clear_debris(after=0)
+        return 0
+
+    def _restore_url(self, url: str, model, optimizer) -> int:
+        manifest = self._load(url, model, optimizer)
+        step = manifest.step
+        source = Storage(url)
+        committed = committed_steps(self.storage)
+        if (type(source.fs) is type(self.storage.fs) and source.root.rstrip("/") ==
+                self.storage.path(layout.step_dir(step)).rstrip("/") and committed and committed[-1] == step):
+            self._continue(manifest)  # the newest checkpoint here: the same run goes on
+        else:  # an older step, or another directory: a new run branches off it
+            self.run["parent"] = {"run": manifest.run, "step": step, "url": url}
+            self._claim(step, f"it resumes from {url}")
+            self._log_resume(url, step, f"branching off run {manifest.run} as new")
+        self._clear_debris(after=step)
+        return step
+
+    def _continue(self, manifest: Manifest) -> None:
+        self.run = manifest.data.get("run") or {"id": UNRECORDED_RUN, "started": None, "parent": None}
+        self._log_resume(manifest.url, manifest.step, "continuing")
+
+    def _claim(self, start: int, why: str) -> None:
+        """Refuse to start a new run where it would write steps that another run committed here."""
+        later = [s for s in committed_steps(self.storage) if s > start]
+        if later:
+            runs = sorted({self.runs.run_of(s) for s in later})
+            raise ConfigError("checkpoint.dir", f"{self.storage.url} holds committed checkpoints of run "
+                                                f"{', '.join(runs)} up to step {later[-1]}; this new run ({why}) would "
+                                                f"write steps after {start} there and overwrite them. Use another "
+                                                "checkpoint.dir for a new run, or checkpoint.resume=auto to continue "
+                                                "the newest")
+
+    def _clear_debris(self, after: int) -> None:
+        """Remove uncommitted step directories past the resume point, so that no shard or index of a save that
+        died can be mistaken for one of this run's. Every rank is still before its first step, which it cannot
+        finish without the main process, so this happens before any of them saves."""
+        if not self.backend.is_main:
+            return
+        committed = set(committed_steps(self.storage))
+        for step in all_steps(self.storage):
+            if step > after and step not in committed:
+                self.storage.remove_tree(layout.step_dir(step))
+
+    def _set_aside(self, step: int, why: str) -> None:
+        """A committed checkpoint that fails verification moves out of the step-* namespace (nothing deletes it)."""
+        aside = f"corrupt-{layout.step_dir(step)}-{int(time.time())}"
+        self.log(f"checkpoint {why}; falling back to the previous committed checkpoint"
+                 + (f" (set aside as {self.storage.url_of(aside)})" if self.backend.is_main else ""))
+        if self.backend.is_main:
+            self.storage.move(layout.step_dir(step), aside)
+            self.runs.forget(step)
+
+    def _log_resume(self, url: str, step: int, how: str) -> None:
+        started = self.run.get("started")
+        when = f", started {datetime.datetime.fromtimestamp(started).isoformat(timespec='seconds')}" if started else ""
+        self.log(f"resumed from {url} at step {step}, {how} run {self.run['id']}{when}")
+
+    def _load(self, url: str, model, optimizer) -> Manifest:
         storage = Storage(url, self.section.retry_deadline_s)
         manifest = read_manifest(storage)
-        check(manifest)
+        self._check_identity(manifest)
         stored = {name: (tuple(meta["shape"]), layout.TORCH_DTYPES[meta["dtype"]])
                   for name, meta in manifest.tensors.items()}
         targets = self.backend.state(model, optimizer, stored=stored)
@@ -302,12 +279,31 @@ class Checkpointer:
             for target, boxes in requests:
                 target.fill([next(values) for _ in boxes])
         rank, world = self.backend.writer
-        if manifest.data["writers"] == world:
+        if manifest.data["writers"] == world and str(rank) in manifest.data["rng"]:
             self.backend.set_rng_state(manifest.data["rng"][str(rank)])
         else:
             self.log(f"checkpoint written by {manifest.data['writers']} writer(s), now {world}: random number "
                      "generators start fresh (model, optimizer and data position are restored exactly)")
         return manifest
+
+    def _check_identity(self, manifest: Manifest) -> None:
+        saved = manifest.data["config"]
+        for key, value in self.identity.items():
+            was = _dotted(saved, key)
+            if was != value:
+                raise ConfigError(key, f"is {value!r} but the checkpoint {manifest.url} was written with {was!r}; "
+                                       "resuming would not continue that run (use another checkpoint.dir to start "
+                                       "a new one)")
+
+
+def _new_run() -> dict[str, Any]:
+    return {"id": uuid.uuid4().hex[:12], "started": time.time(), "parent": None}
+
+
+def _dotted(data: dict, key: str) -> Any:
+    for part in key.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
 
 
 def _match(manifest: Manifest, stored: dict, targets) -> None:

@@ -159,3 +159,7 @@ class Storage:
 
         self.retry(f"deleting {self.url_of(rel)}", remove)
 
+    def move(self, rel: str, to: str) -> None:
+        """Rename a tree (a rename on local disks; copy then delete on object stores)."""
+        self.retry(f"moving {self.url_of(rel)} to {self.url_of(to)}",
+                   lambda: self.fs.mv(self.path(rel), self.path(to), recursive=True))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -263,6 +263,15 @@ class ShardConfig(_Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     deploy: DeploySection = Field(default_factory=DeploySection)
     output_dir: str = "runs/default"
+
+    # Keys that must agree for a resumed run to continue the same model, optimizer state and data stream.
+    RESUME_KEYS: ClassVar[tuple[str, ...]] = ("model.name", "model.overrides", "train.optimizer", "train.seed",
+                                              "train.data", "train.global_batch_size", "train.seq_len")
+
+    def run_identity(self) -> dict[str, Any]:
+        """{dotted key: value} of RESUME_KEYS, as written into and compared against checkpoint manifests."""
+        dumped = self.model_dump(mode="json", by_alias=True)
+        return {key: dumped[key.split(".")[0]][key.split(".")[1]] for key in self.RESUME_KEYS}
 
     @field_validator("model", mode="before")
     @classmethod

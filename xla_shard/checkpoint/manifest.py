@@ -1,0 +1,108 @@
+"""The reading side of the format: committed checkpoints, their manifests and the run (lineage) each belongs to.
+
+A checkpoint is committed once `manifest.json` exists in its step directory; nothing else is ever loaded.
+Each manifest names the run that wrote it (`run.id`), so several runs' checkpoints can be told apart:
+retention deletes only its own run's, and `resume: auto` says which run it continues.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from xla_shard.checkpoint import layout
+from xla_shard.checkpoint.storage import Storage
+from xla_shard.errors import UserError
+
+# Manifests written before runs were recorded belong to this run.
+UNRECORDED_RUN = "unrecorded"
+_REQUIRED = {"step": int, "writers": int, "files": dict, "tensors": dict, "rng": dict, "config": dict}
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be used: missing, uncommitted, corrupt, incomplete or from another model."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A committed checkpoint whose bytes do not verify (crc32, size, missing file, bad manifest): `resume:
+    auto` falls back to the previous committed checkpoint; an explicit URL fails."""
+
+
+@dataclass
+class Manifest:
+    url: str
+    data: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return self.data["step"]
+
+    @property
+    def tensors(self) -> dict[str, dict]:
+        return self.data["tensors"]
+
+    @property
+    def run(self) -> str:
+        return (self.data.get("run") or {}).get("id", UNRECORDED_RUN)
+
+
+def read_manifest(storage: Storage, step_dir: str = "") -> Manifest:
+    url = storage.url_of(step_dir)
+    try:
+        raw = storage.read_bytes(f"{step_dir}/{layout.MANIFEST}" if step_dir else layout.MANIFEST)
+    except FileNotFoundError:
+        raise CheckpointError(f"{url} is not a committed checkpoint: it has no {layout.MANIFEST} "
+                              "(a save that never finished, or not an xla_shard checkpoint)") from None
+    where = f"{url}/{layout.MANIFEST}"
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{where} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise CorruptCheckpointError(f"{where} holds a JSON {type(data).__name__}, not a manifest")
+    if data.get("format") != layout.FORMAT:
+        raise CheckpointError(f"{where}: format {data.get('format')!r}, this xla_shard reads {layout.FORMAT!r}")
+    for field, kind in _REQUIRED.items():
+        if not isinstance(data.get(field), kind) or isinstance(data.get(field), bool):
+            raise CorruptCheckpointError(f"{where}: field {field!r} is missing or not a JSON "
+                                         f"{'integer' if kind is int else 'object'}")
+    named = layout.parse_step_dir(url)
+    if named is not None and named != data["step"]:
+        raise CorruptCheckpointError(f"{where} says step {data['step']} but lies in {layout.step_dir(named)}: "
+                                     "it was moved or edited; not loading it")
+    for name, meta in data["tensors"].items():
+        if not isinstance(meta, dict) or meta.get("dtype") not in layout.TORCH_DTYPES:
+            raise CorruptCheckpointError(f"{where}: tensor {name!r} has no dtype xla_shard knows "
+                                         f"({', '.join(layout.TORCH_DTYPES)})")
+    return Manifest(url, data)
+
+
+def committed_steps(storage: Storage) -> list[int]:
+    steps = {layout.parse_step_dir(path.rsplit("/", 1)[0]) for path in storage.glob(f"step-*/{layout.MANIFEST}")}
+    return sorted(s for s in steps if s is not None)
+
+
+def all_steps(storage: Storage) -> list[int]:
+    steps = {layout.parse_step_dir(path) for path in storage.glob("step-*")}
+    return sorted(s for s in steps if s is not None)
+
+
+class Runs:
+    """Which run wrote each committed checkpoint under a checkpoint.dir. Committed manifests are never
+    rewritten, so each is read once."""
+
+    def __init__(self, storage: Storage):
+        self.storage = storage
+        self._run_of: dict[int, str] = {}
+
+    def run_of(self, step: int) -> str:
+        if step not in self._run_of:
+            try:
+                self._run_of[step] = read_manifest(self.storage, layout.step_dir(step)).run
+            except CorruptCheckpointError:
+                self._run_of[step] = UNRECORDED_RUN
+        return self._run_of[step]
+
+    def forget(self, step: int) -> None:
+        self._run_of.pop(step, None)
