@@ -200,3 +200,17 @@ def test_cli_train_mesh_that_does_not_divide_the_devices(cli):
     done = cli("train", "--set", "backend=xla_spmd", "--set", "cpu_devices=4", "--set", "fsdp.sharding_strategy=4",
                "--set", "mesh.replica=3")
     _one_line_error(done, "'mesh'", "xla_spmd", "does not divide the 4 devices")
+
+
+@pytest.mark.parametrize("args, words", [
+    # Checked by the launcher, before torchrun prints anything: 8 rows over 3 processes, a 2 x 2 mesh over 3.
+    (["--nproc-per-node", "3", "--set", "backend=torch_fsdp"], ["train.global_batch_size", "3 processes"]),
+    (["--nproc-per-node", "3", "--set", "backend=torch_fsdp", "--set", "train.global_batch_size=6", "--set",
+      "fsdp.sharding_strategy=HYBRID_SHARD", "--set", "mesh.replica=2"], ["'mesh'", "torch_fsdp", "3 devices"]),
+    # Not torchrun's backend: refused, not ignored.
+    (["--nproc-per-node", "2", "--set", "backend=xla_spmd"], ["--nproc-per-node", "xla_spmd"]),
+])
+def test_cli_train_launcher_checks_the_process_count_before_anything_starts(cli, args, words):
+    done = cli("train", *args)
+    _one_line_error(done, *words)
+    assert "torch.distributed" not in done.stderr and "W1122" not in done.stderr

@@ -7,16 +7,10 @@ traceback.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from xla_shard import config as cfglib
 from xla_shard.errors import UserError
-
-
-# Exit status after a SIGTERM stop with the checkpoint committed (128 + SIGTERM, as a shell reports it):
-# scripts/train_loop.sh restarts on it, and the restart resumes.
-PREEMPTED_EXIT = 143
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -157,54 +151,18 @@ def _config_import(args) -> int:
 
 def _train(args) -> int:
     from xla_shard import backends
-    from xla_shard.train import Trainer, preflight
+    from xla_shard.train import preflight
 
     cfg = cfglib.load(args.config, args.set)
-    name = backends.resolve_name(cfg)
-    backend = backends.BACKENDS[name](cfg)
-    backend.check()
-    if name == "torch_fsdp" and "LOCAL_RANK" not in os.environ:
-        preflight(cfg)
-        return _torchrun(args, cfg)
-    if name == "xla_fsdp":
-        preflight(cfg)
-        return _xla_spawn(cfg)
-    trainer = Trainer(cfg, backend).setup()
-    trainer.run()
-    return PREEMPTED_EXIT if trainer.preempted else 0
-
-
-def _torchrun(args, cfg) -> int:
-    """Re-enter this command under torchrun; multi-node users call torchrun with `-m xla_shard.cli` directly."""
-    import torch
-
-    nproc = args.nproc_per_node or (torch.cuda.device_count() if torch.cuda.is_available() else cfg.cpu_devices)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "xla_shard.cli", *sys.argv[1:]]
-    os.execv(sys.executable, command)  # torchrun takes this PID, so SIGTERM reaches it (and its workers)
-
-
-def _spawned(index: int, cfg) -> None:
-    from xla_shard.train import Trainer
-
-    trainer = Trainer(cfg).setup()
-    trainer.run()
-    if trainer.preempted:
-        sys.exit(PREEMPTED_EXIT)
-
-
-def _xla_spawn(cfg) -> int:
-    from xla_shard.backends.xla_common import configure_runtime
-
-    configure_runtime(cfg.cpu_devices)
-    import torch_xla.distributed.xla_multiprocessing as xmp
-
-    xmp.spawn(_spawned, args=(cfg,))
-    return 0
+    backend = backends.create(cfg)  # refuses what this backend cannot honour, before anything starts
+    preflight(cfg)
+    return backend.launch(args.argv, args.nproc_per_node)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
+    args.argv = argv  # launchers that start this command again in other processes (torchrun) pass it on
     try:
         return args.func(args)
     except UserError as exc:

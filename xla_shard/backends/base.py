@@ -13,6 +13,7 @@ from typing import Any, Callable, ClassVar, Iterator
 import torch
 from torch import nn
 
+from xla_shard import launch
 from xla_shard.checkpoint.layout import Box
 from xla_shard.config.schema import ShardConfig
 from xla_shard.errors import ConfigError
@@ -58,6 +59,15 @@ class Backend(abc.ABC):
 
     def reject(self, key: str, message: str) -> None:
         raise ConfigError(key, message, backend=self.name)
+
+    # ---- how it starts -----------------------------------------------------------------------------
+    def launch(self, argv: list[str], nproc_per_node: int | None = None) -> int:
+        """Start training as this backend runs (here: in this process); the exit status for the CLI. `argv`
+        is the command line, for backends that start it again in other processes."""
+        if nproc_per_node is not None:
+            raise ConfigError(None, f"--nproc-per-node is torchrun's process count (backend torch_fsdp); {self.name} "
+                                    "runs one process per host (on a CPU, cpu_devices sets its devices)")
+        return launch.train_here(self.cfg, self)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     @abc.abstractmethod

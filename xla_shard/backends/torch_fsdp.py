@@ -16,10 +16,12 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
+from xla_shard import launch
 from xla_shard.backends.base import (Backend, Box, Chunk, apply_activation_checkpointing, pack_bytes, unit_names,
                                      unpack_bytes)
 from xla_shard.config.schema import ShardingStrategy
 from xla_shard.data import local_rows
+from xla_shard.errors import ConfigError
 from xla_shard.wrap import checkpoint_targets, wrap_targets
 
 
@@ -29,9 +31,10 @@ class TorchFsdpBackend(Backend):
 
     def check(self) -> None:
         super().check()
-        if "RANK" not in os.environ and "LOCAL_RANK" not in os.environ:
-            return  # the launcher re-checks inside torchrun, where the world size is known
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if "RANK" in os.environ or "LOCAL_RANK" in os.environ:  # inside torchrun: the world size is known
+            self._check_world(int(os.environ.get("WORLD_SIZE", "1")))
+
+    def _check_world(self, world: int) -> None:
         if self.cfg.fsdp.sharding_strategy.is_hybrid:
             try:
                 self.cfg.mesh.resolve(world)
@@ -40,6 +43,19 @@ class TorchFsdpBackend(Backend):
         if self.cfg.train.global_batch_size % world:
             self.reject("train.global_batch_size",
                         f"{self.cfg.train.global_batch_size} does not split evenly over {world} processes")
+
+    def launch(self, argv: list[str], nproc_per_node: int | None = None) -> int:
+        """Inside torchrun: train here, dying with torchrun. Otherwise: check the process count against the
+        batch and mesh, then become `torchrun --standalone` (multi-node users run torchrun themselves)."""
+        if launch.torchrun_worker():
+            launch.as_torchrun_worker()
+            return launch.train_here(self.cfg, self)
+        nproc = nproc_per_node or (torch.cuda.device_count() if torch.cuda.is_available() else self.cfg.cpu_devices)
+        if nproc < 1:
+            raise ConfigError(None, f"--nproc-per-node {nproc}: need at least one process")
+        self._check_world(nproc)
+        launch.exec_torchrun(nproc, argv)
+        return 0  # not reached: exec replaced this process
 
     def setup(self) -> None:
         cuda = torch.cuda.is_available()

@@ -9,10 +9,12 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
 
 import torch
 from torch import nn
 
+from xla_shard import launch
 from xla_shard.backends import xla_common
 from xla_shard.backends.base import (Backend, StateTensor, apply_activation_checkpointing, optimizer_state,
                                      unit_names)
@@ -55,6 +57,16 @@ class XlaFsdpBackend(Backend):
                 self.reject(f"fsdp.xla_settings.{key}", "set by xla_shard from the fsdp section; remove it here")
             if key not in accepted:
                 self.reject(f"fsdp.xla_settings.{key}", "not an argument of XlaFullyShardedDataParallel")
+
+    def launch(self, argv: list[str], nproc_per_node: int | None = None) -> int:
+        """torch_xla's `xmp.spawn`: one process per local device, each dying with this launcher."""
+        if nproc_per_node is not None:
+            return super().launch(argv, nproc_per_node)  # refuses it, naming the backend
+        xla_common.configure_runtime(self.cfg.cpu_devices)
+        import torch_xla.distributed.xla_multiprocessing as xmp
+
+        xmp.spawn(launch.spawned, args=(self.cfg, os.getpid()))
+        return 0
 
     def setup(self) -> None:
         xla_common.configure_runtime(self.cfg.cpu_devices)

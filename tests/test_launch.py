@@ -1,0 +1,76 @@
+"""Launchers and their workers live and die together: a SIGKILLed `xla-shard train` leaves no process behind
+to go on training and committing checkpoints next to the run that replaces it."""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import start_cli
+
+pytestmark = pytest.mark.slow
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state) of every process, from /proc."""
+    table = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2:].split()
+        table[int(stat.parent.name)] = (int(fields[1]), fields[0])
+    return table
+
+
+def _descendants(root: int) -> set[int]:
+    table, found, frontier = _processes(), set(), {root}
+    while frontier:
+        children = {pid for pid, (parent, _) in table.items() if parent in frontier} - found
+        found |= children
+        frontier = children
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    table = _processes()
+    return {pid for pid in pids if pid in table and table[pid][1] != "Z"}
+
+
+@pytest.mark.parametrize("backend, sets, extra", [
+    ("torch_fsdp", ["backend=torch_fsdp"], ["--nproc-per-node", "2"]),  # torchrun and its 2 workers
+    ("xla_fsdp", ["backend=xla_fsdp", "cpu_devices=1"], []),            # xmp.spawn's process
+])
+def test_sigkill_of_the_launcher_takes_its_workers_with_it(tmp_path, backend, sets, extra):
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    args = ["train", "scripts/configs/tiny_llama_cpu.yaml", *extra, "--set", "train.steps=100000",
+            "--set", f"output_dir={run}", "--set", f"checkpoint.dir={ckpt}", "--set", "checkpoint.every_steps=1",
+            "--set", "fsdp.activation_checkpointing=false", *[a for s in sets for a in ("--set", s)]]
+    launcher = start_cli(*args, log=tmp_path / "log")
+    workers: set[int] = set()
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
+            assert launcher.poll() is None, (tmp_path / "log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "training never logged a step"
+            time.sleep(0.1)
+        workers = _descendants(launcher.pid)
+        assert workers, "the launcher has no worker processes"
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while _alive(workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(workers), f"{backend}: workers {sorted(_alive(workers))} outlived their launcher"
+        steps = sorted(p.name for p in ckpt.glob("step-*"))
+        time.sleep(3)
+        assert sorted(p.name for p in ckpt.glob("step-*")) == steps  # nobody is writing any more
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert records and records[-1]["backend"] == backend
+    finally:
+        for pid in _alive(workers | {launcher.pid}):
+            os.kill(pid, signal.SIGKILL)
