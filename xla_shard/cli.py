@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from xla_shard import config as cfglib
-from xla_shard.errors import UserError
+from xla_shard.errors import UserError, one_line, redact
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -103,11 +103,11 @@ def _ckpt_verify(args) -> int:
 
     manifest, problems = verify(args.url)
     for problem in problems:
-        print(f"xla-shard: error: {problem}", file=sys.stderr)
+        print(f"xla-shard: error: {redact(one_line(problem))}", file=sys.stderr)
     if problems:
         return 2
     files = manifest.data["files"]
-    print(f"OK {manifest.url}: step {manifest.step}, {len(files)} file(s), {len(manifest.tensors)} tensors, "
+    print(f"OK {redact(manifest.url)}: step {manifest.step}, {len(files)} file(s), {len(manifest.tensors)} tensors, "
           f"{sum(f['bytes'] for f in files.values())} bytes, every crc32 matches")
     return 0
 
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as exc:
-        print(f"xla-shard: error: {exc}", file=sys.stderr)
+        print(f"xla-shard: error: {redact(one_line(exc))}", file=sys.stderr)
         return 2
 
 

@@ -1,5 +1,21 @@
 """User-facing errors: the CLI prints them as one line and exits 2, with no traceback."""
 
+import re
+
+# user:password@ in a URL, and the query parameters that carry credentials in signed or keyed URLs.
+_USERINFO = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@]+@")
+_SECRET_QUERY = re.compile(r"(?i)([?&](?:access_token|token|key|sig|signature|x-goog-signature|"
+                           r"x-goog-credential|x-amz-signature|x-amz-credential|password)=)[^&\s'\"]+")
+
+
+def redact(text: str) -> str:
+    """The text with credentials embedded in URLs replaced by ***, for anything printed or logged."""
+    return _SECRET_QUERY.sub(r"\1***", _USERINFO.sub(r"\1***@", text))
+
+
+def one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
 
 class UserError(Exception):
     """A mistake the user can fix (config, path, command line). Never a bug in xla_shard."""

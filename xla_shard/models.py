@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from xla_shard.config.presets import PRESETS
 from xla_shard.config.schema import ModelSection
 from xla_shard.errors import ConfigError
-
-# Small enough to train on a 2-core CPU; shapes chosen to shard evenly over 1, 2, 4 and 8 devices.
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny-llama": dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=512, tie_word_embeddings=False),
-    "small-llama": dict(model_type="llama", vocab_size=256, hidden_size=256, intermediate_size=688,
-                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                        max_position_embeddings=1024, tie_word_embeddings=False),
-    "tiny-gpt2": dict(model_type="gpt2", vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=512,
-                      bos_token_id=0, eos_token_id=0),
-    # The FSDP guide's example wraps BertLayer; a BERT causal LM lets that config run unchanged.
-    "tiny-bert": dict(model_type="bert", vocab_size=256, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512, is_decoder=True),
-}
-
 
 def model_config(section: ModelSection) -> PretrainedConfig:
     if section.name in PRESETS:
@@ -44,28 +31,57 @@ def model_config(section: ModelSection) -> PretrainedConfig:
             raise ConfigError("model.name", f"{path} is not valid JSON: {exc}") from None
         if "model_type" not in fields:
             raise ConfigError("model.name", f"{path} has no model_type")
-    fields.update(section.overrides)
     model_type = fields.pop("model_type")
-    try:
-        config = AutoConfig.for_model(model_type, **fields)
-    except (ValueError, KeyError) as exc:
-        raise ConfigError("model.name", f"transformers cannot build model_type {model_type!r}: {exc}") from None
+    config = _config_for(model_type, fields, "model.name", section.name)
+    for key in section.overrides:
+        if not hasattr(config, key):  # hasattr follows attribute_map (gpt2's hidden_size -> n_embd)
+            close = difflib.get_close_matches(key, list(config.to_dict()), n=1)
+            raise ConfigError(f"model.overrides.{key}", f"{type(config).__name__} has no field {key!r}"
+                                                        + (f"; did you mean {close[0]!r}?" if close else ""))
+    if section.overrides:
+        config = _config_for(model_type, {**fields, **section.overrides}, "model.overrides", section.name)
     # Eager attention computes the same thing on every backend (SDPA kernels differ between XLA and CPU).
     config._attn_implementation = "eager"
     return config
+
+
+def _config_for(model_type: str, fields: dict[str, Any], key: str, source: str) -> PretrainedConfig:
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError, TypeError, AttributeError, StrictDataclassError) as exc:
+        raise ConfigError(key, f"transformers cannot build a {model_type!r} config from {source}: "
+                               f"{' '.join(str(exc).split())}") from None
 
 
 def build_model(section: ModelSection, seed: int) -> PreTrainedModel:
     """Same seed, same weights, on every rank and every backend: no broadcast needed."""
     config = model_config(section)
     torch.manual_seed(seed)
+    key = "model.overrides" if section.overrides else "model.name"
     try:
         model = AutoModelForCausalLM.from_config(config)
     except ValueError as exc:
-        raise ConfigError("model.name", f"{section.name!r} is not a causal LM: {exc}") from None
+        if "Unrecognized configuration class" in str(exc):
+            raise ConfigError("model.name", f"{section.name!r} is not a causal LM: {' '.join(str(exc).split())}") from None
+        raise ConfigError(key, f"transformers cannot build this model: {' '.join(str(exc).split())}") from None
+    except (TypeError, RuntimeError, AttributeError, ZeroDivisionError) as exc:
+        raise ConfigError(key, f"transformers cannot build this model ({type(exc).__name__}: "
+                               f"{' '.join(str(exc).split())})") from None
     model.config.use_cache = False
     return model
 
 
-def num_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+def max_positions(config: PretrainedConfig) -> int | None:
+    """How many positions the model has embeddings (or a rotary table sized) for, if it says."""
+    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_sequence_length(config: PretrainedConfig, seq_len: int) -> None:
+    limit = max_positions(config)
+    if limit is not None and seq_len > limit:
+        raise ConfigError("train.seq_len", f"{seq_len} is longer than the model's {limit} positions "
+                                           "(max_position_embeddings); positions past it would be out of range")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,8 +17,8 @@ from xla_shard.checkpoint import CheckpointError, Checkpointer
 from xla_shard.config.schema import ShardConfig, TrainSection
 from xla_shard.data import TokenSource
 from xla_shard.metrics import StepLogger, measure_cpu_matmul_flops, peak_for, train_flops_per_token
-from xla_shard.errors import ConfigError
-from xla_shard.models import build_model
+from xla_shard.errors import ConfigError, UserError, redact
+from xla_shard.models import build_model, check_sequence_length
 from xla_shard.preemption import PreemptionGuard
 from xla_shard.wrap import checkpoint_targets, wrap_targets
 
@@ -33,10 +35,22 @@ def preflight(cfg: ShardConfig) -> None:
     """Everything about the model that can be wrong, found on the meta device before any process starts."""
     with torch.device("meta"):
         model = build_model(cfg.model, cfg.train.seed)
+    check_sequence_length(model.config, cfg.train.seq_len)
+    check_output_dir(cfg.output_dir)
     wrap_targets(model, cfg.fsdp)
     if cfg.fsdp.activation_checkpointing:
         checkpoint_targets(model, cfg.fsdp)
     TokenSource(cfg.train, model.config.vocab_size)
+
+
+def check_output_dir(path: str) -> None:
+    existing = next((p for p in [Path(path), *Path(path).parents] if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ConfigError("output_dir", f"{path!r}: {existing} is a file, not a directory")
+
+
+class TrainingDiverged(UserError):
+    """The loss became NaN or infinite: nothing after this step is worth training or saving."""
 
 
 @dataclass
@@ -61,6 +75,8 @@ class Trainer:
         cfg, backend = self.cfg, self.backend
         backend.setup()
         model = build_model(cfg.model, cfg.train.seed)
+        check_sequence_length(model.config, cfg.train.seq_len)
+        check_output_dir(cfg.output_dir)
         self.flops_per_token = train_flops_per_token(model, cfg.train.seq_len)
         self.hf_config = {**model.config.to_dict(), "architectures": [type(model).__name__]}
         self.source = TokenSource(cfg.train, model.config.vocab_size)
@@ -71,7 +87,7 @@ class Trainer:
         self.start_step, self.checkpointer, self.preempted = 0, None, False
         if cfg.checkpoint.dir:
             self.checkpointer = Checkpointer(cfg.checkpoint, backend, self._describe, log=self._log,
-                                             identity=cfg.run_identity())
+                                             identity=cfg.run_identity(), architecture=self.hf_config)
             self.start_step = self.checkpointer.restore(self.model, self.optimizer)
             if self.start_step > cfg.train.steps:
                 raise ConfigError("train.steps", f"{cfg.train.steps} is behind the checkpoint's step {self.start_step} "
@@ -80,7 +96,7 @@ class Trainer:
 
     def _log(self, message: str) -> None:
         if self.backend.is_main:
-            print(f"xla-shard: {message}", file=sys.stderr, flush=True)
+            print(f"xla-shard: {redact(message)}", file=sys.stderr, flush=True)
 
     def _describe(self) -> dict[str, Any]:
         """What the manifest records about the run that wrote it."""
@@ -164,6 +180,13 @@ class Trainer:
             "mfu": self.flops_per_token * tokens_per_s / (self.peak_per_device * backend.num_devices),
             "backend": backend.name, "devices": backend.num_devices,
         }
+        if not math.isfinite(record["loss"]):
+            if self.checkpointer:
+                self.checkpointer.wait()  # a save of an earlier step may still be committing: let it
+            kept = self.checkpointer.last_committed if self.checkpointer else None
+            raise TrainingDiverged(f"step {done}: the loss is {record['loss']}; stopping. "
+                                   + (f"The last committed checkpoint (step {kept}) is intact. " if kept else "")
+                                   + f"Lower train.lr (now {cfg.train.lr:g}) or check the data")
         if not self.records:
             record["mfu_basis"] = self.mfu_basis
         compiles = backend.compilations()

@@ -31,6 +31,9 @@ class TorchFsdpBackend(Backend):
 
     def check(self) -> None:
         super().check()
+        if self.cfg.fsdp.offload_params and not torch.cuda.is_available():
+            self.reject("fsdp.offload_params", "offloads parameters from GPU memory to the host; this machine has "
+                                               "no CUDA GPU, so there is nothing to offload: set it to false")
         if "RANK" in os.environ or "LOCAL_RANK" in os.environ:  # inside torchrun: the world size is known
             self._check_world(int(os.environ.get("WORLD_SIZE", "1")))
 

@@ -54,6 +54,10 @@ def _status_bytes(field: str) -> int:
 
 def export(url: str, out_dir: str, max_shard_bytes: int = 2 * 10**9) -> ExportReport:
     rss_before = _status_bytes("VmRSS")
+    out = Path(out_dir)
+    existing = next((p for p in [out, *out.parents] if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise CheckpointError(f"--to {out_dir}: {existing} is a file, not a directory")
     storage, manifest = open_checkpoint(url)
     hf = manifest.data.get("hf_config")
     if not hf:
@@ -66,7 +70,6 @@ def export(url: str, out_dir: str, max_shard_bytes: int = 2 * 10**9) -> ExportRe
         if groups[-1] and sum(sizes[n] for n in groups[-1]) + sizes[name] > max_shard_bytes:
             groups.append([])
         groups[-1].append(name)
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = [WEIGHTS] if len(groups) == 1 else [
         f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]

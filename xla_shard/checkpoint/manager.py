@@ -52,15 +52,18 @@ class Checkpointer:
 
     `identity` maps config keys to this run's values; a checkpoint written with other values is refused by
     `restore`, naming the key (another model, optimizer, seed or data stream would not continue that run).
+    `architecture` is the model's transformers config: a checkpoint of a model whose config differs (a local
+    config.json edited between runs) is refused too, naming the field.
     """
 
     def __init__(self, section, backend, describe: Callable[[], dict[str, Any]], log: Callable[[str], None] = print,
-                 identity: dict[str, Any] | None = None):
+                 identity: dict[str, Any] | None = None, architecture: dict[str, Any] | None = None):
         self.section = section
         self.backend = backend
         self.describe = describe  # config, mesh, ... for the manifest
         self.log = log
         self.identity = identity or {}
+        self.architecture = architecture
         self.storage = Storage(section.dir, section.retry_deadline_s)
         self.runs = Runs(self.storage)
         self.run: dict[str, Any] = _new_run()
@@ -78,6 +81,7 @@ class Checkpointer:
             return
         self.wait()  # at most one save in flight; an earlier failure surfaces here
         entries = [layout.Entry(t.name, t.shape, t.dtype, t.chunks()) for t in self.backend.state(model, optimizer)]
+        _refuse_non_finite(step, entries, self.last_committed)
         rng = self.backend.rng_state()
         self.saving_step = self.last_saved = step
         if self.section.async_save and not block:
@@ -294,6 +298,34 @@ class Checkpointer:
                 raise ConfigError(key, f"is {value!r} but the checkpoint {manifest.url} was written with {was!r}; "
                                        "resuming would not continue that run (use another checkpoint.dir to start "
                                        "a new one)")
+        if self.architecture is not None and isinstance(manifest.data.get("hf_config"), dict):
+            saved, now = _architecture(manifest.data["hf_config"]), _architecture(self.architecture)
+            changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+            if changed:
+                first = changed[0]
+                raise ConfigError("model.name", f"the model's config differs from the one {manifest.url} was written "
+                                                f"with: {first} is {now.get(first)!r}, was {saved.get(first)!r}"
+                                                + (f" (and {len(changed) - 1} more field(s))" if len(changed) > 1 else "")
+                                                + "; resuming would not continue that run")
+
+
+def _refuse_non_finite(step: int, entries: list[layout.Entry], last_committed: int | None) -> None:
+    """A diverged run's state is worth nothing as a resume point: never commit NaN or inf."""
+    for entry in entries:
+        if entry.dtype.is_floating_point and any(not bool(chunk.isfinite().all()) for _, chunk in entry.chunks):
+            kept = f"step {last_committed}" if last_committed is not None else "none yet"
+            raise CheckpointError(f"step {step}: {entry.name} holds NaN or inf, so training diverged; not saving it "
+                                  f"(the last committed checkpoint, {kept}, stays the resume point). Lower train.lr")
+
+
+# transformers config fields that say nothing about the architecture (versions, runtime switches).
+_NOT_ARCHITECTURE = {"transformers_version", "_name_or_path", "use_cache", "dtype", "torch_dtype",
+                     "output_attentions", "output_hidden_states", "return_dict", "_attn_implementation_autoset"}
+
+
+def _architecture(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """Compared as the manifest stores it: through JSON (int keys of id2label become strings)."""
+    return {k: v for k, v in json.loads(json.dumps(hf_config)).items() if k not in _NOT_ARCHITECTURE}
 
 
 def _new_run() -> dict[str, Any]:
@@ -319,6 +351,9 @@ def _match(manifest: Manifest, stored: dict, targets) -> None:
         if tuple(stored[name][0]) != tuple(target.shape):
             raise CheckpointError(f"{manifest.url} is from another model: {name} is {list(stored[name][0])} in the "
                                   f"checkpoint, {list(target.shape)} here")
+        if stored[name][1] != target.dtype:
+            raise CheckpointError(f"{manifest.url} stores {name} as {layout.DTYPES[stored[name][1]]}, this run holds it "
+                                  f"as {layout.DTYPES.get(target.dtype, target.dtype)}; not converting it silently")
 
 
 def _batches(targets, max_bytes: int):

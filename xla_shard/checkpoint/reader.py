@@ -75,7 +75,12 @@ class ChunkReader:
             for key in span_keys:
                 chunk = chunks[key]
                 data = view[chunk["start"] - span_start:chunk["end"] - span_start]
-                if len(data) != chunk["end"] - chunk["start"] or layout.crc32_hex(data) != chunk["crc32"]:
+                itemsize = layout.TORCH_DTYPES[chunk["dtype"]].itemsize
+                if len(data) != math.prod(chunk["sizes"]) * itemsize:
+                    raise CorruptCheckpointError(f"{self.manifest.url}: the manifest's {chunk['dtype']} chunk of "
+                                                 f"{chunk['sizes']} does not span bytes {chunk['start']}-{chunk['end']} "
+                                                 f"of {file}; the manifest was edited or is damaged")
+                if layout.crc32_hex(data) != chunk["crc32"]:
                     raise CorruptCheckpointError(f"{self.manifest.url}/{file} is corrupt: bytes {chunk['start']}-"
                                           f"{chunk['end']} fail their crc32 (run `xla-shard ckpt verify`)")
                 out.append((key, layout.decode_chunk(data, chunk["dtype"], chunk["sizes"])))

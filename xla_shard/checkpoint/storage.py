@@ -9,6 +9,7 @@ service account through the metadata server) and are never logged: messages carr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -17,7 +18,7 @@ from typing import Callable, TypeVar
 import tenacity
 from fsspec.core import url_to_fs
 
-from xla_shard.errors import UserError
+from xla_shard.errors import UserError, one_line, redact
 
 T = TypeVar("T")
 
@@ -69,7 +70,7 @@ class Storage:
         try:
             self.fs, self.root = url_to_fs(self.url, **storage_options(self.url))
         except (ValueError, ImportError) as exc:
-            raise StorageError(f"cannot open storage URL {self.url!r}: {exc}") from None
+            raise StorageError(redact(one_line(f"cannot open storage URL {self.url!r}: {exc}"))) from None
         self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
 
     def path(self, *parts: str) -> str:
@@ -91,7 +92,8 @@ class Storage:
             raise
         except Exception as exc:
             kind = "gave up after retrying for" if is_transient(exc) else "failed, not retried (not transient), within"
-            raise StorageError(f"{what}: {kind} {self.retry_deadline_s:g}s: {type(exc).__name__}: {exc}") from exc
+            raise StorageError(redact(one_line(f"{what}: {kind} {self.retry_deadline_s:g}s: {type(exc).__name__}: "
+                                               f"{exc}"))) from exc
 
     # ---- operations -------------------------------------------------------------------------------
     def write(self, rel: str, parts: bytes | list[bytes | memoryview]) -> None:
@@ -104,12 +106,17 @@ class Storage:
             if self.local:
                 self.fs.makedirs(os.path.dirname(path), exist_ok=True)
                 tmp = f"{path}.tmp-{os.getpid()}"
-                with open(tmp, "wb") as out:
-                    for part in parts:
-                        out.write(part)
-                    out.flush()
-                    os.fsync(out.fileno())
-                os.replace(tmp, path)
+                try:
+                    with open(tmp, "wb") as out:
+                        for part in parts:
+                            out.write(part)
+                        out.flush()
+                        os.fsync(out.fileno())
+                    os.replace(tmp, path)
+                except BaseException:  # a full disk must not stay full of our half-written file
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+                    raise
             else:
                 self.fs.pipe_file(path, parts[0] if len(parts) == 1 and isinstance(parts[0], bytes)
                                   else b"".join(parts))

@@ -9,13 +9,24 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf/nan are refused everywhere: an infinite lr or timeout is a mistake, never a setting.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_number(cls, value: Any, info) -> Any:
+        """YAML's `true` is an int to pydantic (steps: true would train one step): refuse it for numbers."""
+        annotation = cls.model_fields[info.field_name].annotation
+        kinds = set(get_args(annotation)) or {annotation}
+        if isinstance(value, bool) and bool not in kinds and kinds & {int, float}:
+            raise ValueError(f"expected a number, got {str(value).lower()}")
+        return value
 
 
 class ShardingStrategy(str, enum.Enum):
@@ -139,7 +150,7 @@ class MeshSection(_Section):
 
 
 class ModelSection(_Section):
-    # A preset name (see `xla_shard.models.PRESETS`) or a local transformers config.json / directory.
+    # A preset name (see `xla_shard.config.presets`) or a local transformers config.json / directory.
     name: str = "tiny-llama"
     # Applied on top of the transformers config, e.g. {num_hidden_layers: 4}.
     overrides: dict[str, Any] = Field(default_factory=dict)
@@ -182,7 +193,7 @@ class CheckpointSection(_Section):
     # How long the main process waits for every rank's shard before it declares the save failed.
     commit_timeout_s: float = Field(default=600.0, gt=0)
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, populate_by_name=True)
 
 
 # What GCP accepts for each deploy value. Every value ends up in shell scripts (some run as root at boot) and
@@ -255,7 +266,7 @@ class DeploySection(_Section):
 class ShardConfig(_Section):
     backend: Backend = Backend.AUTO
     # Devices to use on CPU: XLA virtual devices (xla_spmd) or gloo processes (torch_fsdp, via torchrun).
-    cpu_devices: int = Field(default=4, ge=1)
+    cpu_devices: int = Field(default=4, ge=1, le=64)
     model: ModelSection = Field(default_factory=ModelSection)
     fsdp: FsdpSection = Field(default_factory=FsdpSection)
     mesh: MeshSection = Field(default_factory=MeshSection)

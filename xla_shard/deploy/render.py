@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from xla_shard.config import dump
+from xla_shard.config.presets import PRESETS
 from xla_shard.config.schema import ShardConfig
 from xla_shard.deploy import tpu
 from xla_shard.errors import ConfigError, UserError
@@ -90,6 +91,13 @@ def _check_common(cfg: ShardConfig, hosts: int) -> None:
         raise ConfigError("checkpoint.dir", "memory:// does not outlive the process; use a gs:// URL")
     if not cfg.deploy.project:
         raise ConfigError("deploy.project", "set the Google Cloud project to deploy into")
+    # The workers get the code and the config, not files of this machine.
+    if cfg.model.name not in PRESETS:
+        raise ConfigError("model.name", f"{cfg.model.name!r} is a path on this machine, which the workers do not "
+                                        f"have; deployments take a preset ({', '.join(PRESETS)})")
+    if cfg.train.data != "synthetic":
+        raise ConfigError("train.data", f"{cfg.train.data!r} is a file on this machine, which the workers do not "
+                                        "have; deployments train on synthetic data for now")
 
 
 def render(cfg: ShardConfig, target: str, config_name: str = "config.yaml") -> Rendering:
