@@ -77,6 +77,12 @@ def test_a_model_config_json_with_bad_field_types(tmp_path, capsys):
     _one_line_exit_2(["config", "check", CONFIG, "--set", f"model={tmp_path}"], capsys, "model.name", "hidden_size")
 
 
+def test_a_jsonl_data_file_that_is_not_utf8(tmp_path, capsys):
+    data = tmp_path / "corpus.jsonl"
+    data.write_bytes(b'{"text": "caf\xe9"}\n' * 100)
+    _one_line_exit_2(["config", "check", CONFIG, "--set", f"train.data={data}"], capsys, "train.data", "not UTF-8")
+
+
 def test_output_dir_or_export_target_that_is_a_file(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -7,9 +7,11 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from xla_shard import config as cfglib
+from xla_shard import launch
 from xla_shard.errors import UserError, one_line, redact
 
 
@@ -153,13 +155,17 @@ def _train(args) -> int:
     from xla_shard import backends
     from xla_shard.train import preflight
 
-    cfg = cfglib.load(args.config, args.set)
+    cfg, kind, notes = cfglib.load_with_notes(args.config, args.set)
+    if notes and "LOCAL_RANK" not in os.environ:  # said once, by the launcher
+        print(f"xla-shard: {args.config} imported from {kind} ({len(notes)} note(s); `xla-shard config import "
+              f"{args.config}` lists them)", file=sys.stderr)
     backend = backends.create(cfg)  # refuses what this backend cannot honour, before anything starts
     preflight(cfg)
     return backend.launch(args.argv, args.nproc_per_node)
 
 
 def main(argv: list[str] | None = None) -> int:
+    launch.declare_xla_device()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     args.argv = argv  # launchers that start this command again in other processes (torchrun) pass it on

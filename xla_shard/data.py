@@ -47,8 +47,13 @@ def _byte_tokens(path: str, seq_len: int) -> torch.Tensor:
     if not file.is_file():
         raise ConfigError("train.data", f"expected 'synthetic' or a local .txt/.jsonl file; no file at {path}")
     if file.suffix == ".jsonl":
+        try:
+            text = file.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError("train.data", f"{path} is not UTF-8 text (byte {exc.start} is "
+                                            f"{exc.object[exc.start]:#04x}); JSON lines must be UTF-8") from None
         texts = []
-        for number, line in enumerate(file.read_text().splitlines(), 1):
+        for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:

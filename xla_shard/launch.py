@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from pathlib import Path
 
 # Exit status after a SIGTERM stop with the checkpoint committed (128 + SIGTERM, as a shell reports it):
 # scripts/train_loop.sh restarts on it, and the restart resumes.
@@ -18,6 +19,18 @@ PREEMPTED_EXIT = 143
 # Set by the torchrun launcher before it execs (torchrun keeps its PID): the parent its workers must outlive.
 LAUNCHER_PID = "XLA_SHARD_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
+
+
+def on_tpu() -> bool:
+    """A Cloud TPU VM exposes its chips as /dev/accel* (v4, v5p) or /dev/vfio (v5e, v6e)."""
+    return os.environ.get("PJRT_DEVICE") == "TPU" or any(Path("/dev").glob("accel*")) or (
+        Path("/dev/vfio").is_dir() and "TPU_ACCELERATOR_TYPE" in os.environ)
+
+
+def declare_xla_device() -> None:
+    """torch_xla reads PJRT_DEVICE when it is first imported, and transformers imports it (through accelerate)
+    long before a backend configures the runtime; without it torch_xla logs a warning on every command."""
+    os.environ.setdefault("PJRT_DEVICE", "TPU" if on_tpu() else "CPU")
 
 
 def train_here(cfg, backend=None) -> int:

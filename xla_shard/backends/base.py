@@ -38,6 +38,8 @@ class StateTensor:
 
 class Backend(abc.ABC):
     name: ClassVar[str]
+    # Whether this backend starts one process per device itself (and so takes a process count).
+    starts_processes: ClassVar[bool] = False
 
     def __init__(self, cfg: ShardConfig):
         self.cfg = cfg
@@ -56,6 +58,10 @@ class Backend(abc.ABC):
             self.reject("fsdp.mixed_precision", "fp16 needs loss scaling, which xla_shard does not do; use bf16")
         if fsdp.xla_settings and self.name != "xla_fsdp":
             self.reject("fsdp.xla_settings", "these are XlaFullyShardedDataParallel arguments; use backend xla_fsdp")
+        launch_section = self.cfg.launch
+        if not self.starts_processes and (launch_section.nproc_per_node is not None or launch_section.nnodes != 1):
+            self.reject("launch", "sets torchrun's process counts (backend torch_fsdp); this backend drives every "
+                                  "local device from one process per host: remove it")
 
     def reject(self, key: str, message: str) -> None:
         raise ConfigError(key, message, backend=self.name)
@@ -64,7 +70,7 @@ class Backend(abc.ABC):
     def launch(self, argv: list[str], nproc_per_node: int | None = None) -> int:
         """Start training as this backend runs (here: in this process); the exit status for the CLI. `argv`
         is the command line, for backends that start it again in other processes."""
-        if nproc_per_node is not None:
+        if nproc_per_node is not None and not self.starts_processes:
             raise ConfigError(None, f"--nproc-per-node is torchrun's process count (backend torch_fsdp); {self.name} "
                                     "runs one process per host (on a CPU, cpu_devices sets its devices)")
         return launch.train_here(self.cfg, self)

@@ -27,6 +27,7 @@ from xla_shard.wrap import checkpoint_targets, wrap_targets
 
 class TorchFsdpBackend(Backend):
     name = "torch_fsdp"
+    starts_processes = True
     wrapper_prefixes = ("module",)  # DistributedDataParallel (NO_SHARD); fully_shard keeps names as they are
 
     def check(self) -> None:
@@ -53,7 +54,13 @@ class TorchFsdpBackend(Backend):
         if launch.torchrun_worker():
             launch.as_torchrun_worker()
             return launch.train_here(self.cfg, self)
-        nproc = nproc_per_node or (torch.cuda.device_count() if torch.cuda.is_available() else self.cfg.cpu_devices)
+        if self.cfg.launch.nnodes > 1:
+            self.reject("launch.nnodes", f"{self.cfg.launch.nnodes} nodes: start `torchrun --nnodes="
+                                         f"{self.cfg.launch.nnodes} --nproc-per-node=N --rdzv-backend=c10d "
+                                         "--rdzv-endpoint=HOST:PORT -m xla_shard.cli train CONFIG` on every node "
+                                         "(`xla-shard train` starts one node)")
+        nproc = (nproc_per_node or self.cfg.launch.nproc_per_node
+                 or (torch.cuda.device_count() if torch.cuda.is_available() else self.cfg.cpu_devices))
         if nproc < 1:
             raise ConfigError(None, f"--nproc-per-node {nproc}: need at least one process")
         self._check_world(nproc)

@@ -6,16 +6,11 @@ torch_xla is imported lazily: the PJRT environment must be set before the first 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 import torch.utils._pytree as pytree
 
-
-def on_tpu() -> bool:
-    """A Cloud TPU VM exposes its chips as /dev/accel* (v4, v5p) or /dev/vfio (v5e, v6e)."""
-    return os.environ.get("PJRT_DEVICE") == "TPU" or any(Path("/dev").glob("accel*")) or (
-        Path("/dev/vfio").is_dir() and "TPU_ACCELERATOR_TYPE" in os.environ)
+from xla_shard.launch import on_tpu
 
 
 def configure_runtime(cpu_devices: int) -> None:

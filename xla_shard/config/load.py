@@ -105,18 +105,15 @@ def to_native(raw: dict[str, Any]) -> tuple[dict[str, Any], str, list[str]]:
     """(native dict, detected format, import notes)."""
     if set(raw) <= set(ShardConfig.model_fields):
         return raw, "xla_shard", []
-    if importers.looks_like_accelerate(raw):
-        return _imported(importers.from_accelerate(raw), "accelerate")
-    if importers.looks_like_transformers(raw):
-        return _imported(importers.from_transformers(raw), "transformers fsdp_config")
-    if any(k.startswith("fsdp_") for k in raw):
-        return _imported(importers.from_accelerate(raw), "accelerate")
+    for looks_like, convert, kind in (
+            (importers.looks_like_training_arguments, importers.from_training_arguments, "transformers TrainingArguments"),
+            (importers.looks_like_accelerate, importers.from_accelerate, "accelerate"),
+            (importers.looks_like_transformers, importers.from_transformers, "transformers fsdp_config"),
+            (lambda r: any(k.startswith("fsdp_") for k in r), importers.from_accelerate, "accelerate")):
+        if looks_like(raw):
+            native, notes = convert(raw)
+            return native, kind, notes
     return raw, "xla_shard", []  # let validation name the unknown key
-
-
-def _imported(result: tuple[dict[str, Any], list[str]], kind: str) -> tuple[dict[str, Any], str, list[str]]:
-    native, notes = result
-    return native, kind, notes
 
 
 def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
@@ -150,9 +147,14 @@ def validate(raw: dict[str, Any]) -> ShardConfig:
 
 
 def load(path: str | Path | None, overrides: Iterable[str] = ()) -> ShardConfig:
+    return load_with_notes(path, overrides)[0]
+
+
+def load_with_notes(path: str | Path | None, overrides: Iterable[str] = ()) -> tuple[ShardConfig, str, list[str]]:
+    """The config, the format the file was in, and what the importer says became of its foreign keys."""
     raw = read_raw(path) if path is not None else {}
-    native, _, _ = to_native(raw)
-    return validate(apply_overrides(native, overrides))
+    native, kind, notes = to_native(raw)
+    return validate(apply_overrides(native, overrides)), kind, notes
 
 
 def _first_error(exc: ValidationError) -> ConfigError:

@@ -173,6 +173,16 @@ class TrainSection(_Section):
     warmup_steps: int = Field(default=2, ge=1)
 
 
+class LaunchSection(_Section):
+    """How many processes torch_fsdp starts (through torchrun). The XLA backends drive every local device
+    from one process per host and take neither key. `--nproc-per-node` on the command line wins."""
+
+    # null: one per GPU, or cpu_devices gloo processes on a CPU
+    nproc_per_node: int | None = Field(default=None, ge=1, le=1024)
+    # > 1: run `torchrun --nnodes ... -m xla_shard.cli train CONFIG` on every node yourself
+    nnodes: int = Field(default=1, ge=1)
+
+
 class CheckpointSection(_Section):
     # Any fsspec URL: a local path, gs://bucket/prefix (gcsfs, the VM's credentials), memory://... ;
     # null turns checkpointing off.
@@ -271,6 +281,7 @@ class ShardConfig(_Section):
     fsdp: FsdpSection = Field(default_factory=FsdpSection)
     mesh: MeshSection = Field(default_factory=MeshSection)
     train: TrainSection = Field(default_factory=TrainSection)
+    launch: LaunchSection = Field(default_factory=LaunchSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     deploy: DeploySection = Field(default_factory=DeploySection)
     output_dir: str = "runs/default"
