@@ -15,27 +15,26 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-from xla_shard.backends.base import StateTensor
-from xla_shard.checkpoint import layout
-from xla_shard.checkpoint import Checkpointer, ChunkReader, read_manifest
+from xla_shard.checkpoint import Checkpointer, ChunkReader, layout, read_manifest
+from xla_shard.checkpoint.contract import StateTensor
 from xla_shard.checkpoint.storage import Storage
 from xla_shard.config.schema import CheckpointSection
+from xla_shard.launch import declare_xla_device
+from xla_shard.testing import GcsEmulator
 
 
 class HostState:
-    """The checkpoint side of a backend for plain host tensors: one writer that owns every box."""
+    """The `ShardedState` of plain host tensors: one writer that owns every box (what a backend provides)."""
 
-    name, writer, is_main = "bench", (0, 1), True
+    writer, is_main = (0, 1), True
 
     def __init__(self, tensors: dict[str, torch.Tensor]):
         self.tensors = tensors
@@ -48,9 +47,26 @@ class HostState:
     def rng_state(self):
         return {}
 
+    def set_rng_state(self, state):
+        pass
 
-def _describe():
-    return {"backend": "bench", "num_devices": 1, "mesh": {}, "config": {}, "hf_config": {"model_type": "llama"}}
+    def any_rank(self, flag):
+        return flag
+
+    def describe(self):
+        return {"backend": "bench", "num_devices": 1, "plan": None, "config": {}}
+
+    def run_identity(self):
+        return {}
+
+
+def _model():
+    """A tiny transformers model, so that manifests carry a config.json for `ckpt export` (its own weights are
+    not what is saved: HostState hands out the benchmark's tensors)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1))
 
 
 def _time(fn) -> float:
@@ -62,14 +78,15 @@ def _time(fn) -> float:
 def bench_target(url: str, tensors: dict[str, torch.Tensor], repeats: int) -> dict[str, float]:
     section = CheckpointSection(dir=url, async_save=False, keep_last=repeats)  # no deletes inside the timing
     backend = HostState(tensors)
-    checkpointer = Checkpointer(section, backend, _describe, log=lambda _: None)
+    checkpointer = Checkpointer(section, backend, log=lambda _: None)
+    model = _model()
     raw = Storage(url + "/raw")
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     blob = b"".join(bytes(layout.tensor_bytes(t)) for t in tensors.values())
     times = {"save": [], "raw_save": [], "load": [], "raw_load": []}
     for step in range(1, repeats + 1):
         times["raw_save"].append(_time(lambda: raw.write(f"blob-{step}", blob)))
-        times["save"].append(_time(lambda: checkpointer.save(step, None, None)))
+        times["save"].append(_time(lambda: checkpointer.save(step, model, None)))
         storage = Storage(f"{url}/{layout.step_dir(step)}")
         manifest = read_manifest(storage)
         reader = ChunkReader(storage, manifest)
@@ -86,14 +103,15 @@ def bench_target(url: str, tensors: dict[str, torch.Tensor], repeats: int) -> di
 
 def bench_async(url: str, tensors: dict[str, torch.Tensor], repeats: int) -> dict[str, float]:
     backend = HostState(tensors)
-    sync = Checkpointer(CheckpointSection(dir=url + "/sync", async_save=False, keep_last=1), backend, _describe,
+    sync = Checkpointer(CheckpointSection(dir=url + "/sync", async_save=False, keep_last=1), backend,
                         log=lambda _: None)
-    asyn = Checkpointer(CheckpointSection(dir=url + "/async", async_save=True, keep_last=1), backend, _describe,
+    asyn = Checkpointer(CheckpointSection(dir=url + "/async", async_save=True, keep_last=1), backend,
                         log=lambda _: None)
+    model = _model()
     sync_s, async_s = [], []
     for step in range(1, repeats + 1):
-        sync_s.append(_time(lambda: sync.save(step, None, None)))
-        async_s.append(_time(lambda: asyn.save(step, None, None)))
+        sync_s.append(_time(lambda: sync.save(step, model, None)))
+        async_s.append(_time(lambda: asyn.save(step, model, None)))
         asyn.wait()
     return {"sync_save_s": statistics.median(sync_s), "async_blocking_s": statistics.median(async_s),
             "ratio": statistics.median(async_s) / statistics.median(sync_s)}
@@ -107,24 +125,8 @@ def bench_export(url: str) -> str:
     return done.stdout.strip()
 
 
-def _emulator(workdir: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    exe = Path(sys.executable).parent / "gcp-storage-emulator"
-    process = subprocess.Popen([str(exe), "start", "--host", "127.0.0.1", "--port", str(port), "--default-bucket",
-                                "bench", "-q"], cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(300):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{port}"
-    return process, "gs://bench/ckpt"
-
-
 def main(argv=None) -> None:
+    declare_xla_device()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=256, help="total state size")
     parser.add_argument("--tensors", type=int, default=32)
@@ -133,7 +135,9 @@ def main(argv=None) -> None:
     rows = args.mib * 2**20 // 4 // args.tensors // 1024
     tensors = {f"layer{i}.weight": torch.randn(rows, 1024) for i in range(args.tensors)}
     with tempfile.TemporaryDirectory() as tmp:
-        emulator, gs_url = _emulator(tmp)
+        emulator = GcsEmulator(tmp, bucket="bench").start()
+        os.environ.update(emulator.env())
+        gs_url = emulator.url("ckpt")
         try:
             for label, url in (("local", os.path.join(tmp, "local")), ("gs (emulator)", gs_url)):
                 r = bench_target(url, tensors, args.repeats)
@@ -145,7 +149,7 @@ def main(argv=None) -> None:
                   f"{a['sync_save_s'] * 1e3:.1f} ms (ratio {a['ratio']:.3f})")
             print(f"{'export':>14}: {bench_export(os.path.join(tmp, 'local'))}")
         finally:
-            emulator.kill()
+            emulator.stop()
 
 
 if __name__ == "__main__":

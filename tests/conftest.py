@@ -55,53 +55,11 @@ def probe(tmp_path):
     return _probe
 
 
-class GcsEmulator:
-    """`gcp-storage-emulator` on a free loopback port, storing on disk so a restart keeps the objects."""
-
-    bucket = "xla-shard-test"
-
-    def __init__(self, workdir: Path):
-        import socket
-
-        self.workdir = workdir
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.host = f"http://127.0.0.1:{self.port}"
-        self.process = None
-
-    def start(self) -> "GcsEmulator":
-        import socket
-        import time
-
-        exe = Path(sys.executable).parent / "gcp-storage-emulator"
-        self.process = subprocess.Popen([str(exe), "start", "--host", "127.0.0.1", "--port", str(self.port),
-                                         "--default-bucket", self.bucket, "-q"], cwd=self.workdir,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return self
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError("gcp-storage-emulator did not start")
-
-    def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-    def env(self) -> dict:
-        return {"STORAGE_EMULATOR_HOST": self.host, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
-
-    def url(self, prefix: str) -> str:
-        return f"gs://{self.bucket}/{prefix}"
-
-
 @pytest.fixture
 def gcs(tmp_path, monkeypatch):
     """A real GCS JSON API on loopback; gs:// URLs in this process and in `run_cli` children reach it."""
+    from xla_shard.testing import GcsEmulator
+
     emulator = GcsEmulator(tmp_path).start()
     for key, value in emulator.env().items():
         monkeypatch.setenv(key, value)

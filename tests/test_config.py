@@ -204,7 +204,7 @@ def test_cli_train_mesh_that_does_not_divide_the_devices(cli):
 
 @pytest.mark.parametrize("args, words", [
     # Checked by the launcher, before torchrun prints anything: 8 rows over 3 processes, a 2 x 2 mesh over 3.
-    (["--nproc-per-node", "3", "--set", "backend=torch_fsdp"], ["train.global_batch_size", "3 processes"]),
+    (["--nproc-per-node", "3", "--set", "backend=torch_fsdp"], ["train.global_batch_size", "3 torchrun processes"]),
     (["--nproc-per-node", "3", "--set", "backend=torch_fsdp", "--set", "train.global_batch_size=6", "--set",
       "fsdp.sharding_strategy=HYBRID_SHARD", "--set", "mesh.replica=2"], ["'mesh'", "torch_fsdp", "3 devices"]),
     # Not torchrun's backend: refused, not ignored.

@@ -37,8 +37,11 @@ def train_here(cfg, backend=None) -> int:
     """Train in this process; the exit status for the CLI."""
     from xla_shard.train import Trainer
 
-    trainer = Trainer(cfg, backend).setup()
-    trainer.run()
+    trainer = Trainer(cfg, backend)
+    try:
+        trainer.setup().run()
+    finally:
+        trainer.backend.shutdown()
     return PREEMPTED_EXIT if trainer.preempted else 0
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,12 +53,6 @@ def measure_cpu_matmul_flops(size: int = 512, repeats: int = 8) -> float:
     for _ in range(repeats):
         a @ b
     return 2.0 * size**3 * repeats / (time.perf_counter() - start)
-
-
-@dataclass
-class MfuBasis:
-    peak_per_device: float
-    description: str
 
 
 class StepLogger:

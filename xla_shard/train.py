@@ -1,4 +1,8 @@
-"""The training loop: data -> step -> metrics, identical for every backend."""
+"""The training loop: data -> step -> metrics, identical for every backend.
+
+`Trainer` runs the whole job from a config; users with their own loop use the same pieces directly (a backend's
+`wrap`, `local_batch` and `after_step`, and a `Checkpointer`), see the README's "Use from Python".
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,14 @@ import sys
 import time
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from xla_shard import backends
 from xla_shard.backends.base import Backend
-from xla_shard.checkpoint import CheckpointError, Checkpointer
+from xla_shard.checkpoint import CheckpointError, Checkpointer, layout
 from xla_shard.config.schema import ShardConfig, TrainSection
 from xla_shard.data import TokenSource
 from xla_shard.metrics import StepLogger, measure_cpu_matmul_flops, peak_for, train_flops_per_token
@@ -40,6 +45,9 @@ def preflight(cfg: ShardConfig) -> None:
     wrap_targets(model, cfg.fsdp)
     if cfg.fsdp.activation_checkpointing:
         checkpoint_targets(model, cfg.fsdp)
+    if cfg.fsdp.state_dict_type == "FULL_STATE_DICT" and not cfg.checkpoint.dir:
+        raise ConfigError("fsdp.state_dict_type", "FULL_STATE_DICT also exports the final checkpoint as one Hugging "
+                                                  "Face model directory (output_dir/model); set checkpoint.dir")
     TokenSource(cfg.train, model.config.vocab_size)
 
 
@@ -65,20 +73,31 @@ class MemoryReport:
     optimizer_unsharded: int
 
 
+LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+def causal_lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, as transformers computes it from `labels`."""
+    return model(input_ids=batch, labels=batch).loss
+
+
 class Trainer:
-    def __init__(self, cfg: ShardConfig, backend: Backend | None = None):
+    """The whole training job for one config. `loss_fn(model, batch) -> loss` replaces the causal-LM loss."""
+
+    def __init__(self, cfg: ShardConfig, backend: Backend | None = None, loss_fn: LossFn = causal_lm_loss):
         self.cfg = cfg
         self.backend = backend or backends.create(cfg)
+        self.loss_fn = loss_fn
         self.records: list[dict[str, Any]] = []
 
     def setup(self) -> "Trainer":
         cfg, backend = self.cfg, self.backend
         backend.setup()
+        self._log(f"{backend.name} on {backend.num_devices} {backend.device_kind} device(s): {backend.plan}")
         model = build_model(cfg.model, cfg.train.seed)
         check_sequence_length(model.config, cfg.train.seq_len)
         check_output_dir(cfg.output_dir)
         self.flops_per_token = train_flops_per_token(model, cfg.train.seq_len)
-        self.hf_config = {**model.config.to_dict(), "architectures": [type(model).__name__]}
         self.source = TokenSource(cfg.train, model.config.vocab_size)
         self.model = backend.wrap(model)
         self.model.train()
@@ -86,8 +105,7 @@ class Trainer:
         self.peak_per_device, self.mfu_basis = self._mfu_basis()
         self.start_step, self.checkpointer, self.preempted = 0, None, False
         if cfg.checkpoint.dir:
-            self.checkpointer = Checkpointer(cfg.checkpoint, backend, self._describe, log=self._log,
-                                             identity=cfg.run_identity(), architecture=self.hf_config)
+            self.checkpointer = Checkpointer(cfg.checkpoint, backend, log=self._log)
             self.start_step = self.checkpointer.restore(self.model, self.optimizer)
             if self.start_step > cfg.train.steps:
                 raise ConfigError("train.steps", f"{cfg.train.steps} is behind the checkpoint's step {self.start_step} "
@@ -97,14 +115,6 @@ class Trainer:
     def _log(self, message: str) -> None:
         if self.backend.is_main:
             print(f"xla-shard: {redact(message)}", file=sys.stderr, flush=True)
-
-    def _describe(self) -> dict[str, Any]:
-        """What the manifest records about the run that wrote it."""
-        backend = self.backend
-        return {"backend": backend.name, "num_devices": backend.num_devices,
-                "mesh": dict(zip(("replica", "fsdp"), self.cfg.mesh.resolve(backend.num_devices)))
-                if self.cfg.fsdp.sharding_strategy.is_hybrid else {"fsdp": backend.num_devices},
-                "config": self.cfg.model_dump(mode="json", by_alias=True), "hf_config": self.hf_config}
 
     def _mfu_basis(self) -> tuple[float, str]:
         configured = self.cfg.train.peak_flops_per_device
@@ -122,7 +132,7 @@ class Trainer:
     def step(self, step: int) -> torch.Tensor:
         batch = self.backend.local_batch(self.source.global_batch(step))
         with self.backend.forward_context():
-            loss = self.model(input_ids=batch, labels=batch).loss
+            loss = self.loss_fn(self.model, batch)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -149,9 +159,23 @@ class Trainer:
                         break
                 if ckpt:
                     ckpt.wait()  # the last save commits before the run counts as finished
+                    if cfg.fsdp.state_dict_type == "FULL_STATE_DICT" and not self.preempted:
+                        self._export_final()
         finally:
             logger.close()
         return self.records
+
+    def _export_final(self) -> None:
+        """FULL_STATE_DICT: the final checkpoint also becomes one Hugging Face model directory."""
+        ckpt = self.checkpointer
+        if not self.backend.is_main or ckpt.last_committed is None:
+            return
+        from xla_shard.checkpoint.export import export
+
+        target = Path(self.cfg.output_dir) / "model"
+        report = export(ckpt.storage.url_of(layout.step_dir(ckpt.last_committed)), str(target))
+        self._log(f"fsdp.state_dict_type=FULL_STATE_DICT: exported step {report.step} to {target} "
+                  f"({report.tensors} tensors, {report.bytes} bytes)")
 
     def _stop_for_preemption(self, done: int, preemption: PreemptionGuard) -> None:
         ckpt = self.checkpointer

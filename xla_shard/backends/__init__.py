@@ -6,11 +6,11 @@ import torch
 
 from xla_shard.backends.base import Backend
 from xla_shard.backends.torch_fsdp import TorchFsdpBackend
-from xla_shard.backends.xla_common import on_tpu
 from xla_shard.backends.xla_fsdp import XlaFsdpBackend
 from xla_shard.backends.xla_spmd import XlaSpmdBackend
 from xla_shard.config.schema import Backend as BackendName
 from xla_shard.config.schema import ShardConfig
+from xla_shard.launch import on_tpu
 
 BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (XlaSpmdBackend, XlaFsdpBackend, TorchFsdpBackend)}
 

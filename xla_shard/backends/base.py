@@ -1,4 +1,8 @@
-"""The one small interface every backend implements; the runner and checkpointing speak only this."""
+"""The one small interface every backend implements; the runner and checkpointing speak only this.
+
+What a backend cannot do is data on its class (`unsupported_strategies`, `offloads_params`, ...), checked here
+once, so this base class never names a subclass and the README's strategy table is checked against it.
+"""
 
 from __future__ import annotations
 
@@ -7,39 +11,31 @@ import base64
 import contextlib
 import random
 import types
-from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 from torch import nn
 
-from xla_shard import launch
-from xla_shard.checkpoint.layout import Box
-from xla_shard.config.schema import ShardConfig
+from xla_shard import launch, plan
+from xla_shard.checkpoint.contract import Box, Chunk, StateTensor
+from xla_shard.config.schema import ShardConfig, ShardingStrategy
+from xla_shard.data import local_rows
 from xla_shard.errors import ConfigError
 
 CheckpointFn = Callable[..., Any]
-Chunk = tuple[tuple[int, ...], torch.Tensor]  # (offsets, host copy of that box)
-
-
-@dataclass
-class StateTensor:
-    """One tensor of the training state as checkpointing sees it: a global name and shape, the boxes this
-    process writes (host copies, taken before the step goes on) and, for loading, the boxes it holds and how
-    to put values into them."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    chunks: Callable[[], list[Chunk]]
-    boxes: Callable[[], list[Box]]
-    fill: Callable[[list[torch.Tensor]], None]
 
 
 class Backend(abc.ABC):
     name: ClassVar[str]
-    # Whether this backend starts one process per device itself (and so takes a process count).
+    # Strategies this backend cannot run, each with the reason and what to use instead.
+    unsupported_strategies: ClassVar[dict[ShardingStrategy, str]] = {}
+    # Whether it can keep parameters in host memory (fsdp.offload_params), and why not if it cannot.
+    offloads_params: ClassVar[bool] = False
+    no_offload_reason: ClassVar[str] = "this backend has no CPU offload"
+    # Whether it starts one process per device itself (and so takes a process count).
     starts_processes: ClassVar[bool] = False
+    # Module names its wrappers insert into parameter names; removed so every backend saves the same names.
+    wrapper_prefixes: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, cfg: ShardConfig):
         self.cfg = cfg
@@ -49,11 +45,17 @@ class Backend(abc.ABC):
         self.device_kind = "cpu"
         self.num_devices = 1  # devices the model is sharded over, all processes together
         self.local_devices = 1  # devices this process drives
+        self.plan: plan.ShardingPlan | None = None  # resolved in setup, once the devices are known
 
     # ---- decided before anything heavy runs -------------------------------------------------------
     def check(self) -> None:
         """Reject, with a ConfigError naming key and backend, every option this backend cannot honour."""
         fsdp = self.cfg.fsdp
+        reason = self.unsupported_strategies.get(fsdp.sharding_strategy)
+        if reason:
+            self.reject("fsdp.sharding_strategy", f"{fsdp.sharding_strategy.value} {reason}")
+        if fsdp.offload_params and not self.offloads_params:
+            self.reject("fsdp.offload_params", f"{self.no_offload_reason}; set it to false")
         if fsdp.mixed_precision == "fp16":
             self.reject("fsdp.mixed_precision", "fp16 needs loss scaling, which xla_shard does not do; use bf16")
         if fsdp.xla_settings and self.name != "xla_fsdp":
@@ -65,6 +67,17 @@ class Backend(abc.ABC):
 
     def reject(self, key: str, message: str) -> None:
         raise ConfigError(key, message, backend=self.name)
+
+    def resolve_plan(self, devices: int, what: str = "devices") -> plan.ShardingPlan:
+        """The sharding plan for `devices`, refusing a mesh or global batch that does not divide them."""
+        try:
+            resolved = plan.resolve(self.cfg.fsdp, self.cfg.mesh, devices)
+        except ValueError as exc:
+            self.reject("mesh", f"{exc}" + ("" if what == "devices" else f" ({what})"))
+        if self.cfg.train.global_batch_size % devices:
+            self.reject("train.global_batch_size",
+                        f"{self.cfg.train.global_batch_size} does not split evenly over {devices} {what}")
+        return resolved
 
     # ---- how it starts -----------------------------------------------------------------------------
     def launch(self, argv: list[str], nproc_per_node: int | None = None) -> int:
@@ -78,19 +91,19 @@ class Backend(abc.ABC):
     # ---- lifecycle ---------------------------------------------------------------------------------
     @abc.abstractmethod
     def setup(self) -> None:
-        """Initialise the runtime (process group, mesh, device); fills rank/world/device/num_devices."""
+        """Initialise the runtime (process group, mesh, device); fill rank/world/device/num_devices and plan."""
 
     @abc.abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:
         """Move the model to the device and shard it: auto-wrap, activation checkpointing, precision."""
 
     def shutdown(self) -> None:
-        pass
+        """Release the runtime (process group) once training is over."""
 
     # ---- the step ----------------------------------------------------------------------------------
-    @abc.abstractmethod
     def local_batch(self, global_batch: torch.Tensor) -> torch.Tensor:
-        """This process's part of the global batch, on the device, laid out as the backend needs."""
+        """This process's rows of the global batch, on its device (SPMD overrides: it shards one batch)."""
+        return local_rows(global_batch, self.rank, self.world).to(self.device)
 
     def forward_context(self):
         """Wraps the forward pass (autocast where the backend needs it)."""
@@ -118,9 +131,27 @@ class Backend(abc.ABC):
         XLA tensors are global values already; backends whose tensors are local shards override this."""
         return tensor.detach().cpu()
 
-    @abc.abstractmethod
+    def unit_type(self) -> type[nn.Module] | None:
+        """The wrapper class of a sharded unit (imported lazily: it may live in torch_xla)."""
+        return None
+
     def sharded_units(self, model: nn.Module) -> list[str]:
         """Qualified names (wrapper prefixes removed) of the modules sharded as their own unit; '' is the root."""
+        unit = self.unit_type()
+        return [self.canonical(name) for name, module in model.named_modules() if unit and isinstance(module, unit)]
+
+    def canonical(self, name: str) -> str:
+        """A parameter or module name as the unwrapped model spells it."""
+        return ".".join(part for part in name.split(".") if part not in self.wrapper_prefixes)
+
+    def describe(self) -> dict[str, Any]:
+        """What a manifest records about this run."""
+        return {"backend": self.name, "num_devices": self.num_devices,
+                "plan": self.plan.describe() if self.plan else None,
+                "config": self.cfg.model_dump(mode="json", by_alias=True)}
+
+    def run_identity(self) -> dict[str, Any]:
+        return self.cfg.run_identity()
 
     @property
     def is_main(self) -> bool:
@@ -131,13 +162,10 @@ class Backend(abc.ABC):
         """(index, count) of the processes that write checkpoint shards."""
         return self.rank, self.world
 
-    # ---- checkpoint state --------------------------------------------------------------------------
-    # Module names a wrapper inserts into parameter names; removed so every backend saves the same names.
-    wrapper_prefixes: ClassVar[tuple[str, ...]] = ()
-
+    # ---- checkpoint state (the `ShardedState` protocol of xla_shard.checkpoint.contract) ------------
     def named_parameters(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in model.named_parameters():
-            yield ".".join(p for p in name.split(".") if p not in self.wrapper_prefixes), param
+            yield self.canonical(name), param
 
     def state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
               stored: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> list[StateTensor]:
@@ -185,9 +213,6 @@ class Backend(abc.ABC):
         version, internal, gauss = state["python"]
         random.setstate((version, tuple(internal), gauss))
 
-    def barrier(self) -> None:
-        pass
-
     def any_rank(self, flag: bool) -> bool:
         """True if `flag` is set on any process, so that all stop at the same step (preemption)."""
         return flag
@@ -216,15 +241,6 @@ def pack_bytes(state: torch.Tensor) -> str:
 
 def unpack_bytes(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-
-
-def unit_names(model: nn.Module, unit_type: type, wrapper_prefixes: tuple[str, ...]) -> list[str]:
-    names = []
-    for name, module in model.named_modules():
-        if isinstance(module, unit_type):
-            parts = [p for p in name.split(".") if p not in wrapper_prefixes]
-            names.append(".".join(parts))
-    return names
 
 
 def apply_activation_checkpointing(modules: list[nn.Module], checkpoint_fn: CheckpointFn) -> None:

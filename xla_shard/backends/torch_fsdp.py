@@ -17,10 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from xla_shard import launch
-from xla_shard.backends.base import (Backend, Box, Chunk, apply_activation_checkpointing, pack_bytes, unit_names,
-                                     unpack_bytes)
-from xla_shard.config.schema import ShardingStrategy
-from xla_shard.data import local_rows
+from xla_shard.backends.base import Backend, apply_activation_checkpointing, pack_bytes, unpack_bytes
+from xla_shard.checkpoint.contract import Box, Chunk
 from xla_shard.errors import ConfigError
 from xla_shard.wrap import checkpoint_targets, wrap_targets
 
@@ -28,6 +26,7 @@ from xla_shard.wrap import checkpoint_targets, wrap_targets
 class TorchFsdpBackend(Backend):
     name = "torch_fsdp"
     starts_processes = True
+    offloads_params = True  # FSDP2's CPUOffloadPolicy, on a machine with GPUs
     wrapper_prefixes = ("module",)  # DistributedDataParallel (NO_SHARD); fully_shard keeps names as they are
 
     def check(self) -> None:
@@ -36,17 +35,7 @@ class TorchFsdpBackend(Backend):
             self.reject("fsdp.offload_params", "offloads parameters from GPU memory to the host; this machine has "
                                                "no CUDA GPU, so there is nothing to offload: set it to false")
         if "RANK" in os.environ or "LOCAL_RANK" in os.environ:  # inside torchrun: the world size is known
-            self._check_world(int(os.environ.get("WORLD_SIZE", "1")))
-
-    def _check_world(self, world: int) -> None:
-        if self.cfg.fsdp.sharding_strategy.is_hybrid:
-            try:
-                self.cfg.mesh.resolve(world)
-            except ValueError as exc:
-                self.reject("mesh", f"{exc} (torchrun processes)")
-        if self.cfg.train.global_batch_size % world:
-            self.reject("train.global_batch_size",
-                        f"{self.cfg.train.global_batch_size} does not split evenly over {world} processes")
+            self.resolve_plan(int(os.environ.get("WORLD_SIZE", "1")), "torchrun processes")
 
     def launch(self, argv: list[str], nproc_per_node: int | None = None) -> int:
         """Inside torchrun: train here, dying with torchrun. Otherwise: check the process count against the
@@ -63,7 +52,7 @@ class TorchFsdpBackend(Backend):
                  or (torch.cuda.device_count() if torch.cuda.is_available() else self.cfg.cpu_devices))
         if nproc < 1:
             raise ConfigError(None, f"--nproc-per-node {nproc}: need at least one process")
-        self._check_world(nproc)
+        self.resolve_plan(nproc, "torchrun processes")
         launch.exec_torchrun(nproc, argv)
         return 0  # not reached: exec replaced this process
 
@@ -78,7 +67,7 @@ class TorchFsdpBackend(Backend):
             dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.num_devices = self.world
-        self.check()
+        self.plan = self.resolve_plan(self.world, "torchrun processes")
 
     def wrap(self, model: nn.Module) -> nn.Module:
         fsdp = self.cfg.fsdp
@@ -87,11 +76,10 @@ class TorchFsdpBackend(Backend):
             apply_activation_checkpointing(checkpoint_targets(model, fsdp),
                                            functools.partial(checkpoint, use_reentrant=False))
         model.to(self.device)
-        strategy = fsdp.sharding_strategy
-        if strategy is ShardingStrategy.NO_SHARD:
+        if self.plan.replicate_only:
             return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                                            bucket_cap_mb=fsdp.bucket_cap_mb)
-        kwargs = dict(mesh=self._mesh(), reshard_after_forward=strategy.reshards_after_forward)
+        kwargs = dict(mesh=self._mesh(), reshard_after_forward=self.plan.reshard_after_forward)
         if fsdp.mixed_precision == "bf16":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if fsdp.offload_params:
@@ -102,18 +90,14 @@ class TorchFsdpBackend(Backend):
         return model
 
     def _mesh(self):
-        device_type = self.device.type
-        if self.cfg.fsdp.sharding_strategy.is_hybrid:
-            replica, shard = self.cfg.mesh.resolve(self.world)
-            return init_device_mesh(device_type, (replica, shard), mesh_dim_names=("replicate", "shard"))
-        return init_device_mesh(device_type, (self.world,), mesh_dim_names=("shard",))
-
-    def local_batch(self, global_batch: torch.Tensor) -> torch.Tensor:
-        return local_rows(global_batch, self.rank, self.world).to(self.device)
+        if self.plan.hybrid:
+            return init_device_mesh(self.device.type, (self.plan.replicas, self.plan.shard),
+                                    mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("shard",))
 
     def forward_context(self):
         # FSDP2's MixedPrecisionPolicy casts parameters; DDP (NO_SHARD) needs autocast for bf16.
-        enabled = self.cfg.fsdp.mixed_precision == "bf16" and self.cfg.fsdp.sharding_strategy is ShardingStrategy.NO_SHARD
+        enabled = self.cfg.fsdp.mixed_precision == "bf16" and self.plan.replicate_only
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
     def mean_loss(self, loss: torch.Tensor) -> float:
@@ -129,11 +113,8 @@ class TorchFsdpBackend(Backend):
     def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
 
-    def sharded_units(self, model: nn.Module) -> list[str]:
-        return unit_names(model, FSDPModule, ("module",))
-
-    def barrier(self) -> None:
-        dist.barrier()
+    def unit_type(self) -> type[nn.Module]:
+        return FSDPModule
 
     def any_rank(self, flag: bool) -> bool:
         value = torch.tensor([int(flag)], device=self.device)

@@ -1,6 +1,8 @@
-"""What both torch_xla backends share: runtime environment, exact activation checkpointing, compile counts.
+"""What both torch_xla backends share: the `XlaBackend` base class (runtime, the step cut, compile counts, the
+wrap policy), and exact activation checkpointing.
 
-torch_xla is imported lazily: the PJRT environment must be set before the first import.
+torch_xla is imported lazily: the PJRT environment must be set before the first import. It is imported only
+by the XLA backends, so that another TPU runtime can plug in behind the same interface.
 """
 
 from __future__ import annotations
@@ -9,8 +11,11 @@ import os
 
 import torch
 import torch.utils._pytree as pytree
+from torch import nn
 
+from xla_shard.backends.base import Backend, apply_activation_checkpointing
 from xla_shard.launch import on_tpu
+from xla_shard.wrap import checkpoint_targets, wrap_targets
 
 
 def configure_runtime(cpu_devices: int) -> None:
@@ -38,6 +43,38 @@ def compilations() -> int:
 
     data = met.metric_data("CompileTime")
     return int(data[0]) if data else 0
+
+
+class XlaBackend(Backend):
+    """torch_xla, either way: lazy graphs cut once per step, compilations counted, no CPU offload."""
+
+    no_offload_reason = "torch_xla FSDP has no CPU offload"
+
+    def configure(self) -> None:
+        configure_runtime(self.cfg.cpu_devices)
+
+    def after_step(self) -> None:
+        import torch_xla
+
+        torch_xla.sync()
+
+    def compilations(self) -> int:
+        return compilations()
+
+    def prepare_wrap(self, model: nn.Module):
+        """Apply activation checkpointing (before sharding, so the wrapper's hooks stay outside the recomputed
+        region) and return the auto-wrap policy both torch_xla wrappers take, or None to wrap only the root."""
+        fsdp = self.cfg.fsdp
+        if fsdp.activation_checkpointing:
+            apply_activation_checkpointing(checkpoint_targets(model, fsdp), xla_checkpoint)
+        targets = {id(m) for m in wrap_targets(model, fsdp)}
+        if not targets:
+            return None
+
+        def policy(module, recurse, **_):
+            return recurse or id(module) in targets
+
+        return policy
 
 
 def xla_checkpoint(function, *args, **kwargs):

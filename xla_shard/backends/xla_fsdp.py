@@ -1,7 +1,8 @@
 """torch_xla FSDPv1 (`XlaFullyShardedDataParallel`): one process per device, launched by `xmp.spawn`.
 
-On XLA's CPU client only world size 1 runs: multi-replica collectives die in XLA's CPU rendezvous (see
-DESIGN.md), so multi-replica FSDPv1 is a TPU-only path.
+On XLA's CPU client only world size 1 runs: every cross-replica collective dies in XLA's CPU rendezvous
+(threads arrive with different op ids; torch_xla's own CPU CI skips those tests), so multi-replica FSDPv1 is a
+TPU-only path.
 """
 
 from __future__ import annotations
@@ -16,29 +17,22 @@ from torch import nn
 
 from xla_shard import launch
 from xla_shard.backends import xla_common
-from xla_shard.backends.base import (Backend, StateTensor, apply_activation_checkpointing, optimizer_state,
-                                     unit_names)
-from xla_shard.checkpoint.layout import range_to_boxes
+from xla_shard.backends.base import optimizer_state
+from xla_shard.checkpoint.contract import StateTensor, range_to_boxes
 from xla_shard.config.schema import ShardingStrategy
-from xla_shard.data import local_rows
-from xla_shard.wrap import checkpoint_targets, wrap_targets
+
+_HYBRID = "needs a 2-D mesh; use backend xla_spmd (replica x fsdp mesh) for hybrid sharding"
 
 
-class XlaFsdpBackend(Backend):
+class XlaFsdpBackend(xla_common.XlaBackend):
     name = "xla_fsdp"
     wrapper_prefixes = ("_fsdp_wrapped_module", "_fpw_module")
+    unsupported_strategies = {
+        ShardingStrategy.NO_SHARD: "is data parallelism; use backend xla_spmd with NO_SHARD, which runs it without FSDP",
+        ShardingStrategy.HYBRID_SHARD: _HYBRID, ShardingStrategy.HYBRID_SHARD_ZERO2: _HYBRID}
 
     def check(self) -> None:
         super().check()
-        fsdp = self.cfg.fsdp
-        if fsdp.offload_params:
-            self.reject("fsdp.offload_params", "torch_xla FSDP has no CPU offload; set it to false")
-        if fsdp.sharding_strategy.is_hybrid:
-            self.reject("fsdp.sharding_strategy", f"{fsdp.sharding_strategy.value} needs a 2-D mesh; use backend "
-                                                  "xla_spmd (replica x fsdp mesh) for hybrid sharding")
-        if fsdp.sharding_strategy is ShardingStrategy.NO_SHARD:
-            self.reject("fsdp.sharding_strategy", "NO_SHARD is data parallelism; use backend xla_spmd with "
-                                                  "NO_SHARD, which runs it without FSDP")
         self._check_xla_settings()
         if not xla_common.on_tpu() and self.cfg.cpu_devices != 1:
             self.reject("cpu_devices", f"FSDPv1 runs on XLA's CPU client at 1 device only (got {self.cfg.cpu_devices}): "
@@ -47,7 +41,7 @@ class XlaFsdpBackend(Backend):
     def _check_xla_settings(self) -> None:
         if not self.cfg.fsdp.xla_settings:
             return
-        xla_common.configure_runtime(self.cfg.cpu_devices)
+        self.configure()
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
 
         accepted = set(inspect.signature(XlaFullyShardedDataParallel.__init__).parameters) - {"self", "module"}
@@ -62,14 +56,14 @@ class XlaFsdpBackend(Backend):
         """torch_xla's `xmp.spawn`: one process per local device, each dying with this launcher."""
         if nproc_per_node is not None:
             return super().launch(argv, nproc_per_node)  # refuses it, naming the backend
-        xla_common.configure_runtime(self.cfg.cpu_devices)
+        self.configure()
         import torch_xla.distributed.xla_multiprocessing as xmp
 
         xmp.spawn(launch.spawned, args=(self.cfg, os.getpid()))
         return 0
 
     def setup(self) -> None:
-        xla_common.configure_runtime(self.cfg.cpu_devices)
+        self.configure()
         import torch_xla
         import torch_xla.runtime as xr
 
@@ -77,35 +71,17 @@ class XlaFsdpBackend(Backend):
         self.device_kind = xla_common.device_kind()
         self.rank, self.world = xr.global_ordinal(), xr.world_size()
         self.num_devices = self.world
-        if self.cfg.train.global_batch_size % self.world:
-            self.reject("train.global_batch_size",
-                        f"{self.cfg.train.global_batch_size} does not split evenly over {self.world} replicas")
+        self.plan = self.resolve_plan(self.world, "replicas")
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
 
-        fsdp = self.cfg.fsdp
-        if fsdp.activation_checkpointing:
-            apply_activation_checkpointing(checkpoint_targets(model, fsdp), xla_common.xla_checkpoint)
-        targets = {id(m) for m in wrap_targets(model, fsdp)}
-
-        def policy(module, recurse, **_):
-            return recurse or id(module) in targets
-
-        settings = dict(fsdp.xla_settings)
-        settings["reshard_after_forward"] = fsdp.sharding_strategy.reshards_after_forward
-        if fsdp.mixed_precision == "bf16":
+        policy = self.prepare_wrap(model)
+        settings = dict(self.cfg.fsdp.xla_settings)
+        settings["reshard_after_forward"] = self.plan.reshard_after_forward
+        if self.cfg.fsdp.mixed_precision == "bf16":
             settings["compute_dtype"] = torch.bfloat16
-        return XlaFullyShardedDataParallel(model.to(self.device), auto_wrap_policy=policy if targets else None,
-                                           **settings)
-
-    def local_batch(self, global_batch: torch.Tensor) -> torch.Tensor:
-        return local_rows(global_batch, self.rank, self.world).to(self.device)
-
-    def after_step(self) -> None:
-        import torch_xla
-
-        torch_xla.sync()
+        return XlaFullyShardedDataParallel(model.to(self.device), auto_wrap_policy=policy, **settings)
 
     def mean_loss(self, loss: torch.Tensor) -> float:
         import torch_xla.core.xla_model as xm
@@ -114,13 +90,10 @@ class XlaFsdpBackend(Backend):
             return loss.item()
         return xm.mesh_reduce("loss", loss.item(), lambda values: sum(values) / len(values))
 
-    def sharded_units(self, model: nn.Module) -> list[str]:
+    def unit_type(self) -> type[nn.Module]:
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
 
-        return unit_names(model, XlaFullyShardedDataParallel, ("_fsdp_wrapped_module", "_fpw_module"))
-
-    def compilations(self) -> int:
-        return xla_common.compilations()
+        return XlaFullyShardedDataParallel
 
     def local_bytes(self, tensors: list[torch.Tensor]) -> list[int]:
         return [t.numel() * t.element_size() for t in tensors]
@@ -129,11 +102,6 @@ class XlaFsdpBackend(Backend):
         import torch_xla.core.xla_model as xm
 
         return flag if self.world == 1 else xm.mesh_reduce("preempt", flag, any)
-
-    def barrier(self) -> None:
-        import torch_xla.core.xla_model as xm
-
-        xm.rendezvous("xla_shard")
 
     # ---- checkpoint state ---------------------------------------------------------------------------
     # Each FSDPv1 parameter is a 1-D shard: rank r holds elements [r*L, (r+1)*L) of the original parameter
@@ -156,8 +124,7 @@ class XlaFsdpBackend(Backend):
         for name, shape, numel in originals:
             a, b = max(lo, start), min(hi, start + numel)
             if a < b:
-                canonical = ".".join(p for p in name.split(".") if p not in self.wrapper_prefixes)
-                pieces.append((canonical, shape, a - lo, a - start, b - a))
+                pieces.append((self.canonical(name), shape, a - lo, a - start, b - a))
             start += numel
         return pieces
 
@@ -168,7 +135,7 @@ class XlaFsdpBackend(Backend):
         for module_name, module in model.named_modules():
             if not isinstance(module, XlaFullyShardedDataParallel):
                 continue
-            module_name = ".".join(p for p in module_name.split(".") if p not in self.wrapper_prefixes)
+            module_name = self.canonical(module_name)
             for shard in module.sharded_params:
                 pieces = self._pieces(module_name, module, shard)
                 host = functools.lru_cache(maxsize=None)(lambda t: t.detach().cpu())

@@ -13,27 +13,21 @@ import torch
 from torch import nn
 
 from xla_shard.backends import xla_common
-from xla_shard.backends.base import Backend, Box, Chunk, apply_activation_checkpointing, unit_names
+from xla_shard.checkpoint.contract import Box, Chunk
 from xla_shard.config.schema import ShardingStrategy
-from xla_shard.wrap import checkpoint_targets, wrap_targets
+
+_NOT_UNDER_SPMD = ("is not expressible under SPMD (XLA's partitioner schedules the all-gathers); use FULL_SHARD, "
+                   "HYBRID_SHARD or NO_SHARD")
 
 
-class XlaSpmdBackend(Backend):
+class XlaSpmdBackend(xla_common.XlaBackend):
     name = "xla_spmd"
     wrapper_prefixes = ("_orig_module",)
-
-    def check(self) -> None:
-        super().check()
-        fsdp = self.cfg.fsdp
-        if fsdp.offload_params:
-            self.reject("fsdp.offload_params", "torch_xla FSDP has no CPU offload; set it to false")
-        if fsdp.sharding_strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.HYBRID_SHARD_ZERO2):
-            self.reject("fsdp.sharding_strategy",
-                        f"{fsdp.sharding_strategy.value} is not expressible under SPMD (XLA's partitioner "
-                        "schedules the all-gathers); use FULL_SHARD, HYBRID_SHARD or NO_SHARD")
+    unsupported_strategies = {ShardingStrategy.SHARD_GRAD_OP: _NOT_UNDER_SPMD,
+                              ShardingStrategy.HYBRID_SHARD_ZERO2: _NOT_UNDER_SPMD}
 
     def setup(self) -> None:
-        xla_common.configure_runtime(self.cfg.cpu_devices)
+        self.configure()
         import torch_xla
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
@@ -43,14 +37,8 @@ class XlaSpmdBackend(Backend):
         warnings.filterwarnings("ignore", message="For backward hooks to be called")
         self.num_devices = xr.global_runtime_device_count()
         self.local_devices = xr.addressable_runtime_device_count()
-        try:
-            replica, fsdp = self.cfg.mesh.resolve(self.num_devices)
-        except ValueError as exc:
-            self.reject("mesh", str(exc))
-        if self.cfg.train.global_batch_size % self.num_devices:
-            self.reject("train.global_batch_size",
-                        f"{self.cfg.train.global_batch_size} does not split evenly over {self.num_devices} devices")
-        self.mesh = xs.Mesh(np.arange(self.num_devices), (replica, fsdp), ("replica", "fsdp"))
+        self.plan = self.resolve_plan(self.num_devices)
+        self.mesh = xs.Mesh(np.arange(self.num_devices), (self.plan.replicas, self.plan.shard), ("replica", "fsdp"))
         xs.set_global_mesh(self.mesh)
         self.device = torch_xla.device()
         self.device_kind = xla_common.device_kind()
@@ -71,19 +59,12 @@ class XlaSpmdBackend(Backend):
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
 
-        fsdp = self.cfg.fsdp
-        if fsdp.activation_checkpointing:
-            apply_activation_checkpointing(checkpoint_targets(model, fsdp), xla_common.xla_checkpoint)
-        if fsdp.sharding_strategy is ShardingStrategy.NO_SHARD:
+        policy = self.prepare_wrap(model)
+        if self.plan.replicate_only:
             return model.to(self.device)  # replicated parameters; the sharded batch makes it data-parallel
-        targets = {id(m) for m in wrap_targets(model, fsdp)}
-
-        def policy(module, recurse, **_):
-            return recurse or id(module) in targets
-
         wrapped = SpmdFullyShardedDataParallel(
-            model.to(self.device), mesh=self.mesh, shard_output=self._shard_output,
-            auto_wrap_policy=policy if targets else None, extra_data_axis="replica")
+            model.to(self.device), mesh=self.mesh, shard_output=self._shard_output, auto_wrap_policy=policy,
+            extra_data_axis="replica")
         self._shard_gradients_like_params(wrapped)
         return wrapped
 
@@ -121,21 +102,13 @@ class XlaSpmdBackend(Backend):
     def forward_context(self):
         return torch.autocast("xla", dtype=torch.bfloat16, enabled=self.cfg.fsdp.mixed_precision == "bf16")
 
-    def after_step(self) -> None:
-        import torch_xla
-
-        torch_xla.sync()
-
     def mean_loss(self, loss: torch.Tensor) -> float:
         return loss.item()  # already the global-batch mean: SPMD computes one global program
 
-    def sharded_units(self, model: nn.Module) -> list[str]:
+    def unit_type(self) -> type[nn.Module]:
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
 
-        return unit_names(model, SpmdFullyShardedDataParallel, ("_orig_module",))
-
-    def compilations(self) -> int:
-        return xla_common.compilations()
+        return SpmdFullyShardedDataParallel
 
     def local_bytes(self, tensors: list[torch.Tensor]) -> list[int]:
         import torch_xla

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from xla_shard.checkpoint.contract import Box, intersect, range_to_boxes, region  # noqa: F401 (the format's boxes)
+
 FORMAT = "xla_shard.checkpoint/1"
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -31,9 +33,6 @@ DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torc
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
           torch.bool: "BOOL"}
 TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) within a tensor's global shape
-
 
 def step_dir(step: int) -> str:
     return f"step-{step:08d}"
@@ -60,47 +59,6 @@ class Entry:
     shape: tuple[int, ...]
     dtype: torch.dtype
     chunks: list[tuple[tuple[int, ...], torch.Tensor]] = field(default_factory=list)  # (offsets, host tensor)
-
-
-# ---- boxes --------------------------------------------------------------------------------------------
-def intersect(a: Box, b: Box) -> Box | None:
-    offsets, sizes = [], []
-    for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1]):
-        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
-        if hi <= lo:
-            return None
-        offsets.append(lo)
-        sizes.append(hi - lo)
-    return tuple(offsets), tuple(sizes)
-
-
-def region(box: Box, within: Box) -> tuple[slice, ...]:
-    """Index of `box` inside a tensor that holds `within`."""
-    return tuple(slice(o - wo, o - wo + s) for o, s, wo in zip(box[0], box[1], within[0]))
-
-
-def range_to_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
-    """The boxes covering elements [start, stop) of a row-major tensor (FSDPv1 shards of flat parameters)."""
-    if start >= stop:
-        return []
-    if not shape:
-        return [((), ())]
-    if len(shape) == 1:
-        return [((start,), (stop - start,))]
-    inner = math.prod(shape[1:])
-    first_full, last_full = -(-start // inner), stop // inner
-    if first_full > last_full:  # inside one row
-        row = start // inner
-        return [((row, *o), (1, *s)) for o, s in range_to_boxes(shape[1:], start - row * inner, stop - row * inner)]
-    boxes = []
-    if start < first_full * inner:
-        row = first_full - 1
-        boxes += [((row, *o), (1, *s)) for o, s in range_to_boxes(shape[1:], start - row * inner, inner)]
-    if last_full > first_full:
-        boxes.append(((first_full,) + (0,) * (len(shape) - 1), (last_full - first_full, *shape[1:])))
-    if stop > last_full * inner:
-        boxes += [((last_full, *o), (1, *s)) for o, s in range_to_boxes(shape[1:], 0, stop - last_full * inner)]
-    return boxes
 
 
 # ---- shard files ----------------------------------------------------------------------------------------

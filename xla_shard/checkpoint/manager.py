@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from xla_shard.checkpoint import layout
+from xla_shard.checkpoint.contract import ShardedState
 from xla_shard.checkpoint.manifest import (UNRECORDED_RUN, CheckpointError, CorruptCheckpointError, Manifest,
                                            Runs, all_steps, committed_steps, read_manifest)
 from xla_shard.checkpoint.reader import ChunkReader
@@ -50,24 +51,21 @@ class Checkpointer:
     """One per training process. `restore` picks up where `checkpoint.resume` says; `save` returns once the
     step may go on; `wait` surfaces any failure.
 
-    `identity` maps config keys to this run's values; a checkpoint written with other values is refused by
-    `restore`, naming the key (another model, optimizer, seed or data stream would not continue that run).
-    `architecture` is the model's transformers config: a checkpoint of a model whose config differs (a local
-    config.json edited between runs) is refused too, naming the field.
+    `section` is the config's `checkpoint` section; `backend` hands out and takes back the sharded state. A
+    checkpoint whose run identity (`backend.run_identity()`: model, optimizer, seed, data, batch) or model
+    architecture (the model's transformers config, read from the model) differs from this run's is refused
+    by `restore`, naming the key: it would not continue that run.
     """
 
-    def __init__(self, section, backend, describe: Callable[[], dict[str, Any]], log: Callable[[str], None] = print,
-                 identity: dict[str, Any] | None = None, architecture: dict[str, Any] | None = None):
+    def __init__(self, section, backend: ShardedState, log: Callable[[str], None] = print):
         self.section = section
         self.backend = backend
-        self.describe = describe  # config, mesh, ... for the manifest
         self.log = log
-        self.identity = identity or {}
-        self.architecture = architecture
         self.storage = Storage(section.dir, section.retry_deadline_s)
         self.runs = Runs(self.storage)
         self.run: dict[str, Any] = _new_run()
         self._thread: threading.Thread | None = None
+        self._hf_config: dict[str, Any] | None = None
         self._error: BaseException | None = None
         self.saving_step: int | None = None
         self.last_saved: int | None = None  # newest step this process saved (committed or in flight)
@@ -80,6 +78,7 @@ class Checkpointer:
         if step == self.last_saved:
             return
         self.wait()  # at most one save in flight; an earlier failure surfaces here
+        self._hf_config = hf_config(model)
         entries = [layout.Entry(t.name, t.shape, t.dtype, t.chunks()) for t in self.backend.state(model, optimizer)]
         _refuse_non_finite(step, entries, self.last_committed)
         rng = self.backend.rng_state()
@@ -144,8 +143,8 @@ class Checkpointer:
                 raise CheckpointError(f"step {step}: tensor {name} has {stored} of {math.prod(meta['shape'])} "
                                       "elements in its shards; not committing")
         manifest = {"format": layout.FORMAT, "step": step, "writers": world, "created": time.time(),
-                    "run": self.run, **self.describe(), "versions": versions(), "files": files, "rng": rng,
-                    "tensors": tensors}
+                    "run": self.run, **self.backend.describe(), "hf_config": self._hf_config, "versions": versions(),
+                    "files": files, "rng": rng, "tensors": tensors}
         self.storage.write(f"{directory}/{layout.MANIFEST}", json.dumps(manifest, indent=1).encode())
         self.last_committed = step
         self.log(f"checkpoint step {step} committed: {self.storage.url_of(directory)}")
@@ -271,7 +270,7 @@ class Checkpointer:
     def _load(self, url: str, model, optimizer) -> Manifest:
         storage = Storage(url, self.section.retry_deadline_s)
         manifest = read_manifest(storage)
-        self._check_identity(manifest)
+        self._check_identity(manifest, hf_config(model))
         stored = {name: (tuple(meta["shape"]), layout.TORCH_DTYPES[meta["dtype"]])
                   for name, meta in manifest.tensors.items()}
         targets = self.backend.state(model, optimizer, stored=stored)
@@ -290,16 +289,16 @@ class Checkpointer:
                      "generators start fresh (model, optimizer and data position are restored exactly)")
         return manifest
 
-    def _check_identity(self, manifest: Manifest) -> None:
+    def _check_identity(self, manifest: Manifest, architecture: dict[str, Any] | None) -> None:
         saved = manifest.data["config"]
-        for key, value in self.identity.items():
+        for key, value in self.backend.run_identity().items():
             was = _dotted(saved, key)
             if was != value:
                 raise ConfigError(key, f"is {value!r} but the checkpoint {manifest.url} was written with {was!r}; "
                                        "resuming would not continue that run (use another checkpoint.dir to start "
                                        "a new one)")
-        if self.architecture is not None and isinstance(manifest.data.get("hf_config"), dict):
-            saved, now = _architecture(manifest.data["hf_config"]), _architecture(self.architecture)
+        if architecture is not None and isinstance(manifest.data.get("hf_config"), dict):
+            saved, now = _architecture(manifest.data["hf_config"]), _architecture(architecture)
             changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
             if changed:
                 first = changed[0]
@@ -321,6 +320,19 @@ def _refuse_non_finite(step: int, entries: list[layout.Entry], last_committed: i
 # transformers config fields that say nothing about the architecture (versions, runtime switches).
 _NOT_ARCHITECTURE = {"transformers_version", "_name_or_path", "use_cache", "dtype", "torch_dtype",
                      "output_attentions", "output_hidden_states", "return_dict", "_attn_implementation_autoset"}
+
+
+def hf_config(model) -> dict[str, Any] | None:
+    """The transformers config of a (possibly wrapped) model, as its `config.json` would hold it; None for a
+    model that is not a transformers model."""
+    from transformers import PreTrainedModel
+
+    inner = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    if inner is None:
+        return None
+    # FSDP2 swaps in a subclass it makes on the fly (FSDPLlamaForCausalLM): name the model's own class.
+    cls = next(c for c in type(inner).__mro__ if issubclass(c, PreTrainedModel) and not c.__module__.startswith("torch."))
+    return {**inner.config.to_dict(), "architectures": [cls.__name__]}
 
 
 def _architecture(hf_config: dict[str, Any]) -> dict[str, Any]:
