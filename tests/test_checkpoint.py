@@ -290,3 +290,21 @@ def test_xla_spmd_resumes_many_times_on_a_busy_machine(tmp_path, reference):
         for burner in burners:
             burner.kill()
     assert done.returncode == 0 and "loaded 12 times" in done.stdout, done.stderr[-3000:]
+
+
+def test_full_state_dict_also_exports_the_final_checkpoint_for_transformers(cli, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from xla_shard.checkpoint import ChunkReader, Storage, read_manifest
+
+    run = tmp_path / "run"
+    done = train(cli, run, f"checkpoint.dir={tmp_path / 'ckpt'}", "fsdp.state_dict_type=FULL_STATE_DICT", steps=2)
+    assert f"exported step 2 to {run / 'model'}" in done.stderr
+    model = AutoModelForCausalLM.from_pretrained(run / "model")
+    storage = Storage(str(tmp_path / "ckpt" / "step-00000002"))
+    manifest = read_manifest(storage)
+    reader = ChunkReader(storage, manifest)
+    for name, param in model.named_parameters():
+        shape = tuple(param.shape)
+        (stored,) = reader.read([(f"model/{name}", ((0,) * len(shape), shape))])
+        assert torch.equal(param.detach(), stored), name

@@ -129,7 +129,8 @@ def _config_check(args) -> int:
     from xla_shard.train import preflight
 
     cfg = cfglib.load(args.config, args.set)
-    backends.create(cfg)  # the backend's own checks, without starting it
+    backend = backends.create(cfg)  # the backend's own checks, without starting it
+    backend.check_launch()  # ... and the plan against the devices it will have, where that is known already
     preflight(cfg)
     print(cfglib.dump(cfg), end="")
     return 0
@@ -160,6 +161,7 @@ def _train(args) -> int:
         print(f"xla-shard: {args.config} imported from {kind} ({len(notes)} note(s); `xla-shard config import "
               f"{args.config}` lists them)", file=sys.stderr)
     backend = backends.create(cfg)  # refuses what this backend cannot honour, before anything starts
+    backend.check_launch(args.nproc_per_node)
     preflight(cfg)
     return backend.launch(args.argv, args.nproc_per_node)
 

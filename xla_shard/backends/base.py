@@ -80,6 +80,16 @@ class Backend(abc.ABC):
         return resolved
 
     # ---- how it starts -----------------------------------------------------------------------------
+    def expected_devices(self, nproc_per_node: int | None = None) -> int | None:
+        """Devices the run will have, if known before the runtime starts (None: only setup can tell)."""
+        return None
+
+    def check_launch(self, nproc_per_node: int | None = None) -> None:
+        """Before anything starts (`train`, and `config check`): the plan must fit the devices it will have."""
+        devices = self.expected_devices(nproc_per_node)
+        if devices is not None:
+            self.resolve_plan(devices, "torchrun processes" if self.starts_processes else "devices")
+
     def launch(self, argv: list[str], nproc_per_node: int | None = None) -> int:
         """Start training as this backend runs (here: in this process); the exit status for the CLI. `argv`
         is the command line, for backends that start it again in other processes."""

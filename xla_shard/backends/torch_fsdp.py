@@ -34,8 +34,6 @@ class TorchFsdpBackend(Backend):
         if self.cfg.fsdp.offload_params and not torch.cuda.is_available():
             self.reject("fsdp.offload_params", "offloads parameters from GPU memory to the host; this machine has "
                                                "no CUDA GPU, so there is nothing to offload: set it to false")
-        if "RANK" in os.environ or "LOCAL_RANK" in os.environ:  # inside torchrun: the world size is known
-            self.resolve_plan(int(os.environ.get("WORLD_SIZE", "1")), "torchrun processes")
 
     def launch(self, argv: list[str], nproc_per_node: int | None = None) -> int:
         """Inside torchrun: train here, dying with torchrun. Otherwise: check the process count against the
@@ -48,13 +46,19 @@ class TorchFsdpBackend(Backend):
                                          f"{self.cfg.launch.nnodes} --nproc-per-node=N --rdzv-backend=c10d "
                                          "--rdzv-endpoint=HOST:PORT -m xla_shard.cli train CONFIG` on every node "
                                          "(`xla-shard train` starts one node)")
+        self.check_launch(nproc_per_node)
+        launch.exec_torchrun(self.expected_devices(nproc_per_node), argv)
+        return 0  # not reached: exec replaced this process
+
+    def expected_devices(self, nproc_per_node: int | None = None) -> int | None:
+        """Inside torchrun, its world; before it, the processes the launcher will start, per node."""
+        if launch.torchrun_worker():
+            return int(os.environ.get("WORLD_SIZE", "1"))
         nproc = (nproc_per_node or self.cfg.launch.nproc_per_node
                  or (torch.cuda.device_count() if torch.cuda.is_available() else self.cfg.cpu_devices))
         if nproc < 1:
             raise ConfigError(None, f"--nproc-per-node {nproc}: need at least one process")
-        self.resolve_plan(nproc, "torchrun processes")
-        launch.exec_torchrun(nproc, argv)
-        return 0  # not reached: exec replaced this process
+        return nproc * self.cfg.launch.nnodes
 
     def setup(self) -> None:
         cuda = torch.cuda.is_available()

@@ -53,6 +53,9 @@ class XlaBackend(Backend):
     def configure(self) -> None:
         configure_runtime(self.cfg.cpu_devices)
 
+    def expected_devices(self, nproc_per_node: int | None = None) -> int | None:
+        return None if on_tpu() else self.cfg.cpu_devices  # XLA's CPU client: cpu_devices virtual devices
+
     def after_step(self) -> None:
         import torch_xla
 
