@@ -130,7 +130,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=256, help="total state size")
     parser.add_argument("--tensors", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     rows = args.mib * 2**20 // 4 // args.tensors // 1024
     tensors = {f"layer{i}.weight": torch.randn(rows, 1024) for i in range(args.tensors)}

@@ -80,7 +80,6 @@ class Checkpointer:
         self.wait()  # at most one save in flight; an earlier failure surfaces here
         self._hf_config = hf_config(model)
         entries = [layout.Entry(t.name, t.shape, t.dtype, t.chunks()) for t in self.backend.state(model, optimizer)]
-        _refuse_non_finite(step, entries, self.last_committed)
         rng = self.backend.rng_state()
         self.saving_step = self.last_saved = step
         if self.section.async_save and not block:
@@ -113,6 +112,7 @@ class Checkpointer:
         return True
 
     def _upload_and_commit(self, step: int, entries: list[layout.Entry], rng: dict) -> None:
+        _refuse_non_finite(step, entries, self.last_committed)  # here, off the step's critical path
         directory = layout.step_dir(step)
         if self.storage.exists(f"{directory}/{layout.MANIFEST}"):
             self.runs.forget(step)
@@ -310,8 +310,11 @@ class Checkpointer:
 
 def _refuse_non_finite(step: int, entries: list[layout.Entry], last_committed: int | None) -> None:
     """A diverged run's state is worth nothing as a resume point: never commit NaN or inf."""
+    def finite(chunk) -> bool:  # a NaN or inf makes the sum non-finite; only then (or on overflow) look closer
+        return bool(chunk.sum().isfinite()) or bool(chunk.isfinite().all())
+
     for entry in entries:
-        if entry.dtype.is_floating_point and any(not bool(chunk.isfinite().all()) for _, chunk in entry.chunks):
+        if entry.dtype.is_floating_point and not all(finite(chunk) for _, chunk in entry.chunks):
             kept = f"step {last_committed}" if last_committed is not None else "none yet"
             raise CheckpointError(f"step {step}: {entry.name} holds NaN or inf, so training diverged; not saving it "
                                   f"(the last committed checkpoint, {kept}, stays the resume point). Lower train.lr")

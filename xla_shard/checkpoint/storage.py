@@ -135,6 +135,29 @@ class Storage:
                             lambda: self.fs.cat_ranges(paths, starts, ends, on_error="raise"))
         return list(result)
 
+    def read_into(self, rel: str, start: int, out: memoryview) -> int:
+        """Fill `out` with the bytes of `rel` from `start` on; return how many there were (fewer at the end of
+        the file). Local files are read straight into `out`, with no temporary; other stores take one ranged
+        request."""
+        path = self.path(rel)
+
+        def read() -> int:
+            if self.local:
+                with open(path, "rb", buffering=0) as stream:
+                    stream.seek(start)
+                    got = 0
+                    while got < len(out):
+                        count = stream.readinto(out[got:])
+                        if not count:
+                            break
+                        got += count
+                    return got
+            (data,) = self.fs.cat_ranges([path], [start], [start + len(out)], on_error="raise")
+            out[:len(data)] = data
+            return len(data)
+
+        return self.retry(f"reading {self.url_of(rel)}", read)
+
     def exists(self, rel: str) -> bool:
         path = self.path(rel)
 
