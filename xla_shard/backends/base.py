@@ -32,6 +32,8 @@ class Backend(abc.ABC):
     # Whether it can keep parameters in host memory (fsdp.offload_params), and why not if it cannot.
     offloads_params: ClassVar[bool] = False
     no_offload_reason: ClassVar[str] = "this backend has no CPU offload"
+    # Whether it passes fsdp.xla_settings to XlaFullyShardedDataParallel.
+    takes_xla_settings: ClassVar[bool] = False
     # Whether it starts one process per device itself (and so takes a process count).
     starts_processes: ClassVar[bool] = False
     # Module names its wrappers insert into parameter names; removed so every backend saves the same names.
@@ -58,7 +60,7 @@ class Backend(abc.ABC):
             self.reject("fsdp.offload_params", f"{self.no_offload_reason}; set it to false")
         if fsdp.mixed_precision == "fp16":
             self.reject("fsdp.mixed_precision", "fp16 needs loss scaling, which xla_shard does not do; use bf16")
-        if fsdp.xla_settings and self.name != "xla_fsdp":
+        if fsdp.xla_settings and not self.takes_xla_settings:
             self.reject("fsdp.xla_settings", "these are XlaFullyShardedDataParallel arguments; use backend xla_fsdp")
         launch_section = self.cfg.launch
         if not self.starts_processes and (launch_section.nproc_per_node is not None or launch_section.nnodes != 1):

@@ -27,6 +27,7 @@ _HYBRID = "needs a 2-D mesh; use backend xla_spmd (replica x fsdp mesh) for hybr
 class XlaFsdpBackend(xla_common.XlaBackend):
     name = "xla_fsdp"
     wrapper_prefixes = ("_fsdp_wrapped_module", "_fpw_module")
+    takes_xla_settings = True
     unsupported_strategies = {
         ShardingStrategy.NO_SHARD: "is data parallelism; use backend xla_spmd with NO_SHARD, which runs it without FSDP",
         ShardingStrategy.HYBRID_SHARD: _HYBRID, ShardingStrategy.HYBRID_SHARD_ZERO2: _HYBRID}
