@@ -129,3 +129,52 @@ def test_full_shard_holds_one_nth_per_device(probes, backend):
         assert memory[kind] <= padded, (kind, memory)
         assert memory[kind] <= memory[f"{kind}_unsharded"] / n * 1.1, (kind, memory)
     assert memory["optimizer"] <= 2 * padded  # AdamW: exp_avg and exp_avg_sq, sharded like the params
+
+
+# ---- tied embeddings (lm_head shares the input embedding) ------------------------------------------------
+TIED = ["model=tiny-gpt2", "model.overrides={resid_pdrop: 0.0, embd_pdrop: 0.0, attn_pdrop: 0.0}",  # no dropout
+        "train.seq_len=32", "train.global_batch_size=8", "train.seed=3", "train.optimizer=sgd", "train.lr=0.5"]
+
+
+@pytest.fixture(scope="module")
+def tied_runs(tmp_path_factory):
+    from conftest import run_cli
+
+    runs = {"eager": _eager_losses(TIED + ["train.steps=3"])}
+    for name, (sets, nproc) in BACKENDS.items():
+        out = tmp_path_factory.mktemp(f"tied-{name}")
+        args = ["train"] + [a for s in TIED + sets + ["train.steps=3", f"output_dir={out}", f"checkpoint.dir={out}/ck"]
+                            for a in ("--set", s)]
+        if nproc:
+            args += ["--nproc-per-node", str(nproc)]
+        done = run_cli(*args)
+        assert done.returncode == 0, done.stderr[-4000:]
+        runs[name] = out
+    return runs
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_tied_weights_stay_tied_on_every_backend(tied_runs, backend):
+    """Moving a model to an XLA device unties lm_head from the embedding; every backend re-ties, so a tied
+    model trains the same on all of them and its checkpoints hold the shared matrix once."""
+    out = tied_runs[backend]
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for step, (got, want) in enumerate(zip(losses, tied_runs["eager"])):
+        assert math.isclose(got, want, rel_tol=1e-4), f"{backend} step {step + 1}: {got} vs eager {want}"
+    tensors = json.loads((out / "ck/step-00000003/manifest.json").read_text())["tensors"]
+    assert "model/transformer.wte.weight" in tensors and "model/lm_head.weight" not in tensors
+
+
+def test_a_tied_checkpoint_resumes_on_another_backend_and_exports_tied(tied_runs, tmp_path):
+    from conftest import run_cli
+    from transformers import AutoModelForCausalLM
+
+    source = tied_runs["xla_spmd"] / "ck" / "step-00000003"
+    sets = TIED + ["backend=torch_fsdp", "train.steps=4", f"output_dir={tmp_path / 'run'}",
+                   f"checkpoint.dir={tmp_path / 'ck'}", f"checkpoint.resume={source}"]
+    done = run_cli("train", *[a for s in sets for a in ("--set", s)], "--nproc-per-node", "2")
+    assert done.returncode == 0, done.stderr[-4000:]
+    exported = run_cli("ckpt", "export", str(source), "--to", str(tmp_path / "hf"))
+    assert exported.returncode == 0, exported.stderr
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.transformer.wte.weight

@@ -112,6 +112,17 @@ class Backend(abc.ABC):
     def shutdown(self) -> None:
         """Release the runtime (process group) once training is over."""
 
+    def to_device(self, model: nn.Module) -> nn.Module:
+        """Move the model to this backend's device with tied parameters still tied.
+
+        Moving to an XLA device replaces each parameter (pytorch/xla#7042), so `lm_head` of a model with
+        `tie_word_embeddings` stops sharing the input embedding: it would train as a second matrix and be
+        checkpointed twice. transformers re-ties after its own moves; every backend moves through here."""
+        model = model.to(self.device)
+        if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
+            model.tie_weights()
+        return model
+
     # ---- the step ----------------------------------------------------------------------------------
     def local_batch(self, global_batch: torch.Tensor) -> torch.Tensor:
         """This process's rows of the global batch, on its device (SPMD overrides: it shards one batch)."""

@@ -79,7 +79,7 @@ class TorchFsdpBackend(Backend):
             # Non-reentrant checkpointing: kwargs and tensors nested in tuples get exact gradients.
             apply_activation_checkpointing(checkpoint_targets(model, fsdp),
                                            functools.partial(checkpoint, use_reentrant=False))
-        model.to(self.device)
+        model = self.to_device(model)
         if self.plan.replicate_only:
             return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                                            bucket_cap_mb=fsdp.bucket_cap_mb)

@@ -85,7 +85,7 @@ class XlaFsdpBackend(xla_common.XlaBackend):
         settings["reshard_after_forward"] = self.plan.reshard_after_forward
         if self.cfg.fsdp.mixed_precision == "bf16":
             settings["compute_dtype"] = torch.bfloat16
-        return XlaFullyShardedDataParallel(model.to(self.device), auto_wrap_policy=policy, **settings)
+        return XlaFullyShardedDataParallel(self.to_device(model), auto_wrap_policy=policy, **settings)
 
     def mean_loss(self, loss: torch.Tensor) -> float:
         import torch_xla.core.xla_model as xm

@@ -61,9 +61,9 @@ class XlaSpmdBackend(xla_common.XlaBackend):
 
         policy = self.prepare_wrap(model)
         if self.plan.replicate_only:
-            return model.to(self.device)  # replicated parameters; the sharded batch makes it data-parallel
+            return self.to_device(model)  # replicated parameters; the sharded batch makes it data-parallel
         wrapped = SpmdFullyShardedDataParallel(
-            model.to(self.device), mesh=self.mesh, shard_output=self._shard_output, auto_wrap_policy=policy,
+            self.to_device(model), mesh=self.mesh, shard_output=self._shard_output, auto_wrap_policy=policy,
             extra_data_axis="replica")
         self._shard_gradients_like_params(wrapped)
         return wrapped
