@@ -40,8 +40,7 @@ def model_config(section: ModelSection) -> PretrainedConfig:
                                                         + (f"; did you mean {close[0]!r}?" if close else ""))
     if section.overrides:
         config = _config_for(model_type, {**fields, **section.overrides}, "model.overrides", section.name)
-    # Eager attention computes the same thing on every backend (SDPA kernels differ between XLA and CPU).
-    config._attn_implementation = "eager"
+    config._attn_implementation = section.attn_implementation  # as asked; eager is the default (see the schema)
     return config
 
 
@@ -61,6 +60,9 @@ def build_model(section: ModelSection, seed: int) -> PreTrainedModel:
     try:
         model = AutoModelForCausalLM.from_config(config)
     except ValueError as exc:
+        if "does not support" in str(exc) and "attn" in str(exc).lower():
+            raise ConfigError("model.attn_implementation", f"{section.attn_implementation} is not available for "
+                                                           f"this model: {' '.join(str(exc).split())}") from None
         if "Unrecognized configuration class" in str(exc):
             raise ConfigError("model.name", f"{section.name!r} is not a causal LM: {' '.join(str(exc).split())}") from None
         raise ConfigError(key, f"transformers cannot build this model: {' '.join(str(exc).split())}") from None

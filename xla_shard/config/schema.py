@@ -154,6 +154,17 @@ class ModelSection(_Section):
     name: str = "tiny-llama"
     # Applied on top of the transformers config, e.g. {num_hidden_layers: 4}.
     overrides: dict[str, Any] = Field(default_factory=dict)
+    # The attention kernel: eager (the same math on every backend: what parity tests pin) or sdpa
+    # (torch.nn.functional.scaled_dot_product_attention, fused kernels on GPUs).
+    attn_implementation: Literal["eager", "sdpa"] = "eager"
+
+    @field_validator("overrides")
+    @classmethod
+    def _no_attention_override(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key in ("attn_implementation", "_attn_implementation"):
+            if key in value:
+                raise ValueError(f"{key} is chosen by model.attn_implementation (eager or sdpa), not an override")
+        return value
 
 
 class TrainSection(_Section):
