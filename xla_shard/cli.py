@@ -7,7 +7,6 @@ traceback.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from xla_shard import config as cfglib
@@ -157,7 +156,7 @@ def _train(args) -> int:
     from xla_shard.train import preflight
 
     cfg, kind, notes = cfglib.load_with_notes(args.config, args.set)
-    if notes and "LOCAL_RANK" not in os.environ:  # said once, by the launcher
+    if notes and not launch.torchrun_worker():  # said once, by the launcher
         print(f"xla-shard: {args.config} imported from {kind} ({len(notes)} note(s); `xla-shard config import "
               f"{args.config}` lists them)", file=sys.stderr)
     backend = backends.create(cfg)  # refuses what this backend cannot honour, before anything starts

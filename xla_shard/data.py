@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from xla_shard.config.load import read_utf8
 from xla_shard.config.schema import TrainSection
 from xla_shard.errors import ConfigError
 
@@ -47,11 +48,7 @@ def _byte_tokens(path: str, seq_len: int) -> torch.Tensor:
     if not file.is_file():
         raise ConfigError("train.data", f"expected 'synthetic' or a local .txt/.jsonl file; no file at {path}")
     if file.suffix == ".jsonl":
-        try:
-            text = file.read_bytes().decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise ConfigError("train.data", f"{path} is not UTF-8 text (byte {exc.start} is "
-                                            f"{exc.object[exc.start]:#04x}); JSON lines must be UTF-8") from None
+        text = read_utf8(file, "train.data", "JSON lines must be UTF-8")
         texts = []
         for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():

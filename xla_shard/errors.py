@@ -1,6 +1,7 @@
 """User-facing errors: the CLI prints them as one line and exits 2, with no traceback."""
 
 import re
+from pathlib import Path
 
 # user:password@ in a URL, and the query parameters that carry credentials in signed or keyed URLs.
 _USERINFO = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@]+@")
@@ -13,8 +14,15 @@ def redact(text: str) -> str:
     return _SECRET_QUERY.sub(r"\1***", _USERINFO.sub(r"\1***@", text))
 
 
-def one_line(text: str) -> str:
+def one_line(text) -> str:
+    """Any message (an exception's too) on one line: a multi-line error must not read as several."""
     return " ".join(str(text).split())
+
+
+def file_in_the_way(path: Path) -> Path | None:
+    """The file that stands where `path` or one of its parent directories must be, if any."""
+    existing = next((p for p in [path, *path.parents] if p.exists()), None)
+    return existing if existing is not None and not existing.is_dir() else None
 
 
 class UserError(Exception):

@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from xla_shard.config.presets import PRESETS
 from xla_shard.config.schema import ModelSection
-from xla_shard.errors import ConfigError
+from xla_shard.errors import ConfigError, one_line
 
 def model_config(section: ModelSection) -> PretrainedConfig:
     if section.name in PRESETS:
@@ -49,7 +49,7 @@ def _config_for(model_type: str, fields: dict[str, Any], key: str, source: str) 
         return AutoConfig.for_model(model_type, **fields)
     except (ValueError, KeyError, TypeError, AttributeError, StrictDataclassError) as exc:
         raise ConfigError(key, f"transformers cannot build a {model_type!r} config from {source}: "
-                               f"{' '.join(str(exc).split())}") from None
+                               f"{one_line(exc)}") from None
 
 
 def build_model(section: ModelSection, seed: int) -> PreTrainedModel:
@@ -62,13 +62,13 @@ def build_model(section: ModelSection, seed: int) -> PreTrainedModel:
     except ValueError as exc:
         if "does not support" in str(exc) and "attn" in str(exc).lower():
             raise ConfigError("model.attn_implementation", f"{section.attn_implementation} is not available for "
-                                                           f"this model: {' '.join(str(exc).split())}") from None
+                                                           f"this model: {one_line(exc)}") from None
         if "Unrecognized configuration class" in str(exc):
-            raise ConfigError("model.name", f"{section.name!r} is not a causal LM: {' '.join(str(exc).split())}") from None
-        raise ConfigError(key, f"transformers cannot build this model: {' '.join(str(exc).split())}") from None
+            raise ConfigError("model.name", f"{section.name!r} is not a causal LM: {one_line(exc)}") from None
+        raise ConfigError(key, f"transformers cannot build this model: {one_line(exc)}") from None
     except (TypeError, RuntimeError, AttributeError, ZeroDivisionError) as exc:
         raise ConfigError(key, f"transformers cannot build this model ({type(exc).__name__}: "
-                               f"{' '.join(str(exc).split())})") from None
+                               f"{one_line(exc)})") from None
     model.config.use_cache = False
     return model
 

@@ -22,7 +22,7 @@ from xla_shard.checkpoint import CheckpointError, Checkpointer, layout
 from xla_shard.config.schema import ShardConfig, TrainSection
 from xla_shard.data import TokenSource
 from xla_shard.metrics import StepLogger, measure_cpu_matmul_flops, peak_for, train_flops_per_token
-from xla_shard.errors import ConfigError, UserError, redact
+from xla_shard.errors import ConfigError, UserError, file_in_the_way, redact
 from xla_shard.models import build_model, check_sequence_length
 from xla_shard.preemption import PreemptionGuard
 from xla_shard.wrap import checkpoint_targets, wrap_targets
@@ -52,9 +52,9 @@ def preflight(cfg: ShardConfig) -> None:
 
 
 def check_output_dir(path: str) -> None:
-    existing = next((p for p in [Path(path), *Path(path).parents] if p.exists()), None)
-    if existing is not None and not existing.is_dir():
-        raise ConfigError("output_dir", f"{path!r}: {existing} is a file, not a directory")
+    blocker = file_in_the_way(Path(path))
+    if blocker:
+        raise ConfigError("output_dir", f"{path!r}: {blocker} is a file, not a directory")
 
 
 class TrainingDiverged(UserError):

@@ -46,8 +46,7 @@ class TorchFsdpBackend(Backend):
                                          f"{self.cfg.launch.nnodes} --nproc-per-node=N --rdzv-backend=c10d "
                                          "--rdzv-endpoint=HOST:PORT -m xla_shard.cli train CONFIG` on every node "
                                          "(`xla-shard train` starts one node)")
-        self.check_launch(nproc_per_node)
-        launch.exec_torchrun(self.expected_devices(nproc_per_node), argv)
+        launch.exec_torchrun(self.expected_devices(nproc_per_node), argv)  # the CLI ran check_launch
         return 0  # not reached: exec replaced this process
 
     def expected_devices(self, nproc_per_node: int | None = None) -> int | None:

@@ -53,9 +53,6 @@ class XlaFsdpBackend(xla_common.XlaBackend):
             if key not in accepted:
                 self.reject(f"fsdp.xla_settings.{key}", "not an argument of XlaFullyShardedDataParallel")
 
-    def expected_devices(self, nproc_per_node: int | None = None) -> int | None:
-        return None if xla_common.on_tpu() else 1  # one replica on XLA's CPU client (see check)
-
     def launch(self, argv: list[str], nproc_per_node: int | None = None) -> int:
         """torch_xla's `xmp.spawn`: one process per local device, each dying with this launcher."""
         if nproc_per_node is not None:

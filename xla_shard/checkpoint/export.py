@@ -16,6 +16,7 @@ from pathlib import Path
 from xla_shard.checkpoint import layout
 from xla_shard.checkpoint.inspect import open_checkpoint
 from xla_shard.checkpoint.manifest import CheckpointError
+from xla_shard.errors import file_in_the_way
 from xla_shard.checkpoint.reader import ChunkReader
 
 WEIGHTS = "model.safetensors"
@@ -55,9 +56,9 @@ def _status_bytes(field: str) -> int:
 def export(url: str, out_dir: str, max_shard_bytes: int = 2 * 10**9) -> ExportReport:
     rss_before = _status_bytes("VmRSS")
     out = Path(out_dir)
-    existing = next((p for p in [out, *out.parents] if p.exists()), None)
-    if existing is not None and not existing.is_dir():
-        raise CheckpointError(f"--to {out_dir}: {existing} is a file, not a directory")
+    blocker = file_in_the_way(out)
+    if blocker:
+        raise CheckpointError(f"--to {out_dir}: {blocker} is a file, not a directory")
     storage, manifest = open_checkpoint(url)
     hf = manifest.data.get("hf_config")
     if not hf:

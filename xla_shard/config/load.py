@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from xla_shard.config import importers
 from xla_shard.config.schema import ShardConfig
-from xla_shard.errors import ConfigError
+from xla_shard.errors import ConfigError, one_line
 
 
 MAX_CONFIG_BYTES = 1 << 20  # a config is a few KiB; anything near this is not one
@@ -58,20 +58,26 @@ def read_raw(path: str | Path) -> dict[str, Any]:
     kind = "JSON" if path.suffix == ".json" else "YAML"
     if path.stat().st_size > MAX_CONFIG_BYTES:
         raise ConfigError(None, f"{path} is {path.stat().st_size} bytes; a config is at most {MAX_CONFIG_BYTES}")
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(None, f"{path} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x})") from None
+    text = read_utf8(path, None)
     try:
         raw = json.loads(text, object_pairs_hook=_unique_keys) if kind == "JSON" else parse_yaml(text)
     except (yaml.YAMLError, ValueError) as exc:
-        raise ConfigError(None, f"{path} is not valid {kind}: {_one_line(exc)}") from None
+        raise ConfigError(None, f"{path} is not valid {kind}: {one_line(exc)}") from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):
         raise ConfigError(None, f"{path} must hold a mapping of keys, not {type(raw).__name__}")
     _check_keys(raw, [])
     return raw
+
+
+def read_utf8(path: Path, key: str | None, why: str = "") -> str:
+    """A text file's contents; one error naming the file, the first bad byte and `key` when it is not UTF-8."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(key, f"{path} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x})"
+                               + (f"; {why}" if why else "")) from None
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -95,10 +101,6 @@ def _check_keys(node: Any, path: list[str]) -> None:
     elif isinstance(node, list):
         for item in node:
             _check_keys(item, path)
-
-
-def _one_line(exc: Exception) -> str:
-    return " ".join(str(exc).split())
 
 
 def to_native(raw: dict[str, Any]) -> tuple[dict[str, Any], str, list[str]]:
@@ -134,7 +136,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, 
         try:
             node[leaf] = parse_yaml(value)
         except yaml.YAMLError as exc:
-            raise ConfigError(key.strip(), f"--set value {value!r} is not valid YAML: {_one_line(exc)}") from None
+            raise ConfigError(key.strip(), f"--set value {value!r} is not valid YAML: {one_line(exc)}") from None
         _check_keys(node[leaf], key.strip().split("."))
     return raw
 
