@@ -85,14 +85,14 @@ def _raw_xla_fsdpv2(cfg):
     from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel as FSDPv2
 
-    from xla_shard.data import TokenSource
+    from xla_shard.data import SyntheticSource
     from xla_shard.models import build_model
 
     n = xr.global_runtime_device_count()
     mesh = xs.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
     model = build_model(cfg.model, cfg.train.seed)
     layer_cls = {type(model.model.layers[0])}
-    source = TokenSource(cfg.train, model.config.vocab_size)
+    source = SyntheticSource(cfg.train.global_batch_size, cfg.train.seq_len, cfg.train.seed, model.config.vocab_size)
 
     def shard_output(output, mesh):
         tensor = output if isinstance(output, torch.Tensor) else output.logits
@@ -103,9 +103,10 @@ def _raw_xla_fsdpv2(cfg):
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, foreach=False)
 
     def step(i):
-        batch = source.global_batch(i).to("xla")
-        xs.mark_sharding(batch, mesh, ("fsdp", None))
-        loss = model(input_ids=batch, labels=batch).loss
+        batch = {k: v.to("xla") for k, v in source.global_batch(i).items()}
+        for value in batch.values():
+            xs.mark_sharding(value, mesh, ("fsdp", None))
+        loss = model(**batch).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -124,12 +125,12 @@ def _raw_fsdp2(cfg):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from xla_shard.data import TokenSource, local_rows
+    from xla_shard.data import SyntheticSource, local_rows
     from xla_shard.models import build_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(cfg.model, cfg.train.seed)
-    source = TokenSource(cfg.train, model.config.vocab_size)
+    source = SyntheticSource(cfg.train.global_batch_size, cfg.train.seq_len, cfg.train.seed, model.config.vocab_size)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -137,7 +138,7 @@ def _raw_fsdp2(cfg):
 
     def step(i):
         batch = local_rows(source.global_batch(i), rank, world)
-        loss = model(input_ids=batch, labels=batch).loss
+        loss = model(**batch).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

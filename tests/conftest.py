@@ -76,3 +76,35 @@ def start_cli(*args: str, log: Path) -> subprocess.Popen:
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, "-m", "xla_shard.cli", *args], cwd=REPO, env=_env(),
                                 stdout=out, stderr=subprocess.STDOUT)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """'Pretrained' model directories, built once per session with save_pretrained (see tests/model_dirs.py)."""
+    import types
+
+    import torch
+
+    from model_dirs import bert_classifier_dir, llama_dir
+
+    root = tmp_path_factory.mktemp("pretrained")
+    return types.SimpleNamespace(
+        llama=llama_dir(root / "llama", files=2),  # two safetensors files and an index
+        llama_tied=llama_dir(root / "llama_tied", tied=True),
+        llama_bf16=llama_dir(root / "llama_bf16", dtype=torch.bfloat16),
+        bert=bert_classifier_dir(root / "bert"),
+        bert_base=bert_classifier_dir(root / "bert_base", base_only=True),
+    )
+
+
+def run_load_probe(out: Path, *overrides: str, nproc: int = 0, env: dict | None = None) -> list[dict]:
+    """tests/workers/load_probe.py (under torchrun when nproc > 0); what each writing process saved."""
+    import torch
+
+    probe = [str(WORKERS / "load_probe.py"), str(out), *overrides]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc \
+        else [sys.executable]
+    done = subprocess.run(launcher + probe, env={**_env(), **(env or {})}, capture_output=True, text=True,
+                          timeout=600, cwd=out.parent)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [torch.load(path) for path in sorted(out.parent.glob(f"{out.name}.*.pt"))]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from xla_shard import config
-from xla_shard.data import TokenSource
+from xla_shard.data import SyntheticSource
 from xla_shard.models import build_model
 
 pytestmark = pytest.mark.slow
@@ -27,11 +27,11 @@ def _eager_losses(overrides):
     cfg = config.load(None, overrides)
     model = build_model(cfg.model, cfg.train.seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.train.lr)
-    source = TokenSource(cfg.train, model.config.vocab_size)
+    source = SyntheticSource(cfg.train.global_batch_size, cfg.train.seq_len, cfg.train.seed, model.config.vocab_size)
     losses = []
     for step in range(cfg.train.steps):
         batch = source.global_batch(step)
-        loss = model(input_ids=batch, labels=batch).loss
+        loss = model(**batch).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

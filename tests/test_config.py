@@ -176,7 +176,9 @@ def test_cli_config_check_prints_every_default(cli, tmp_path):
     (["fsdp.transformer_layer_cls_to_wrap=[BertLayer]"], ["fsdp.transformer_layer_cls_to_wrap", "BertLayer",
                                                            "LlamaDecoderLayer"]),
     (["model=no-such-model"], ["model.name", "no-such-model"]),
-    (["train.data=/nonexistent/corpus.txt"], ["train.data", "/nonexistent/corpus.txt"]),
+    (["data.path=/nonexistent/corpus.txt"], ["data.path", "/nonexistent/corpus.txt"]),
+    (["train.data=corpus.txt"], ["train", "data.path"]),
+    (["train.warmup_steps=3"], ["train", "recompile_warmup_steps", "lr_warmup_steps"]),
 ])
 def test_cli_bad_config_is_one_line_exit_2(capsys, sets, words):
     args = ["config", "check", str(FIXTURES / "transformers_fsdp_config.json")]

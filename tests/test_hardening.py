@@ -83,10 +83,11 @@ def test_a_model_config_json_with_bad_field_types(tmp_path, capsys):
     _one_line_exit_2(["config", "check", CONFIG, "--set", f"model={tmp_path}"], capsys, "model.name", "hidden_size")
 
 
-def test_a_jsonl_data_file_that_is_not_utf8(tmp_path, capsys):
+def test_a_jsonl_data_file_that_is_not_utf8(tmp_path, capsys, model_dirs):
     data = tmp_path / "corpus.jsonl"
     data.write_bytes(b'{"text": "caf\xe9"}\n' * 100)
-    _one_line_exit_2(["config", "check", CONFIG, "--set", f"train.data={data}"], capsys, "train.data", "not UTF-8")
+    _one_line_exit_2(["config", "check", CONFIG, "--set", f"data.path={data}", "--set", f"model={model_dirs.llama}"],
+                     capsys, "data.path", str(data))
 
 
 def test_output_dir_or_export_target_that_is_a_file(tmp_path, capsys):
@@ -187,7 +188,7 @@ def test_non_finite_state_is_never_saved():
 
 @pytest.mark.parametrize("sets, key", [
     (["model=/home/me/llama"], "model.name"),
-    (["train.data=/home/me/corpus.txt"], "train.data"),
+    (["data.path=/home/me/corpus.txt"], "data.path"),
 ])
 def test_a_deployment_refuses_files_the_workers_do_not_have(tmp_path, sets, key):
     from xla_shard import config

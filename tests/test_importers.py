@@ -155,6 +155,24 @@ def test_saved_training_arguments_import_key_by_key(tmp_path, fsdp, fsdp_config,
     assert "per_device_train_batch_size" in ignored and "learning_rate" not in ignored
 
 
+def test_the_trainer_settings_of_training_arguments_come_along(tmp_path):
+    saved = _training_arguments(tmp_path, "full_shard", {}, max_steps=20, lr_scheduler_type="cosine",
+                                warmup_steps=0.1, max_grad_norm=0.5, gradient_accumulation_steps=2,
+                                eval_strategy="steps", eval_steps=5)
+    path = tmp_path / "training_args.json"
+    path.write_text(json.dumps(saved))
+    cfg, _, notes = config.load_with_notes(path)
+    train = cfg.train
+    assert (train.lr_schedule, train.lr_warmup_steps, train.max_grad_norm, train.grad_accum_steps) == ("cosine", 2, 0.5, 2)
+    assert any("warmup_steps 0.1 x max_steps 20" in n for n in notes)
+    assert any("train.eval_every=5" in n for n in notes) and train.eval_every is None
+    epochs = _training_arguments(tmp_path, "full_shard", {}, num_train_epochs=2.5, warmup_steps=0.1)
+    path.write_text(json.dumps(epochs))
+    cfg, _, notes = config.load_with_notes(path)
+    assert cfg.train.epochs == 2.5 and cfg.train.lr_warmup_steps == 0
+    assert any("warmup_steps 0.1: not imported" in n for n in notes)
+
+
 def test_the_fsdp_config_file_transformers_reads_imports_the_same(tmp_path):
     """The file given to --fsdp_config: transformers reads it (proving it is valid), and so do we."""
     path = tmp_path / "fsdp_config.json"

@@ -46,3 +46,66 @@ def test_sdpa_trains_on_the_backends_like_eager(tmp_path, backend, sets, extra):
         losses[kernel] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     for eager, sdpa in zip(losses["eager"], losses["sdpa"]):
         assert math.isclose(eager, sdpa, rel_tol=1e-4), (backend, losses)
+
+
+def test_auto_attention_is_the_fast_kernel_of_each_device():
+    from xla_shard.attention import choose
+
+    assert [choose("auto", device) for device in ("tpu", "cuda", "cpu", None)] == ["xla_pallas", "sdpa", "eager", "eager"]
+    assert choose("sdpa", "tpu") == "sdpa"  # what the user names is used as named
+    section = config.load(None, ["model=tiny-llama"]).model
+    assert build_model(section, 0, accelerator="cpu").config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("kernel, device", [("xla_pallas", "cpu"), ("xla_pallas", "cuda"), ("flash_attention_2", "cpu")])
+def test_a_kernel_the_device_lacks_is_refused_naming_the_key(kernel, device):
+    section = config.load(None, ["model=tiny-llama", f"model.attn_implementation={kernel}"]).model
+    with pytest.raises(ConfigError) as raised:
+        build_model(section, 0, accelerator=device)
+    assert raised.value.key == "model.attn_implementation" and kernel in str(raised.value)
+
+
+def test_xla_pallas_feeds_the_pallas_kernel_what_it_expects(monkeypatch):
+    """The TPU kernel cannot run here; in its place, the math it computes (causal softmax attention over
+    [batch, heads, seq, dim] with equal head counts). The model with `xla_pallas` must then equal eager: heads
+    repeated for grouped-query attention, scale passed, layout transposed back. Padded batches take SDPA."""
+    from torch_xla.experimental import custom_kernel
+
+    calls = []
+
+    def pallas_math(q, k, v, causal=False, sm_scale=1.0, partition_spec=None, mesh=None, **_):
+        assert q.shape == k.shape == v.shape and causal
+        calls.append(q.shape)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=sm_scale)
+
+    monkeypatch.setattr(custom_kernel, "flash_attention", pallas_math)
+    batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
+    padded = torch.ones_like(batch)
+    padded[1, 12:] = 0
+    losses = {}
+    for kernel in ("eager", "xla_pallas"):
+        model = build_model(config.load(None, ["model=tiny-llama", f"model.attn_implementation={kernel}"]).model, 0)
+        model.eval()
+        losses[kernel] = (model(input_ids=batch, labels=batch).loss.item(),
+                          model(input_ids=batch, attention_mask=padded, labels=batch).loss.item())
+    assert len(calls) == 2 and calls[0] == (2, 4, 16, 16)  # both layers, 2 kv heads repeated to 4
+    for eager, flash in zip(losses["eager"], losses["xla_pallas"]):
+        assert math.isclose(eager, flash, rel_tol=1e-5), losses
+
+
+@pytest.mark.tpu
+def test_xla_pallas_matches_eager_on_a_tpu():
+    import torch_xla
+
+    from xla_shard.launch import on_tpu
+
+    if not on_tpu():
+        pytest.skip("needs a Cloud TPU")
+    device = torch_xla.device()
+    batch = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(2))
+    losses = {}
+    for kernel in ("eager", "xla_pallas"):
+        section = config.load(None, ["model=tiny-llama", f"model.attn_implementation={kernel}"]).model
+        model = build_model(section, 0, accelerator="tpu").to(device).eval()
+        losses[kernel] = model(input_ids=batch.to(device), labels=batch.to(device)).loss.item()
+    assert math.isclose(losses["eager"], losses["xla_pallas"], rel_tol=1e-3), losses

@@ -5,7 +5,9 @@ The public API, for your own training loop (see the README's "Use from Python"):
     load_config / ShardConfig      the one config schema (also reads accelerate and transformers FSDP configs)
     create_backend                 the backend the config asks for: xla_spmd, xla_fsdp or torch_fsdp
     ShardingPlan                   how the backend shards, resolved in `backend.setup()` (`backend.plan`)
-    build_model                    a transformers model from the config's `model` section
+    load_model                     the config's model wrapped by a backend, with its pretrained weights if any
+    build_model                    a transformers model from the config's `model` section (architecture only)
+    build_data                     the config's data: training (and evaluation) batches for any step and process
     Checkpointer                   sharded, atomic, async checkpoints on any fsspec URL, with `restore`
     Trainer                        the whole job for a config, with a `loss_fn` hook
     ConfigError, CheckpointError   what user mistakes raise (one line each)
@@ -25,6 +27,8 @@ _EXPORTS = {
     "Backend": ("xla_shard.backends", "Backend"),
     "ShardingPlan": ("xla_shard.plan", "ShardingPlan"),
     "build_model": ("xla_shard.models", "build_model"),
+    "load_model": ("xla_shard.pretrained", "load_model"),
+    "build_data": ("xla_shard.data", "build"),
     "Checkpointer": ("xla_shard.checkpoint", "Checkpointer"),
     "Trainer": ("xla_shard.train", "Trainer"),
     "make_optimizer": ("xla_shard.train", "make_optimizer"),
@@ -39,7 +43,8 @@ def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'xla_shard' has no attribute {name!r}")
     module, attribute = _EXPORTS[name]
-    if module.startswith("xla_shard.backends") or module in ("xla_shard.train", "xla_shard.models"):
+    if module.startswith("xla_shard.backends") or module in ("xla_shard.train", "xla_shard.models",
+                                                             "xla_shard.pretrained", "xla_shard.data"):
         from xla_shard.launch import declare_xla_device
 
         declare_xla_device()  # before transformers imports torch_xla (through accelerate)

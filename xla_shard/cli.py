@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     config = commands.add_parser("config", help="check or import a config")
     config_commands = config.add_subparsers(dest="config_command", required=True)
     check = config_commands.add_parser("check", help="validate a config and print it with every default filled in")
-    check.add_argument("config")
+    check.add_argument("config", nargs="?", help="YAML config (defaults and --set alone if omitted)")
     check.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     check.set_defaults(func=_config_check)
     imp = config_commands.add_parser("import", help="convert an accelerate FSDP YAML or transformers fsdp_config")
@@ -45,6 +45,20 @@ def _parser() -> argparse.ArgumentParser:
     render.add_argument("--out", metavar="DIR", help="write the files here (default: print deploy.sh)")
     render.set_defaults(func=_gcp_render)
 
+    plan = commands.add_parser("plan", help="rank the sharding triples for a model and a cluster by the cost model")
+    plan.add_argument("config", nargs="?", help="YAML config (its model, batch, precision and optimizer)")
+    plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    plan.add_argument("--devices", type=int, required=True, help="accelerators in the job")
+    plan.add_argument("--accelerator", required=True, help="one of: " + ", ".join(_accelerators()))
+    plan.add_argument("--hosts", type=int, default=None, help="GPU nodes (default: devices / 8)")
+    plan.add_argument("--slices", type=int, default=1, help="TPU slices joined by DCN (default 1)")
+    plan.add_argument("--hbm-gib", type=float, default=None, help="memory per device (default: the table's)")
+    plan.add_argument("--efficiency", type=float, default=0.7,
+                      help="fraction of peak FLOP/s the step's kernels reach when not waiting (default 0.7)")
+    plan.add_argument("--top", type=int, default=10, help="rows to print")
+    plan.add_argument("--json", action="store_true", help="every candidate, as JSON")
+    plan.set_defaults(func=_plan)
+
     ckpt = commands.add_parser("ckpt", help="list, verify or export checkpoints")
     ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
     ls = ckpt_commands.add_parser("list", help="checkpoints under a checkpoint.dir, committed or not")
@@ -59,6 +73,55 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--max-shard-size", default="2GB", help="split safetensors files at this size")
     export.set_defaults(func=_ckpt_export)
     return parser
+
+
+def _accelerators() -> list[str]:
+    from xla_shard.planner.hardware import ACCELERATORS
+
+    return list(ACCELERATORS)
+
+
+def _plan(args) -> int:
+    import json
+
+    from xla_shard import planner
+
+    cfg = cfglib.load(args.config, args.set)
+    try:
+        hardware = planner.accelerator(args.accelerator)
+    except KeyError:
+        raise UserError(f"--accelerator {args.accelerator!r}: choose one of {', '.join(_accelerators())}") from None
+    if not 0 < args.efficiency <= 1:
+        raise UserError(f"--efficiency {args.efficiency}: a fraction of peak, in (0, 1]")
+    for flag, value in (("--devices", args.devices), ("--slices", args.slices), ("--hosts", args.hosts or 1)):
+        if value < 1 or args.devices % value:
+            raise UserError(f"{flag} {value}: needs a positive count that divides --devices {args.devices}")
+    if cfg.train.global_batch_size * cfg.train.seq_len < args.devices:
+        raise UserError(f"train.global_batch_size x seq_len is fewer tokens than --devices {args.devices}")
+    ranked = planner.plan(planner.workload(cfg, args.devices), args.devices, hardware,
+                          hosts=args.hosts or max(1, args.devices // 8), slices=args.slices,
+                          hbm_bytes=args.hbm_gib * 2**30 if args.hbm_gib else None, efficiency=args.efficiency)
+    if args.json:
+        print(json.dumps({"devices": args.devices, "accelerator": hardware.name, "fast_domain": ranked.domain,
+                          "candidates": [dict(e.as_dict(), runs_today=planner.realisable(e.triple))
+                                         for e in ranked.ranked]}, indent=1))
+        return 0
+    fast, slow = hardware.fast_name, hardware.slow_name
+    print(f"{args.devices} x {hardware.name} ({ranked.domain} per {fast} domain), {cfg.model.name}, "
+          f"{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens per step")
+    print(f"| P/G/OS | fits | GiB/device | {fast} GB/step | {slow} GB/step | step ms | MFU | runs today |")
+    print("|---|---|---|---|---|---|---|---|")
+    shown = ranked.ranked[:args.top]
+    if ranked.baseline not in shown:
+        shown.append(ranked.baseline)
+    for e in shown:
+        label = f"{e.triple}" + (" (FULL_SHARD)" if e is ranked.baseline else "")
+        print(f"| {label} | {'yes' if e.fits else 'no'} | {e.memory['total'] / 2**30:.1f} | {e.traffic[fast] / 1e9:.1f} "
+              f"| {e.traffic[slow] / 1e9:.1f} | {e.step_s * 1e3:.0f} | {e.mfu:.2f} | "
+              f"{'yes' if planner.realisable(e.triple) else 'predicted only'} |")
+    if ranked.best is None:
+        print(f"nothing fits in {ranked.accelerator.hbm_bytes / 2**30:.0f} GiB per device")
+    return 0
 
 
 def _gcp_render(args) -> int:
@@ -119,7 +182,10 @@ def _ckpt_export(args) -> int:
     report = export(args.url, args.to, parse_size(args.max_shard_size))
     print(f"exported step {report.step}: {report.tensors} tensors, {report.bytes} bytes in "
           f"{len(report.files)} file(s) to {args.to}; largest tensor {report.largest_tensor_bytes} bytes, "
-          f"host memory grew by at most {report.peak_rss_growth_bytes} bytes")
+          f"host memory grew by at most {report.peak_rss_growth_bytes} bytes"
+          + (f"; copied {', '.join(report.companions)} from the model directory" if report.companions else ""))
+    if report.note:
+        print(f"note: {report.note}")
     return 0
 
 

@@ -36,9 +36,11 @@ class ConfigError(UserError):
     """
 
     def __init__(self, key: str | None, message: str, backend: str | None = None):
-        self.key = key
-        self.backend = backend
+        self.key, self.message, self.backend = key, message, backend
         where = f"config key '{key}'" if key else "config"
         if backend:
             where += f" (backend {backend})"
         super().__init__(f"{where}: {message}")
+
+    def __reduce__(self):  # raised in a spawned worker, it is pickled back to the launcher intact
+        return type(self), (self.key, self.message, self.backend)

@@ -55,17 +55,48 @@ def measure_cpu_matmul_flops(size: int = 512, repeats: int = 8) -> float:
     return 2.0 * size**3 * repeats / (time.perf_counter() - start)
 
 
-class StepLogger:
-    """Writes one JSON line per logged step and drives a progress bar on a terminal (main process only)."""
+def require_tensorboard() -> None:
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        from xla_shard.errors import ConfigError
 
-    def __init__(self, output_dir: str, total_steps: int, enabled: bool, start_step: int = 0):
+        raise ConfigError("train.tensorboard", "needs the tensorboard package: pip install 'xla_shard[tensorboard]'"
+                          ) from None
+
+
+class StepLogger:
+    """Writes one JSON line per logged step (and evaluation) to output_dir/metrics.jsonl, TensorBoard events
+    if asked, and drives a progress bar on a terminal (main process only).
+
+    metrics.jsonl holds one run's series: a new run (from step 0) moves an earlier run's file aside, and a
+    resumed run drops the records past its resume point, which it is about to redo."""
+
+    def __init__(self, output_dir: str, total_steps: int, enabled: bool, start_step: int = 0,
+                 tensorboard: bool = False, log=print):
         self.enabled = enabled
         self.file = None
         self.bar = None
+        self.board = None
         if not enabled:
             return
-        Path(output_dir).mkdir(parents=True, exist_ok=True)
-        self.file = open(Path(output_dir) / "metrics.jsonl", "a")
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "metrics.jsonl"
+        if path.exists() and path.stat().st_size:
+            if start_step == 0:
+                aside = out / f"metrics-{time.strftime('%Y%m%d-%H%M%S', time.localtime(path.stat().st_mtime))}.jsonl"
+                path.rename(aside)
+                log(f"{path} held an earlier run's metrics (this run starts at step 0): moved to {aside.name}")
+            else:
+                kept = [line for line in path.read_text().splitlines() if _step_of(line) <= start_step]
+                path.write_text("".join(line + "\n" for line in kept))
+        self.file = open(path, "a")
+        if tensorboard:
+            require_tensorboard()
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.board = SummaryWriter(str(out))
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", disable=not sys.stderr.isatty(),
                         dynamic_ncols=True)
 
@@ -74,6 +105,12 @@ class StepLogger:
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        if self.board is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.board.add_scalar(key if key.startswith("eval_") else f"train/{key}", value, record["step"])
+        if "eval_loss" in record and not self.bar.disable:
+            self.bar.write(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()), file=sys.stderr)
         if self.bar.disable:
             print(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()), file=sys.stderr, flush=True)
 
@@ -92,6 +129,15 @@ class StepLogger:
         if self.enabled:
             self.bar.close()
             self.file.close()
+            if self.board is not None:
+                self.board.close()
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line).get("step", 0)
+    except (ValueError, AttributeError):
+        return 0
 
 
 def _fmt(value: Any) -> str:

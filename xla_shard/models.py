@@ -1,36 +1,86 @@
-"""Build a transformers causal LM from a config, with random weights (nothing is downloaded)."""
+"""Build the transformers model a config's `model` section asks for: a preset, a config.json, or a model
+directory (local or any fsspec URL) whose weights, if it has any, are loaded later, shard by shard.
+
+Nothing is downloaded: a directory is read where it is; a preset is built from its fields.
+"""
 
 from __future__ import annotations
 
 import difflib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from huggingface_hub.errors import StrictDataclassError
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+try:  # transformers validates config fields with huggingface_hub's strict dataclasses (newer hubs)
+    from huggingface_hub.errors import StrictDataclassError
+except ImportError:  # pragma: no cover - older huggingface_hub
+    class StrictDataclassError(Exception):
+        """Stands in where huggingface_hub has no strict dataclasses: nothing raises it."""
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, PretrainedConfig,
+                          PreTrainedModel)
 
+from xla_shard import attention
 from xla_shard.config.presets import PRESETS
 from xla_shard.config.schema import ModelSection
 from xla_shard.errors import ConfigError, one_line
 
-def model_config(section: ModelSection) -> PretrainedConfig:
+CONFIG = "config.json"
+# Parameters (the optimizer's master weights) are fp32 whatever dtype a config or weights file names; bf16
+# compute is fsdp.mixed_precision's job. A bf16 file is converted on load, and the load says so.
+MASTER_DTYPE = torch.float32
+_AUTO_CLASSES = {"causal_lm": AutoModelForCausalLM, "sequence_classification": AutoModelForSequenceClassification}
+# What `save_pretrained` writes next to the weights that users of the exported model expect to find there.
+COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
+                   "generation_config.json")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where `model.name` points: a preset, a config.json file, or a directory (URL) that may hold weights."""
+
+    name: str
+    fields: dict[str, Any]  # the transformers config fields, model_type included
+    directory: str | None = None  # the model directory's URL or path, when there is one
+
+    @property
+    def is_preset(self) -> bool:
+        return self.name in PRESETS
+
+
+def resolve_source(section: ModelSection) -> ModelSource:
     if section.name in PRESETS:
-        fields = dict(PRESETS[section.name])
+        return ModelSource(section.name, dict(PRESETS[section.name]))
+    from xla_shard.checkpoint.storage import Storage, StorageError
+
+    name = section.name
+    if name.endswith(".json") or ("://" not in name and Path(name).is_file()):
+        directory, file = name.rsplit("/", 1) if "/" in name else (".", name)
     else:
-        path = Path(section.name)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ConfigError("model.name", f"{section.name!r} is neither a preset ({', '.join(PRESETS)}) "
-                                            "nor a local transformers config.json")
-        try:
-            fields = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError("model.name", f"{path} is not valid JSON: {exc}") from None
-        if "model_type" not in fields:
-            raise ConfigError("model.name", f"{path} has no model_type")
+        directory, file = name, CONFIG
+    try:
+        raw = Storage(directory).read_bytes(file)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, StorageError):
+        raise ConfigError("model.name", f"{name!r} is neither a preset ({', '.join(PRESETS)}) nor a transformers "
+                                        f"model directory or config.json (no {file} there)") from None
+    where = f"{directory.rstrip('/')}/{file}"
+    try:
+        fields = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError("model.name", f"{where} is not valid UTF-8 JSON: {one_line(exc)}") from None
+    if not isinstance(fields, dict) or "model_type" not in fields:
+        raise ConfigError("model.name", f"{where} has no model_type: not a transformers config")
+    return ModelSource(name, fields, directory=None if file != CONFIG else directory)
+
+
+def model_config(section: ModelSection, source: ModelSource | None = None,
+                 accelerator: str | None = None) -> PretrainedConfig:
+    """The transformers config, with the attention kernel for `accelerator` ('tpu', 'cuda', 'cpu'; None
+    before the runtime is known)."""
+    source = source or resolve_source(section)
+    fields = dict(source.fields)
     model_type = fields.pop("model_type")
     config = _config_for(model_type, fields, "model.name", section.name)
     for key in section.overrides:
@@ -40,8 +90,37 @@ def model_config(section: ModelSection) -> PretrainedConfig:
                                                         + (f"; did you mean {close[0]!r}?" if close else ""))
     if section.overrides:
         config = _config_for(model_type, {**fields, **section.overrides}, "model.overrides", section.name)
-    config._attn_implementation = section.attn_implementation  # as asked; eager is the default (see the schema)
+    if section.task == "sequence_classification":
+        _set_labels(config, section, fields)
+    config._attn_implementation = _attention(section, accelerator)
     return config
+
+
+def _attention(section: ModelSection, accelerator: str | None) -> str:
+    chosen = attention.choose(section.attn_implementation, accelerator)
+    problem = attention.available(chosen)
+    if chosen == attention.XLA_PALLAS:
+        if accelerator not in (None, "tpu"):
+            problem = f"is torch_xla's Pallas kernel for TPUs; this run is on {accelerator}: use auto, sdpa or eager"
+        attention.register()
+    if chosen == "flash_attention_2" and accelerator not in (None, "cuda"):
+        problem = f"runs on CUDA GPUs; this run is on {accelerator}: use auto, sdpa or eager"
+    if problem:
+        raise ConfigError("model.attn_implementation", f"{chosen} {problem}")
+    return chosen
+
+
+def _set_labels(config: PretrainedConfig, section: ModelSection, fields: dict[str, Any]) -> None:
+    has_labels = "id2label" in fields or "num_labels" in fields
+    if section.num_labels is None:
+        if not has_labels:
+            raise ConfigError("model.num_labels", f"model.task is sequence_classification and {section.name!r} "
+                                                  "names no labels (no id2label in its config): set model.num_labels")
+    elif not has_labels or section.num_labels != config.num_labels:
+        config.num_labels = section.num_labels  # generic LABEL_0..; a stored head of another size is refused later
+    if config.problem_type is None:  # what transformers infers at the first forward from integer labels, set
+        # now so that the config a checkpoint records is the one a resumed run builds
+        config.problem_type = "regression" if config.num_labels == 1 else "single_label_classification"
 
 
 def _config_for(model_type: str, fields: dict[str, Any], key: str, source: str) -> PretrainedConfig:
@@ -52,25 +131,53 @@ def _config_for(model_type: str, fields: dict[str, Any], key: str, source: str) 
                                f"{one_line(exc)}") from None
 
 
-def build_model(section: ModelSection, seed: int) -> PreTrainedModel:
-    """Same seed, same weights, on every rank and every backend: no broadcast needed."""
-    config = model_config(section)
-    torch.manual_seed(seed)
+def build_model(section: ModelSection, seed: int, empty: bool = False, source: ModelSource | None = None,
+                accelerator: str | None = None) -> PreTrainedModel:
+    """Same seed, same weights, on every rank and every backend: no broadcast needed. `accelerator` picks the
+    attention kernel (see `xla_shard.attention`).
+
+    `empty`: parameters on the meta device (no memory, no init), to be sharded and then filled from pretrained
+    weights; buffers (rotary tables, position ids) are computed for real, as the model's own code does."""
+    config = model_config(section, source, accelerator)
+    auto = _AUTO_CLASSES[section.task]
     key = "model.overrides" if section.overrides else "model.name"
     try:
-        model = AutoModelForCausalLM.from_config(config)
+        if empty:
+            from accelerate import init_empty_weights
+
+            with init_empty_weights(include_buffers=False):
+                model = auto.from_config(config, dtype=MASTER_DTYPE)
+            model.tie_weights()  # parameters re-registered on the meta device lose their ties: restore them
+        else:
+            torch.manual_seed(seed)
+            model = auto.from_config(config, dtype=MASTER_DTYPE)
     except ValueError as exc:
         if "does not support" in str(exc) and "attn" in str(exc).lower():
-            raise ConfigError("model.attn_implementation", f"{section.attn_implementation} is not available for "
+            raise ConfigError("model.attn_implementation", f"{config._attn_implementation} is not available for "
                                                            f"this model: {one_line(exc)}") from None
         if "Unrecognized configuration class" in str(exc):
-            raise ConfigError("model.name", f"{section.name!r} is not a causal LM: {one_line(exc)}") from None
+            task = section.task.replace("_", " ")
+            raise ConfigError("model.task", f"transformers has no {task} model for {config.model_type!r} "
+                                            f"({section.name}): {one_line(exc)}") from None
         raise ConfigError(key, f"transformers cannot build this model: {one_line(exc)}") from None
     except (TypeError, RuntimeError, AttributeError, ZeroDivisionError) as exc:
         raise ConfigError(key, f"transformers cannot build this model ({type(exc).__name__}: "
                                f"{one_line(exc)})") from None
-    model.config.use_cache = False
+    # Training never reads a KV cache; exports restore the value the model came with (see `inference_config`).
+    model._xla_shard_use_cache = getattr(model.config, "use_cache", None)
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
     return model
+
+
+def inference_config(model: PreTrainedModel) -> dict[str, Any]:
+    """The model's config as its `config.json` should say for users of the trained model: as trained, with the
+    KV-cache setting the model came with (training turns it off)."""
+    fields = model.config.to_dict()
+    use_cache = getattr(model, "_xla_shard_use_cache", None)
+    if use_cache is not None:
+        fields["use_cache"] = use_cache
+    return fields
 
 
 def max_positions(config: PretrainedConfig) -> int | None:

@@ -19,7 +19,7 @@ def main(out: str, *overrides: str) -> None:
     backend, model = trainer.backend, trainer.model
     batch = backend.local_batch(trainer.source.global_batch(0))
     with backend.forward_context():
-        loss = model(input_ids=batch, labels=batch).loss
+        loss = model(**batch).loss
     loss.backward()
     backend.after_step()
     grads = {name: backend.full_tensor(p.grad) for name, p in model.named_parameters() if p.grad is not None}

@@ -19,7 +19,7 @@ from torch import nn
 from xla_shard import launch, plan
 from xla_shard.checkpoint.contract import Box, Chunk, StateTensor
 from xla_shard.config.schema import ShardConfig, ShardingStrategy
-from xla_shard.data import local_rows
+from xla_shard.data import Batch, local_rows
 from xla_shard.errors import ConfigError
 
 CheckpointFn = Callable[..., Any]
@@ -73,13 +73,44 @@ class Backend(abc.ABC):
     def resolve_plan(self, devices: int, what: str = "devices") -> plan.ShardingPlan:
         """The sharding plan for `devices`, refusing a mesh or global batch that does not divide them."""
         try:
-            resolved = plan.resolve(self.cfg.fsdp, self.cfg.mesh, devices)
-        except ValueError as exc:
-            self.reject("mesh", f"{exc}" + ("" if what == "devices" else f" ({what})"))
+            if self.cfg.fsdp.sharding == "auto":
+                resolved = self.auto_plan(devices)
+            else:
+                resolved = plan.resolve(self.cfg.fsdp, self.cfg.mesh, devices)
+        except plan.PlanError as exc:
+            self.reject(exc.key, f"{exc}" + ("" if what == "devices" else f" ({what})"))
+        reason = self.unsupported_strategies.get(resolved.strategy)
+        if reason and self.cfg.fsdp.sharding is not None:
+            self.reject("fsdp.sharding", f"{resolved.params}/{resolved.grads}/{resolved.optimizer} is "
+                                         f"{resolved.strategy.value}, which {reason}")
         if self.cfg.train.global_batch_size % devices:
             self.reject("train.global_batch_size",
                         f"{self.cfg.train.global_batch_size} does not split evenly over {devices} {what}")
         return resolved
+
+    def auto_plan(self, devices: int) -> plan.ShardingPlan:
+        """fsdp.sharding: auto. The cost model's fastest triple that fits and that this backend runs."""
+        from xla_shard import planner
+
+        hardware = planner.for_device_kind(self.device_kind)
+        if hardware is None:
+            return plan.from_triple(devices, devices, devices, devices, reason=f"fsdp.sharding=auto: no hardware "
+                                    f"model for {self.device_kind!r}, so FULL_SHARD")
+        hosts = max(1, devices // (hardware.domain_max or devices))
+        ranked = planner.plan(planner.workload(self.cfg, devices), devices, hardware, hosts=hosts)
+        runnable = [e for e in ranked.ranked if e.fits and planner.realisable(e.triple)
+                    and plan.from_triple(e.triple.params, e.triple.params, e.triple.params, devices).strategy
+                    not in self.unsupported_strategies]
+        if not runnable:
+            raise plan.PlanError("fsdp.sharding", f"auto: no sharding of this model fits {devices} x "
+                                                  f"{hardware.name} by the cost model (see `xla-shard plan`)")
+        pick, base = runnable[0], ranked.baseline
+        best = ranked.best
+        why = (f"fsdp.sharding=auto: {pick.triple} predicted {pick.step_s * 1e3:.0f} ms/step, MFU {pick.mfu:.2f}, "
+               f"{pick.memory['total'] / 2**30:.1f} GiB/device, vs FULL_SHARD {base.step_s * 1e3:.0f} ms"
+               + (f"; the model's best, {best.triple}, is not run yet" if best and best.triple != pick.triple else ""))
+        t = pick.triple
+        return plan.from_triple(t.params, t.grads, t.optimizer, devices, reason=why)
 
     # ---- how it starts -----------------------------------------------------------------------------
     def expected_devices(self, nproc_per_node: int | None = None) -> int | None:
@@ -112,21 +143,47 @@ class Backend(abc.ABC):
     def shutdown(self) -> None:
         """Release the runtime (process group) once training is over."""
 
-    def to_device(self, model: nn.Module) -> nn.Module:
+    def to_device(self, model: nn.Module, device: torch.device | str | None = None) -> nn.Module:
         """Move the model to this backend's device with tied parameters still tied.
 
         Moving to an XLA device replaces each parameter (pytorch/xla#7042), so `lm_head` of a model with
         `tie_word_embeddings` stops sharing the input embedding: it would train as a second matrix and be
-        checkpointed twice. transformers re-ties after its own moves; every backend moves through here."""
-        model = model.to(self.device)
+        checkpointed twice. transformers re-ties after its own moves; every backend moves through here.
+
+        A model built on the meta device (to be filled with pretrained weights) gets uninitialised storage on
+        the device instead; its buffers, computed on the host when it was built, are kept."""
+        if on_meta(model):
+            buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+            model = model.to_empty(device=device or self.device)
+            with torch.no_grad():
+                for name, buffer in model.named_buffers():
+                    buffer.copy_(buffers[name])
+        else:
+            model = model.to(self.device)
         if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
             model.tie_weights()
         return model
 
     # ---- the step ----------------------------------------------------------------------------------
-    def local_batch(self, global_batch: torch.Tensor) -> torch.Tensor:
-        """This process's rows of the global batch, on its device (SPMD overrides: it shards one batch)."""
-        return local_rows(global_batch, self.rank, self.world).to(self.device)
+    def local_batch(self, global_batch: Batch | torch.Tensor) -> Batch | torch.Tensor:
+        """This process's rows of the global batch (a tensor, or a dict of them), on its device."""
+        return self.place(local_rows(global_batch, self.rank, self.world))
+
+    def place(self, rows: Batch | torch.Tensor) -> Batch | torch.Tensor:
+        """Rows this process feeds, onto its device (SPMD overrides: one batch, sharded over the mesh)."""
+        if isinstance(rows, dict):
+            return {key: value.to(self.device) for key, value in rows.items()}
+        return rows.to(self.device)
+
+    def grad_sync(self, model: nn.Module, enabled: bool):
+        """Around a micro-batch's backward: whether gradients are reduced across processes now (the last
+        micro-batch) or only accumulated locally (the others). Backends without the choice always reduce."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm (over every shard and process) to `max_norm`; return the norm before
+        clipping, as a tensor (reading it synchronises)."""
+        return torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
 
     def forward_context(self):
         """Wraps the forward pass (autocast where the backend needs it)."""
@@ -177,6 +234,11 @@ class Backend(abc.ABC):
         return self.cfg.run_identity()
 
     @property
+    def accelerator(self) -> str:
+        """'tpu', 'cuda' or 'cpu': the kind of device the model runs on (attention kernels are chosen by it)."""
+        return "cuda" if self.device.type == "cuda" else "cpu"
+
+    @property
     def is_main(self) -> bool:
         return self.rank == 0
 
@@ -190,9 +252,10 @@ class Backend(abc.ABC):
         for name, param in model.named_parameters():
             yield self.canonical(name), param
 
-    def state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+    def state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
               stored: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> list[StateTensor]:
-        """Model parameters as `model/<name>` and optimizer state as `optim/<name>/<key>`.
+        """Model parameters as `model/<name>` and optimizer state (if an optimizer is given) as
+        `optim/<name>/<key>`.
 
         Saving passes no `stored`; loading passes what the checkpoint holds, and optimizer state the optimizer
         has not created yet (it does so lazily at its first step) is created here, laid out like its parameter.
@@ -200,6 +263,8 @@ class Backend(abc.ABC):
         tensors = []
         for name, param in self.named_parameters(model):
             tensors.append(self._state_tensor(f"model/{name}", param))
+            if optimizer is None:
+                continue
             for key, value in optimizer_state(optimizer.state[param], name, stored, tuple(param.shape),
                                               lambda: self.zeros_like(param)):
                 tensors.append(self._state_tensor(f"optim/{name}/{key}", value))
@@ -239,6 +304,31 @@ class Backend(abc.ABC):
     def any_rank(self, flag: bool) -> bool:
         """True if `flag` is set on any process, so that all stop at the same step (preemption)."""
         return flag
+
+    @property
+    def local_leader(self) -> bool:
+        """The first process on this host (one process per host: always)."""
+        return True
+
+    def barrier(self) -> None:
+        """Wait for every process (one process per host: nothing to wait for)."""
+
+    @contextlib.contextmanager
+    def main_first(self):
+        """The block runs on this host's first process before the others, which then find what it cached
+        (tokenized data) instead of racing it to write the same files."""
+        if not self.local_leader:
+            self.barrier()
+        try:
+            yield
+        finally:
+            if self.local_leader:
+                self.barrier()
+
+
+def on_meta(model: nn.Module) -> bool:
+    """Whether the model's parameters are still on the meta device (built to be filled by a pretrained load)."""
+    return any(param.is_meta for param in model.parameters())
 
 
 def optimizer_state(opt_state: dict, name: str, stored: dict | None, like_shape: tuple[int, ...],

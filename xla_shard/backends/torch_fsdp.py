@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from datetime import timedelta
@@ -17,8 +18,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from xla_shard import launch
-from xla_shard.backends.base import Backend, apply_activation_checkpointing, pack_bytes, unpack_bytes
+from xla_shard.backends.base import Backend, apply_activation_checkpointing, on_meta, pack_bytes, unpack_bytes
 from xla_shard.checkpoint.contract import Box, Chunk
+from xla_shard.config.schema import ShardingStrategy
 from xla_shard.errors import ConfigError
 from xla_shard.wrap import checkpoint_targets, wrap_targets
 
@@ -78,8 +80,10 @@ class TorchFsdpBackend(Backend):
             # Non-reentrant checkpointing: kwargs and tensors nested in tuples get exact gradients.
             apply_activation_checkpointing(checkpoint_targets(model, fsdp),
                                            functools.partial(checkpoint, use_reentrant=False))
-        model = self.to_device(model)
-        if self.plan.replicate_only:
+        empty = on_meta(model)  # to be filled by a pretrained load: shard first, then allocate only the shards
+        if not empty or self.data_parallel:
+            model = self.to_device(model)
+        if self.data_parallel:
             return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                                            bucket_cap_mb=fsdp.bucket_cap_mb)
         kwargs = dict(mesh=self._mesh(), reshard_after_forward=self.plan.reshard_after_forward)
@@ -90,7 +94,16 @@ class TorchFsdpBackend(Backend):
         for module in wrap_targets(model, fsdp):
             fully_shard(module, **kwargs)
         fully_shard(model, **kwargs)
+        if empty:  # offloaded shards live in host memory
+            model = self.to_device(model, "cpu" if fsdp.offload_params else None)
         return model
+
+    @property
+    def data_parallel(self) -> bool:
+        """NO_SHARD runs as DDP. Every other strategy runs FSDP2, on one device too: the same mixed-precision
+        numerics (parameters cast once per unit, fp32 reduce) whatever the process count, and on one GPU 9%
+        faster than DDP with autocast (bench/cuda_mfu.py)."""
+        return self.plan.strategy is ShardingStrategy.NO_SHARD
 
     def _mesh(self):
         if self.plan.hybrid:
@@ -100,8 +113,24 @@ class TorchFsdpBackend(Backend):
 
     def forward_context(self):
         # FSDP2's MixedPrecisionPolicy casts parameters; DDP (NO_SHARD) needs autocast for bf16.
-        enabled = self.cfg.fsdp.mixed_precision == "bf16" and self.plan.replicate_only
+        enabled = self.cfg.fsdp.mixed_precision == "bf16" and self.data_parallel
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    @contextlib.contextmanager
+    def grad_sync(self, model: nn.Module, enabled: bool):
+        """FSDP2 skips the gradient reduce-scatter (DDP the all-reduce) on all but the last micro-batch."""
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(enabled)
+            yield
+        elif isinstance(model, DistributedDataParallel) and not enabled:
+            with model.no_sync():
+                yield
+        else:
+            yield
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        norm = super().clip_grad_norm(model, max_norm)  # over DTensor shards: the global norm, as a DTensor
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def mean_loss(self, loss: torch.Tensor) -> float:
         total = loss.detach().float().clone()
@@ -118,6 +147,13 @@ class TorchFsdpBackend(Backend):
 
     def unit_type(self) -> type[nn.Module]:
         return FSDPModule
+
+    @property
+    def local_leader(self) -> bool:
+        return int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+    def barrier(self) -> None:
+        dist.barrier()
 
     def any_rank(self, flag: bool) -> bool:
         value = torch.tensor([int(flag)], device=self.device)

@@ -56,6 +56,10 @@ class XlaBackend(Backend):
     def expected_devices(self, nproc_per_node: int | None = None) -> int | None:
         return None if on_tpu() else self.cfg.cpu_devices  # XLA's CPU client: cpu_devices virtual devices
 
+    @property
+    def accelerator(self) -> str:
+        return "tpu" if on_tpu() else "cpu"
+
     def after_step(self) -> None:
         import torch_xla
 

@@ -84,6 +84,10 @@ class XlaFsdpBackend(xla_common.XlaBackend):
             settings["compute_dtype"] = torch.bfloat16
         return XlaFullyShardedDataParallel(self.to_device(model), auto_wrap_policy=policy, **settings)
 
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """The root wrapper's own clipping: the norm over every rank's flat shards."""
+        return model.clip_grad_norm_(max_norm)
+
     def mean_loss(self, loss: torch.Tensor) -> float:
         import torch_xla.core.xla_model as xm
 
@@ -98,6 +102,18 @@ class XlaFsdpBackend(xla_common.XlaBackend):
 
     def local_bytes(self, tensors: list[torch.Tensor]) -> list[int]:
         return [t.numel() * t.element_size() for t in tensors]
+
+    @property
+    def local_leader(self) -> bool:
+        import torch_xla.runtime as xr
+
+        return xr.local_ordinal() == 0
+
+    def barrier(self) -> None:
+        import torch_xla.core.xla_model as xm
+
+        if self.world > 1:
+            xm.rendezvous("xla_shard.barrier")
 
     def any_rank(self, flag: bool) -> bool:
         import torch_xla.core.xla_model as xm
@@ -129,7 +145,7 @@ class XlaFsdpBackend(xla_common.XlaBackend):
             start += numel
         return pieces
 
-    def state(self, model, optimizer, stored=None) -> list[StateTensor]:
+    def state(self, model, optimizer=None, stored=None) -> list[StateTensor]:
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
 
         tensors = []
@@ -140,9 +156,11 @@ class XlaFsdpBackend(xla_common.XlaBackend):
             for shard in module.sharded_params:
                 pieces = self._pieces(module_name, module, shard)
                 host = functools.lru_cache(maxsize=None)(lambda t: t.detach().cpu())
-                opt_state = optimizer.state[shard]
+                opt_state = optimizer.state[shard] if optimizer is not None else None
                 for name, shape, at, first, count in pieces:
                     tensors.append(self._piece(f"model/{name}", shard, shape, at, first, count, host))
+                    if opt_state is None:
+                        continue
                     for key, value in optimizer_state(opt_state, name, stored, shape,
                                                       lambda shard=shard: torch.zeros_like(shard)):
                         if value.dim() == 0:

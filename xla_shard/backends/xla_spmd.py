@@ -92,11 +92,14 @@ class XlaSpmdBackend(xla_common.XlaBackend):
             output[0] if isinstance(output, tuple) else output.logits)
         xs.mark_sharding(tensor, mesh, (self._batch_axes,) + (None,) * (tensor.dim() - 1))
 
-    def local_batch(self, global_batch: torch.Tensor) -> torch.Tensor:
+    def place(self, rows):
+        """The host's rows (one host: the whole global batch), sharded by rows over every device of the mesh."""
         import torch_xla.distributed.spmd as xs
 
-        batch = global_batch.to(self.device)
-        xs.mark_sharding(batch, self.mesh, (self._batch_axes, None))
+        if isinstance(rows, dict):
+            return {key: self.place(value) for key, value in rows.items()}
+        batch = rows.to(self.device)
+        xs.mark_sharding(batch, self.mesh, (self._batch_axes,) + (None,) * (batch.dim() - 1))
         return batch
 
     def forward_context(self):

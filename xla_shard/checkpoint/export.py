@@ -10,13 +10,15 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from xla_shard.checkpoint import layout
 from xla_shard.checkpoint.inspect import open_checkpoint
 from xla_shard.checkpoint.manifest import CheckpointError
-from xla_shard.errors import file_in_the_way
+from xla_shard.checkpoint.storage import Storage, StorageError
+from xla_shard.errors import file_in_the_way, one_line
+from xla_shard.hostmem import peak_growth
 from xla_shard.checkpoint.reader import ChunkReader
 
 WEIGHTS = "model.safetensors"
@@ -31,6 +33,8 @@ class ExportReport:
     bytes: int
     largest_tensor_bytes: int
     peak_rss_growth_bytes: int
+    companions: list[str] = field(default_factory=list)  # tokenizer/generation files copied from the source
+    note: str | None = None
 
 
 def parse_size(text: str) -> int:
@@ -43,38 +47,36 @@ def parse_size(text: str) -> int:
         raise CheckpointError(f"--max-shard-size {text!r}: expected a size such as 2GB or 500MiB") from None
 
 
-def _status_bytes(field: str) -> int:
-    """VmRSS (now) or VmHWM (peak) of this process; unlike ru_maxrss, the peak does not inherit the RSS of
-    a parent that forked us."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def export(url: str, out_dir: str, max_shard_bytes: int = 2 * 10**9) -> ExportReport:
-    rss_before = _status_bytes("VmRSS")
     out = Path(out_dir)
     blocker = file_in_the_way(out)
     if blocker:
         raise CheckpointError(f"--to {out_dir}: {blocker} is a file, not a directory")
-    storage, manifest = open_checkpoint(url)
-    hf = manifest.data.get("hf_config")
-    if not hf:
-        raise CheckpointError(f"{manifest.url}: the manifest has no hf_config; it cannot be exported")
-    names = sorted(n for n in manifest.tensors if n.startswith("model/"))
-    sizes = {n: math.prod(manifest.tensors[n]["shape"]) * layout.TORCH_DTYPES[manifest.tensors[n]["dtype"]].itemsize
-             for n in names}
+    with peak_growth() as growth:
+        storage, manifest = open_checkpoint(url)
+        hf = manifest.data.get("hf_config")
+        if not hf:
+            raise CheckpointError(f"{manifest.url}: the manifest has no hf_config; it cannot be exported")
+        names = sorted(n for n in manifest.tensors if n.startswith("model/"))
+        sizes = {n: math.prod(manifest.tensors[n]["shape"])
+                 * layout.TORCH_DTYPES[manifest.tensors[n]["dtype"]].itemsize for n in names}
+        out.mkdir(parents=True, exist_ok=True)
+        files = _write_weights(ChunkReader(storage, manifest), manifest, names, sizes, out, max_shard_bytes)
+        (out / "config.json").write_text(json.dumps(hf, indent=2))
+        copied, note = _copy_companions(manifest, out)
+    return ExportReport(manifest.step, files, len(names), sum(sizes.values()), max(sizes.values()),
+                        growth.bytes, copied, note)
+
+
+def _write_weights(reader: ChunkReader, manifest, names: list[str], sizes: dict[str, int], out: Path,
+                   max_shard_bytes: int) -> list[str]:
     groups: list[list[str]] = [[]]
     for name in names:  # split by size, tensors kept whole, in name order
         if groups[-1] and sum(sizes[n] for n in groups[-1]) + sizes[name] > max_shard_bytes:
             groups.append([])
         groups[-1].append(name)
-    out.mkdir(parents=True, exist_ok=True)
     files = [WEIGHTS] if len(groups) == 1 else [
         f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    reader = ChunkReader(storage, manifest)
     weight_map = {}
     for file, group in zip(files, groups):
         header, offset = {}, 0
@@ -97,7 +99,23 @@ def export(url: str, out_dir: str, max_shard_bytes: int = 2 * 10**9) -> ExportRe
     if len(files) > 1:
         (out / INDEX).write_text(json.dumps({"metadata": {"total_size": sum(sizes.values())},
                                              "weight_map": weight_map}, indent=2))
-    (out / "config.json").write_text(json.dumps(hf, indent=2))
-    peak = _status_bytes("VmHWM")
-    return ExportReport(manifest.step, files, len(names), sum(sizes.values()), max(sizes.values()),
-                        max(0, peak - rss_before))
+    return files
+
+
+def _copy_companions(manifest, out: Path) -> tuple[list[str], str | None]:
+    """The tokenizer and generation config of the model directory the run started from, when it had them:
+    what `from_pretrained` users load next to the weights. Returns (files copied, why none could be)."""
+    from xla_shard.config.presets import PRESETS
+    from xla_shard.models import COMPANION_FILES
+
+    source = ((manifest.data.get("config") or {}).get("model") or {}).get("name")
+    if not isinstance(source, str) or source in PRESETS or source.endswith(".json"):
+        return [], None  # nothing beside it
+    try:
+        storage = Storage(source)
+        present = [name for name in COMPANION_FILES if storage.exists(name)]
+        for name in present:
+            (out / name).write_bytes(storage.read_bytes(name))
+    except (StorageError, OSError) as exc:
+        return [], f"the model directory {source} is not readable from here ({one_line(exc)}): no tokenizer copied"
+    return present, None

@@ -29,7 +29,7 @@ from xla_shard.checkpoint import layout
 from xla_shard.checkpoint.contract import ShardedState
 from xla_shard.checkpoint.manifest import (UNRECORDED_RUN, CheckpointError, CorruptCheckpointError, Manifest,
                                            Runs, all_steps, committed_steps, read_manifest)
-from xla_shard.checkpoint.reader import ChunkReader
+from xla_shard.checkpoint.reader import ChunkReader, fill
 from xla_shard.checkpoint.storage import Storage
 from xla_shard.errors import ConfigError, UserError
 
@@ -275,12 +275,7 @@ class Checkpointer:
                   for name, meta in manifest.tensors.items()}
         targets = self.backend.state(model, optimizer, stored=stored)
         _match(manifest, stored, targets)
-        reader = ChunkReader(storage, manifest)
-        for batch in _batches(targets, max_bytes=256 << 20):  # one concurrent fetch per batch, bounded memory
-            requests = [(target, target.boxes()) for target in batch]
-            values = iter(reader.read([(target.name, box) for target, boxes in requests for box in boxes]))
-            for target, boxes in requests:
-                target.fill([next(values) for _ in boxes])
+        fill(ChunkReader(storage, manifest), targets)
         rank, world = self.backend.writer
         if manifest.data["writers"] == world and str(rank) in manifest.data["rng"]:
             self.backend.set_rng_state(manifest.data["rng"][str(rank)])
@@ -335,7 +330,9 @@ def hf_config(model) -> dict[str, Any] | None:
         return None
     # FSDP2 swaps in a subclass it makes on the fly (FSDPLlamaForCausalLM): name the model's own class.
     cls = next(c for c in type(inner).__mro__ if issubclass(c, PreTrainedModel) and not c.__module__.startswith("torch."))
-    return {**inner.config.to_dict(), "architectures": [cls.__name__]}
+    from xla_shard.models import inference_config
+
+    return {**inference_config(inner), "architectures": [cls.__name__]}
 
 
 def _architecture(hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -369,16 +366,3 @@ def _match(manifest: Manifest, stored: dict, targets) -> None:
         if stored[name][1] != target.dtype:
             raise CheckpointError(f"{manifest.url} stores {name} as {layout.DTYPES[stored[name][1]]}, this run holds it "
                                   f"as {layout.DTYPES.get(target.dtype, target.dtype)}; not converting it silently")
-
-
-def _batches(targets, max_bytes: int):
-    batch, size = [], 0
-    for target in targets:
-        nbytes = math.prod(target.shape) * target.dtype.itemsize
-        if batch and size + nbytes > max_bytes:
-            yield batch
-            batch, size = [], 0
-        batch.append(target)
-        size += nbytes
-    if batch:
-        yield batch

@@ -4,22 +4,32 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
 from xla_shard.checkpoint import layout
+from xla_shard.checkpoint.contract import StateTensor
 from xla_shard.checkpoint.manifest import CorruptCheckpointError, Manifest
 from xla_shard.checkpoint.storage import Storage
 
 
 class ChunkReader:
-    """Assembles boxes of stored tensors from the chunks that overlap them, verifying each chunk's crc32."""
+    """Assembles boxes of stored tensors from the chunks that overlap them, verifying each chunk's crc32.
 
-    def __init__(self, storage: Storage, manifest: Manifest, step_dir: str = ""):
+    A chunk with no crc32 (a foreign file, such as a Hugging Face model's safetensors, where each tensor is one
+    chunk) cannot be verified, so nothing obliges reading it whole: only the rows a request overlaps are read.
+    A row shard of a tensor is then exactly its own bytes; `bytes_read` counts what came from storage."""
+
+    def __init__(self, storage: Storage, manifest: Manifest, step_dir: str = "", bridge_gaps: bool = True):
+        """`bridge_gaps`: read small unneeded ranges between needed ones to save requests (off where what each
+        process reads must stay its own part)."""
         self.storage, self.manifest, self.step_dir = storage, manifest, step_dir
+        self.bridge_gaps = bridge_gaps
+        self.bytes_read = 0
 
     def read(self, requests: list[tuple[str, layout.Box]]) -> list[torch.Tensor]:
-        needed: dict[tuple[str, int], dict] = {}
+        needed: dict[tuple[str, int, int], dict] = {}
         plans = []
         for name, box in requests:
             meta = self.manifest.tensors[name]
@@ -27,7 +37,9 @@ class ChunkReader:
             for chunk in meta["chunks"]:
                 overlap = layout.intersect(box, (tuple(chunk["offsets"]), tuple(chunk["sizes"])))
                 if overlap is not None or not box[1]:
-                    needed[(chunk["file"], chunk["start"])] = chunk
+                    if chunk.get("crc32") is None and overlap is not None:
+                        chunk = _rows_of(chunk, overlap)
+                    needed[_key(chunk)] = chunk
                     parts.append((chunk, overlap or box))
             plans.append((name, box, meta["dtype"], parts))
         keys = list(needed)
@@ -36,12 +48,12 @@ class ChunkReader:
         for name, box, dtype, parts in plans:
             within = [(tuple(chunk["offsets"]), tuple(chunk["sizes"])) for chunk, _ in parts]
             if len(parts) == 1 and within[0] == box:  # the common case: a box is exactly one stored chunk
-                values.append(blobs[(parts[0][0]["file"], parts[0][0]["start"])])
+                values.append(blobs[_key(parts[0][0])])
                 continue
             out = torch.empty(box[1], dtype=layout.TORCH_DTYPES[dtype])
             covered = 0  # stored chunks never overlap (checked at commit), so volumes add up
             for (chunk, overlap), chunk_box in zip(parts, within):
-                src = blobs[(chunk["file"], chunk["start"])]
+                src = blobs[_key(chunk)]
                 out[layout.region(overlap, box)] = src[layout.region(overlap, chunk_box)]
                 covered += math.prod(overlap[1])
             if covered != math.prod(box[1]):
@@ -50,10 +62,11 @@ class ChunkReader:
             values.append(out)
         return values
 
-    def _fetch(self, keys: list[tuple[str, int]], chunks: dict) -> dict[tuple[str, int], torch.Tensor]:
+    def _fetch(self, keys: list[tuple[str, int, int]], chunks: dict) -> dict[tuple[str, int, int], torch.Tensor]:
         """Chunks adjacent in one file are fetched as one range, spans in parallel threads, each read straight
         into one host buffer, verified, and handed out as views of it (no copy after the read)."""
         max_span, max_gap = (_MAX_SPAN, _MAX_GAP) if self.storage.local else (_MAX_REMOTE_SPAN, _MAX_REMOTE_GAP)
+        max_gap = max_gap if self.bridge_gaps else 0
         spans: list[list] = []  # [file, start, end, keys]
         for key in sorted(keys):
             chunk = chunks[key]
@@ -64,11 +77,12 @@ class ChunkReader:
                 last[3].append(key)
             else:
                 spans.append([chunk["file"], chunk["start"], chunk["end"], [key]])
-        if not self.storage.local:  # a range from the first byte is what object stores serve best: take the header too
+        if not self.storage.local and self.bridge_gaps:  # object stores serve a range from byte 0 best: take it
             for span in spans:
                 if span[1] <= max_gap:
                     span[1] = 0
         prefix = f"{self.step_dir}/" if self.step_dir else ""
+        self.bytes_read += sum(end - start for _, start, end, _ in spans)
 
         def fetch(span) -> list[tuple[tuple[str, int], torch.Tensor]]:
             file, span_start, span_end, span_keys = span
@@ -90,7 +104,7 @@ class ChunkReader:
                     raise CorruptCheckpointError(f"{self.manifest.url}: the manifest's {chunk['dtype']} chunk of "
                                                  f"{chunk['sizes']} does not span bytes {chunk['start']}-{chunk['end']} "
                                                  f"of {file}; the manifest was edited or is damaged")
-                if layout.crc32_hex(view[lo:hi]) != chunk["crc32"]:
+                if chunk["crc32"] is not None and layout.crc32_hex(view[lo:hi]) != chunk["crc32"]:
                     raise CorruptCheckpointError(f"{self.manifest.url}/{file} is corrupt: bytes {chunk['start']}-"
                                                  f"{chunk['end']} fail their crc32 (run `xla-shard ckpt verify`)")
                 out.append((key, layout.view_chunk(buffer[lo:hi], dtype, chunk["sizes"])))
@@ -100,6 +114,47 @@ class ChunkReader:
             return dict(fetch(spans[0]))
         with ThreadPoolExecutor(min(_THREADS, len(spans))) as pool:
             return {key: value for result in pool.map(fetch, spans) for key, value in result}
+
+
+def fill(reader: ChunkReader, targets: list[StateTensor], max_bytes: int = 256 << 20,
+         convert: Callable[[StateTensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+    """Read the boxes each target holds on this process and hand them to it, a batch of about `max_bytes` of
+    them at a time (one concurrent fetch per batch, so host memory stays bounded by the batch)."""
+    batch, size = [], 0
+    for target in targets:
+        boxes = target.boxes()
+        nbytes = sum(math.prod(sizes) for _, sizes in boxes) * target.dtype.itemsize
+        if batch and size + nbytes > max_bytes:
+            _fill_batch(reader, batch, convert)
+            batch, size = [], 0
+        batch.append((target, boxes))
+        size += nbytes
+    if batch:
+        _fill_batch(reader, batch, convert)
+
+
+def _fill_batch(reader: ChunkReader, batch: list[tuple[StateTensor, list[layout.Box]]], convert) -> None:
+    values = iter(reader.read([(target.name, box) for target, boxes in batch for box in boxes]))
+    for target, boxes in batch:
+        got = [next(values) for _ in boxes]
+        target.fill([convert(target, value) for value in got] if convert else got)
+
+
+def _key(chunk: dict) -> tuple[str, int, int]:
+    return chunk["file"], chunk["start"], chunk["end"]
+
+
+def _rows_of(chunk: dict, overlap: layout.Box) -> dict:
+    """The part of an unverified chunk that holds the rows (first-dimension indices) `overlap` touches: one
+    contiguous byte range, since tensors are stored row-major."""
+    offsets, sizes = chunk["offsets"], chunk["sizes"]
+    if not sizes:
+        return chunk
+    first, count = overlap[0][0] - offsets[0], overlap[1][0]
+    row_bytes = math.prod(sizes[1:]) * layout.TORCH_DTYPES[chunk["dtype"]].itemsize
+    start = chunk["start"] + first * row_bytes
+    return {**chunk, "start": start, "end": start + count * row_bytes,
+            "offsets": [offsets[0] + first, *offsets[1:]], "sizes": [count, *sizes[1:]]}
 
 
 _MAX_GAP = 1 << 20  # local disk: bytes of unneeded data worth reading to save a request

@@ -14,6 +14,8 @@ only for being unfamiliar to an older xla_shard unless it really has no counterp
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, Callable
 
 from xla_shard.errors import ConfigError
@@ -28,9 +30,10 @@ _BUILT_IN = {
     "forward_prefetch": "prefetching is built into FSDP2 and XLA's scheduler",
     "limit_all_gathers": "FSDP2 bounds in-flight all-gathers itself",
     "use_orig_params": "FSDP2 and SPMD always keep the original parameters",
-    "sync_module_states": "every rank builds the same weights from train.seed, so there is nothing to sync",
-    "cpu_ram_efficient_loading": "xla_shard builds the model on every rank from its config (random init); no "
-                                 "process reads a full copy of weights",
+    "sync_module_states": "every rank builds the same weights (from train.seed, or reads its part of the "
+                          "pretrained ones), so there is nothing to sync",
+    "cpu_ram_efficient_loading": "pretrained weights are always loaded shard by shard (meta device, wrap, then "
+                                 "each process reads only the parts it holds); no process reads a full copy",
     "version": "xla_shard picks the FSDP implementation from `backend` (FSDP2 on GPUs and CPUs, XLA FSDP on TPUs)",
     "state_dict_config": "checkpoints are always sharded safetensors; `xla-shard ckpt export` consolidates",
     "optim_state_dict_config": "optimizer state is saved sharded with the model",
@@ -73,7 +76,10 @@ _TRAINING_ARGUMENTS = {
     "output_dir": ("output_dir", str),
     "logging_steps": ("train.log_every", lambda v: max(1, int(v))),
     "save_total_limit": ("checkpoint.keep_last", int),
+    "gradient_accumulation_steps": ("train.grad_accum_steps", int),
 }
+# transformers' lr_scheduler_type -> train.lr_schedule (warm-up is train.lr_warmup_steps either way)
+_SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
 
 
 def looks_like_accelerate(raw: dict[str, Any]) -> bool:
@@ -289,21 +295,55 @@ def from_training_arguments(raw: dict[str, Any]) -> tuple[dict[str, Any], Notes]
         fsdp.setdefault("mixed_precision", "bf16")
     if raw.get("fp16"):
         fsdp["mixed_precision"] = "fp16"  # the backends refuse it, naming the key: no loss scaling here
-    if isinstance(raw.get("max_steps"), int) and raw["max_steps"] > 0:
-        native.setdefault("train", {})["steps"] = raw["max_steps"]
+    train = native.setdefault("train", {})
+    max_steps = raw.get("max_steps") if isinstance(raw.get("max_steps"), int) and raw["max_steps"] > 0 else None
+    if max_steps:
+        train["steps"] = max_steps
+    elif isinstance(raw.get("num_train_epochs"), (int, float)) and raw["num_train_epochs"] > 0:
+        train["epochs"] = float(raw["num_train_epochs"])
+    _schedule_keys(raw, train, max_steps, notes)
     for key, (ours, convert) in _TRAINING_ARGUMENTS.items():
         if raw.get(key) is not None:
             section, _, name = ours.rpartition(".")
             (native.setdefault(section, {}) if section else native)[name] = convert(raw[key])
     if str(raw.get("optim", "")).startswith("adamw") or raw.get("optim") == "sgd":
         native.setdefault("train", {})["optimizer"] = "sgd" if raw["optim"] == "sgd" else "adamw"
-    used = {"fsdp", "fsdp_config", "gradient_checkpointing", "bf16", "fp16", "max_steps", "optim",
+    if not native["train"]:
+        native.pop("train")
+    used = {"fsdp", "fsdp_config", "gradient_checkpointing", "bf16", "fp16", "max_steps", "optim", "num_train_epochs",
+            "max_grad_norm", "warmup_steps", "warmup_ratio", "lr_scheduler_type", "eval_steps", "eval_strategy",
             *_TRAINING_ARGUMENTS}
     ignored = sorted(k for k in raw if k not in used)
     if ignored:
         notes.append(f"{len(ignored)} TrainingArguments that are not FSDP settings were not imported (set their "
                      f"counterparts in the train section yourself): {', '.join(ignored)}")
     return native, notes
+
+
+def _schedule_keys(raw: dict[str, Any], train: dict[str, Any], max_steps: int | None, notes: Notes) -> None:
+    """Learning-rate schedule, warm-up, clipping and evaluation cadence: what the Trainer would have done."""
+    kind = raw.get("lr_scheduler_type")
+    if kind in _SCHEDULES:
+        train["lr_schedule"] = _SCHEDULES[kind]
+    elif kind is not None:
+        notes.append(f"lr_scheduler_type: {kind!r} not imported (train.lr_schedule has constant, linear, cosine)")
+    warmup = raw.get("warmup_steps") if isinstance(raw.get("warmup_steps"), (int, float)) else 0
+    # transformers 5 reads a warmup_steps below 1 as a fraction of the steps; 4.x had warmup_ratio for that.
+    key, ratio = ("warmup_steps", warmup) if 0 < warmup < 1 else ("warmup_ratio", raw.get("warmup_ratio") or 0)
+    if warmup >= 1:
+        train["lr_warmup_steps"] = int(warmup)
+    elif isinstance(ratio, (int, float)) and ratio > 0:
+        if max_steps:
+            train["lr_warmup_steps"] = math.ceil(ratio * max_steps)
+            notes.append(f"{key} {ratio:g} x max_steps {max_steps} -> train.lr_warmup_steps={train['lr_warmup_steps']}")
+        else:
+            notes.append(f"{key} {ratio:g}: not imported (a fraction of the steps, which without max_steps are known "
+                         "only at start-up; set train.lr_warmup_steps)")
+    if isinstance(raw.get("max_grad_norm"), (int, float)) and raw["max_grad_norm"] > 0:
+        train["max_grad_norm"] = float(raw["max_grad_norm"])
+    if str(raw.get("eval_strategy", "")).lower() == "steps" and isinstance(raw.get("eval_steps"), (int, float)):
+        notes.append(f"eval_steps: not imported (evaluation needs data: set train.eval_every={int(raw['eval_steps'])} "
+                     "with data.eval_path or data.eval_fraction)")
 
 
 def _check_wrap_exclusive(items: dict[str, Any], origin: Callable[[str], str]) -> None:

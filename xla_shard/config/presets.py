@@ -19,3 +19,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-bert": dict(model_type="bert", vocab_size=256, hidden_size=64, intermediate_size=128,
                       num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512, is_decoder=True),
 }
+
+# Llama sizes for planning (`xla-shard plan`) and GPU/TPU benchmarks: random init, never downloaded. On a CPU
+# they only make sense on the meta device (the planner builds them there).
+_LLAMA = dict(model_type="llama", vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False)
+PRESETS.update({
+    "llama-7b": dict(_LLAMA, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=32),
+    "llama-13b": dict(_LLAMA, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                      num_attention_heads=40, num_key_value_heads=40),
+    "llama-30b": dict(_LLAMA, hidden_size=6656, intermediate_size=17920, num_hidden_layers=60,
+                      num_attention_heads=52, num_key_value_heads=52),
+    "llama-70b": dict(_LLAMA, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                      num_attention_heads=64, num_key_value_heads=8),
+})

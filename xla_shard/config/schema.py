@@ -76,8 +76,31 @@ class Backend(str, enum.Enum):
     TORCH_FSDP = "torch_fsdp"
 
 
+class ShardingTriple(_Section):
+    """How many devices each of parameters, gradients and optimizer state is split over (AMSP's P, G, OS):
+    a device count dividing the devices, `all`, or `none` (replicated); nested, P <= G <= OS."""
+
+    params: int | Literal["all", "none"] = "all"
+    grads: int | Literal["all", "none"] = "all"
+    optimizer: int | Literal["all", "none"] = "all"
+
+    @field_validator("params", "grads", "optimizer")
+    @classmethod
+    def _positive(cls, value: Any) -> Any:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be a positive device count, all or none")
+        return value
+
+    def resolve(self, devices: int) -> tuple[int, int, int]:
+        return tuple(devices if v == "all" else 1 if v == "none" else v
+                     for v in (self.params, self.grads, self.optimizer))
+
+
 class FsdpSection(_Section):
     sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+    # Instead of a strategy: the sharding degrees of {params, grads, optimizer} (see ShardingTriple), or auto:
+    # the cost model's fastest choice for the devices and model (`xla-shard plan` shows the ranking).
+    sharding: Literal["auto"] | ShardingTriple | None = None
     auto_wrap_policy: WrapPolicy = WrapPolicy.TRANSFORMER_BASED_WRAP
     # Class names resolved against the model's own modules; empty means the model's `_no_split_modules`.
     transformer_layer_cls_to_wrap: list[str] = Field(default_factory=list)
@@ -150,38 +173,132 @@ class MeshSection(_Section):
 
 
 class ModelSection(_Section):
-    # A preset name (see `xla_shard.config.presets`) or a local transformers config.json / directory.
+    # A preset name (see `xla_shard.config.presets`), a transformers config.json, or a model directory
+    # (`save_pretrained` output: config.json + safetensors) on a local disk or any fsspec URL (gs://, hf://).
     name: str = "tiny-llama"
+    # auto: the directory's weights if it has any, else random; pretrained: its weights or an error; random.
+    init: Literal["auto", "pretrained", "random"] = "auto"
+    # What the model is trained for: next-token prediction, or one label per sequence (a classifier head).
+    task: Literal["causal_lm", "sequence_classification"] = "causal_lm"
+    # sequence_classification: how many labels (null: the config's id2label / num_labels).
+    num_labels: int | None = Field(default=None, ge=1)
     # Applied on top of the transformers config, e.g. {num_hidden_layers: 4}.
     overrides: dict[str, Any] = Field(default_factory=dict)
-    # The attention kernel: eager (the same math on every backend: what parity tests pin) or sdpa
-    # (torch.nn.functional.scaled_dot_product_attention, fused kernels on GPUs).
-    attn_implementation: Literal["eager", "sdpa"] = "eager"
+    # The attention kernel. auto: the fastest that computes the same thing on the device (TPU: xla_pallas,
+    # torch_xla's Pallas flash attention; CUDA: sdpa; CPU: eager, one formula on every backend). eager; sdpa
+    # (torch's scaled_dot_product_attention); flash_attention_2 (CUDA, the flash-attn package); xla_pallas (TPU).
+    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2", "xla_pallas"] = "auto"
+
+    @model_validator(mode="after")
+    def _labels_need_a_classifier(self) -> "ModelSection":
+        if self.num_labels is not None and self.task != "sequence_classification":
+            raise ValueError("model.num_labels sizes a classifier head: set model.task: sequence_classification")
+        return self
 
     @field_validator("overrides")
     @classmethod
     def _no_attention_override(cls, value: dict[str, Any]) -> dict[str, Any]:
         for key in ("attn_implementation", "_attn_implementation"):
             if key in value:
-                raise ValueError(f"{key} is chosen by model.attn_implementation (eager or sdpa), not an override")
+                raise ValueError(f"{key} is chosen by model.attn_implementation, not an override")
         return value
 
 
 class TrainSection(_Section):
+    # Optimizer steps; or `epochs` (passes over the training rows, fractions allowed), not both.
     steps: int = Field(default=8, ge=1)
+    epochs: float | None = Field(default=None, gt=0)
+    # Rows per optimizer step, all processes together (split into grad_accum_steps micro-batches).
     global_batch_size: int = Field(default=8, ge=1)
     seq_len: int = Field(default=64, ge=2)
     optimizer: Literal["sgd", "adamw"] = "adamw"
     lr: float = Field(default=1e-3, gt=0)
+    # constant, or linear / cosine decay to lr * lr_min_ratio at the last step; after lr_warmup_steps of linear warm-up.
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    lr_warmup_steps: int = Field(default=0, ge=0)
+    lr_min_ratio: float = Field(default=0.0, ge=0, le=1)
     weight_decay: float = Field(default=0.0, ge=0)
+    # Clip the global gradient norm (over every shard) to this; null: no clipping. The norm is logged either way.
+    max_grad_norm: float | None = Field(default=None, gt=0)
+    # Micro-batches per optimizer step: the same update as one batch of global_batch_size rows, in less memory.
+    grad_accum_steps: int = Field(default=1, ge=1)
     seed: int = 0
-    # "synthetic", or a local .txt / .jsonl file (jsonl: one {"text": ...} per line), tokenized as bytes.
-    data: str = "synthetic"
     log_every: int = Field(default=1, ge=1)
+    # Evaluate every N steps (and after the last) on data.eval_path / data.eval_fraction; null: only at the end.
+    eval_every: int | None = Field(default=None, ge=1)
+    # Batches per evaluation (null: the whole evaluation set, in full batches).
+    eval_steps: int | None = Field(default=None, ge=1)
+    # Also write TensorBoard event files to output_dir (needs the `tensorboard` package: pip install xla_shard[tensorboard]).
+    tensorboard: bool = False
     # Denominator of MFU in FLOP/s per device; null uses the device table (`xla_shard.metrics.PEAK_FLOPS`).
     peak_flops_per_device: float | None = Field(default=None, gt=0)
-    # Steps after which a new XLA graph compilation is reported as a recompile.
-    warmup_steps: int = Field(default=2, ge=1)
+    # Steps after which a new XLA graph compilation is reported as a recompile (not learning-rate warm-up).
+    recompile_warmup_steps: int = Field(default=2, ge=1)
+
+    # Keys that moved, with where they went: a user who sets one learns where, instead of a did-you-mean.
+    _MOVED: ClassVar[dict[str, str]] = {
+        "data": "data.path (the data section: path, tokenizer, text_field, ...)",
+        "warmup_steps": "train.recompile_warmup_steps (it never warmed up the learning rate; that is "
+                        "train.lr_warmup_steps)",
+        "warmup_ratio": "train.lr_warmup_steps (a number of steps)",
+    }
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            for key, now in cls._MOVED.items():
+                if key in value:
+                    raise ValueError(f"train.{key} is now {now}")
+        return value
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> "TrainSection":
+        if self.epochs is not None and "steps" in self.model_fields_set:
+            raise ValueError("set train.steps or train.epochs, not both")
+        if self.global_batch_size % self.grad_accum_steps:
+            raise ValueError(f"train.global_batch_size={self.global_batch_size} does not split into "
+                             f"train.grad_accum_steps={self.grad_accum_steps} equal micro-batches")
+        return self
+
+
+class DataSection(_Section):
+    """What the model trains on. Files are read with Hugging Face `datasets` (memory-mapped Arrow, tokenized
+    once and cached), so a corpus larger than host memory works."""
+
+    # synthetic (generated tokens, for benchmarks), or a file, directory or glob, local or any fsspec URL (gs://)
+    path: str = "synthetic"
+    # json | jsonl | csv | parquet | txt; null: from the files' extension (.gz .bz2 .xz .zst compressed too)
+    format: Literal["json", "jsonl", "csv", "parquet", "txt"] | None = None
+    # A tokenizer directory (local or URL); null: the model directory's own.
+    tokenizer: str | None = None
+    # causal_lm: the column holding the text (txt files: each line is a row of `text`).
+    text_field: str = "text"
+    # sequence_classification: one text column, or a pair such as [premise, hypothesis]; and the label column
+    # (integers, or strings mapped through the model config's label2id).
+    text_fields: list[str] = Field(default_factory=lambda: ["text"], min_length=1, max_length=2)
+    label_field: str = "label"
+    # causal_lm: join documents with EOS and cut seq_len blocks (true), or pad each document to seq_len (false).
+    packing: bool = True
+    # Evaluation rows: another file (same format rules), or a seeded fraction held out of the training rows.
+    eval_path: str | None = None
+    eval_fraction: float = Field(default=0.0, ge=0, lt=1)
+    # Processes that tokenize (null: one per CPU core, up to 8, for corpora over 10,000 rows).
+    num_proc: int | None = Field(default=None, ge=1)
+    # causal_lm: tokenize while reading (nothing prepared up front), shuffling within a buffer of this many rows.
+    streaming: bool = False
+    shuffle_buffer: int = Field(default=10_000, ge=1)
+
+    @model_validator(mode="after")
+    def _one_eval_source(self) -> "DataSection":
+        if self.eval_path and self.eval_fraction:
+            raise ValueError("set data.eval_path or data.eval_fraction, not both")
+        if self.path == "synthetic" and (self.eval_path or self.eval_fraction):
+            raise ValueError("data.path is synthetic: there is nothing to evaluate on (set data.path to a file)")
+        if self.streaming and self.eval_fraction:
+            raise ValueError("data.streaming reads the rows once, in order: hold evaluation rows out in a file "
+                             "(data.eval_path), not data.eval_fraction")
+        return self
 
 
 class LaunchSection(_Section):
@@ -292,19 +409,32 @@ class ShardConfig(_Section):
     fsdp: FsdpSection = Field(default_factory=FsdpSection)
     mesh: MeshSection = Field(default_factory=MeshSection)
     train: TrainSection = Field(default_factory=TrainSection)
+    data: DataSection = Field(default_factory=DataSection)
     launch: LaunchSection = Field(default_factory=LaunchSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     deploy: DeploySection = Field(default_factory=DeploySection)
     output_dir: str = "runs/default"
 
     # Keys that must agree for a resumed run to continue the same model, optimizer state and data stream.
-    RESUME_KEYS: ClassVar[tuple[str, ...]] = ("model.name", "model.overrides", "train.optimizer", "train.seed",
-                                              "train.data", "train.global_batch_size", "train.seq_len")
+    RESUME_KEYS: ClassVar[tuple[str, ...]] = ("model.name", "model.overrides", "model.task", "train.optimizer",
+                                              "train.seed", "train.global_batch_size", "train.seq_len", "data.path",
+                                              "data.tokenizer", "data.packing", "data.eval_fraction")
 
     def run_identity(self) -> dict[str, Any]:
         """{dotted key: value} of RESUME_KEYS, as written into and compared against checkpoint manifests."""
         dumped = self.model_dump(mode="json", by_alias=True)
         return {key: dumped[key.split(".")[0]][key.split(".")[1]] for key in self.RESUME_KEYS}
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _data_shorthand(cls, value: Any) -> Any:
+        return {"path": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _eval_needs_data(self) -> "ShardConfig":
+        if self.data.path == "synthetic" and self.train.eval_every is not None:
+            raise ValueError("train.eval_every is set but data.path is synthetic: nothing to evaluate on")
+        return self
 
     @field_validator("model", mode="before")
     @classmethod
@@ -324,6 +454,10 @@ class ShardConfig(_Section):
                 "fsdp.transformer_layer_cls_to_wrap is set but fsdp.auto_wrap_policy is "
                 f"{fsdp.auto_wrap_policy.value}; use TRANSFORMER_BASED_WRAP or drop the class list"
             )
+        if fsdp.sharding is not None and ("sharding_strategy" in fsdp.model_fields_set or
+                                          "replica" in self.mesh.model_fields_set):
+            raise ValueError("fsdp.sharding sets the sharding (and the mesh) itself: drop fsdp.sharding_strategy "
+                             "and mesh.replica, or fsdp.sharding")
         if not fsdp.sharding_strategy.is_hybrid and self.mesh.replica != 1:
             raise ValueError(
                 f"mesh.replica={self.mesh.replica} needs fsdp.sharding_strategy HYBRID_SHARD or "

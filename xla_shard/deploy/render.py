@@ -92,12 +92,12 @@ def _check_common(cfg: ShardConfig, hosts: int) -> None:
     if not cfg.deploy.project:
         raise ConfigError("deploy.project", "set the Google Cloud project to deploy into")
     # The workers get the code and the config, not files of this machine.
-    if cfg.model.name not in PRESETS:
-        raise ConfigError("model.name", f"{cfg.model.name!r} is a path on this machine, which the workers do not "
-                                        f"have; deployments take a preset ({', '.join(PRESETS)})")
-    if cfg.train.data != "synthetic":
-        raise ConfigError("train.data", f"{cfg.train.data!r} is a file on this machine, which the workers do not "
-                                        "have; deployments train on synthetic data for now")
+    for key, value in (("model.name", cfg.model.name), ("data.path", cfg.data.path),
+                       ("data.eval_path", cfg.data.eval_path), ("data.tokenizer", cfg.data.tokenizer)):
+        if value and value not in PRESETS and value != "synthetic" and "://" not in value:
+            raise ConfigError(key, f"{value!r} is a path on this machine, which the workers do not have: copy it to "
+                                   "a bucket and name its gs:// URL" + (f" (or a preset: {', '.join(PRESETS)})"
+                                                                        if key == "model.name" else ""))
 
 
 def render(cfg: ShardConfig, target: str, config_name: str = "config.yaml") -> Rendering:

@@ -1,0 +1,72 @@
+"""'Pretrained' model directories made here, never downloaded: small transformers models written with
+`save_pretrained`, with a tokenizer trained by the `tokenizers` library on the text shipped in fixtures/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import (BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedTokenizerFast)
+
+CORPUS = Path(__file__).resolve().parent / "fixtures" / "corpus.txt"
+VOCAB = 320
+LABELS = {0: "entailment", 1: "neutral", 2: "contradiction"}
+
+
+def bpe_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE (a Llama-style tokenizer) with <s> and </s>."""
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train([str(CORPUS)], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def wordpiece_tokenizer() -> PreTrainedTokenizerFast:
+    """A BERT-style WordPiece tokenizer: [CLS] a [SEP] b [SEP], with token type ids."""
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok.train([str(CORPUS)], trainers.WordPieceTrainer(vocab_size=VOCAB, special_tokens=special))
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+                                   sep_token="[SEP]", mask_token="[MASK]",
+                                   model_input_names=["input_ids", "token_type_ids", "attention_mask"])
+
+
+def llama_dir(path: Path, tied: bool = False, files: int = 1, dtype: torch.dtype = torch.float32,
+              hidden: int = 64, layers: int = 2, seed: int = 7) -> Path:
+    """A Llama causal LM as `save_pretrained` writes it; `files` > 1 splits the weights with an index."""
+    tokenizer = bpe_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=tied, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(dtype)
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    shard = f"{total // files // 1000 + 1}KB" if files > 1 else "10GB"
+    model.save_pretrained(path, max_shard_size=shard)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def bert_classifier_dir(path: Path, base_only: bool = False, seed: int = 11) -> Path:
+    """A BERT sequence classifier (3 NLI labels), or only its encoder (`BertModel`: no classifier head)."""
+    tokenizer = wordpiece_tokenizer()
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id,
+                        id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
+    torch.manual_seed(seed)
+    model = BertForSequenceClassification(config)
+    (model.bert if base_only else model).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

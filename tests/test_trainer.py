@@ -1,0 +1,186 @@
+"""The trainer's knobs do what they say on every backend: learning-rate schedules, gradient clipping over the
+global norm, gradient accumulation, evaluation, and one metrics series per run."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import FIXTURES, WORKERS, _env, run_cli
+from xla_shard import config
+from xla_shard.data import SyntheticSource
+from xla_shard.models import build_model
+from xla_shard.schedule import lr_factor
+
+BACKENDS = {
+    "xla_spmd": (["backend=xla_spmd", "cpu_devices=4"], []),
+    "xla_fsdp": (["backend=xla_fsdp", "cpu_devices=1"], []),
+    "torch_fsdp": (["backend=torch_fsdp"], ["--nproc-per-node", "2"]),
+}
+TINY = ["model=tiny-llama", "train.seq_len=32", "train.global_batch_size=8", "train.seed=3", "train.optimizer=sgd",
+        "train.lr=0.5"]
+
+
+def train(out, sets, extra=()):
+    done = run_cli("train", *[a for s in [*sets, f"output_dir={out}"] for a in ("--set", s)], *extra)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("schedule, reference", [
+    ("linear", lambda opt, total: torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.1, total_iters=total)),
+    ("cosine", lambda opt, total: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total, eta_min=0.1)),
+])
+def test_schedules_match_torch_after_a_linear_warmup(schedule, reference):
+    cfg = config.load(None, [f"train.lr_schedule={schedule}", "train.lr_warmup_steps=4", "train.lr_min_ratio=0.1",
+                             "train.lr=1.0"])
+    total = 20
+    assert [lr_factor(s, cfg.train, total) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    torch_schedule = reference(optimizer, total - 4)
+    want = []
+    for _ in range(total - 4):
+        want.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        torch_schedule.step()
+    got = [lr_factor(s, cfg.train, total) for s in range(4, total)]
+    assert got == pytest.approx(want, rel=1e-9)
+
+
+def _eager_steps(steps: int, micro: int, max_norm: float):
+    """The reference: unsharded eager PyTorch with torch's own clip_grad_norm_, `micro` micro-batches a step."""
+    cfg = config.load(None, TINY)
+    model = build_model(cfg.model, cfg.train.seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.train.lr)
+    source = SyntheticSource(8, 32, cfg.train.seed, model.config.vocab_size)
+    losses, norms = [], []
+    for step in range(steps):
+        batch = source.global_batch(step)
+        total = 0.0
+        for j in range(micro):
+            part = {k: v[j * 8 // micro:(j + 1) * 8 // micro] for k, v in batch.items()}
+            loss = model(**part).loss
+            (loss / micro).backward()
+            total += loss.item() / micro
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return losses, norms
+
+
+@pytest.fixture(scope="module")
+def clipped_runs(tmp_path_factory):
+    """Each backend, 3 SGD steps with the gradient norm clipped to 0.5, in one batch and in 2 micro-batches."""
+    root = tmp_path_factory.mktemp("clipped")
+    return {(name, micro): train(root / f"{name}-{micro}", [*TINY, *sets, "train.steps=3", "train.max_grad_norm=0.5",
+                                                           f"train.grad_accum_steps={micro}"], extra)
+            for name, (sets, extra) in BACKENDS.items() for micro in (1, 2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_the_clipped_norm_is_the_global_norm_on_every_backend(clipped_runs, backend):
+    losses, norms = _eager_steps(3, 1, 0.5)
+    records = clipped_runs[(backend, 1)]
+    assert norms[0] > 0.5  # clipping is active
+    assert [r["grad_norm"] for r in records] == pytest.approx(norms, rel=1e-5)
+    assert [r["loss"] for r in records] == pytest.approx(losses, rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_two_micro_batches_make_the_same_update_as_one_batch(clipped_runs, backend):
+    whole, split = clipped_runs[(backend, 1)], clipped_runs[(backend, 2)]
+    assert [r["loss"] for r in split] == pytest.approx([r["loss"] for r in whole], rel=1e-5)
+    assert [r["grad_norm"] for r in split] == pytest.approx([r["grad_norm"] for r in whole], rel=1e-5)
+    assert [r["loss"] for r in split] == pytest.approx(_eager_steps(3, 2, 0.5)[0], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp2_reduces_gradients_once_per_step_whatever_the_micro_batches(tmp_path):
+    counts = {}
+    for micro in (1, 4):
+        out = tmp_path / f"count{micro}"
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                               str(WORKERS / "count_reduce_scatter.py"), str(out), *TINY, "backend=torch_fsdp",
+                               f"train.grad_accum_steps={micro}"], env=_env(), capture_output=True, text=True,
+                              timeout=600, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        counts[micro] = int(out.read_text())
+    assert counts[1] > 0 and counts[4] == counts[1], counts
+
+
+@pytest.mark.slow
+def test_lr_is_logged_each_step_and_a_schedule_compiles_nothing_new(tmp_path):
+    records = train(tmp_path / "run", [*TINY, *BACKENDS["xla_spmd"][0], "train.steps=6", "train.lr_schedule=cosine",
+                                       "train.lr_warmup_steps=2", "train.recompile_warmup_steps=3"])
+    cfg = config.load(None, [*TINY, "train.lr_schedule=cosine", "train.lr_warmup_steps=2"])
+    assert [r["lr"] for r in records] == pytest.approx([0.5 * lr_factor(s, cfg.train, 6) for s in range(6)])
+    assert not any("recompiles" in r for r in records)
+    assert records[-1]["compilations"] == records[2]["compilations"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_the_tutorial_job_bert_on_premise_hypothesis_pairs(model_dirs, tmp_path, backend):
+    """The data-parallelism tutorial's job: fine-tune a BERT classifier on an NLI file with its tokenizer, with
+    eval accuracy reported; under XLA the second evaluation compiles nothing new."""
+    sets, extra = BACKENDS[backend]
+    records = train(tmp_path / "run", [f"model.name={model_dirs.bert}", "model.task=sequence_classification",
+                                       f"data.path={FIXTURES / 'nli.csv'}", "data.text_fields=[premise, hypothesis]",
+                                       "data.eval_fraction=0.25", "train.seq_len=48", "train.steps=4",
+                                       "train.eval_every=2", "train.lr=1e-3", "train.max_grad_norm=1.0", *sets], extra)
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert all(0.0 <= r["eval_accuracy"] <= 1.0 and r["eval_accuracy"] * 8 == round(r["eval_accuracy"] * 8)
+               for r in evals)  # whole rows of a batch of 8 (9 held out: one full batch)
+    assert all(math.isfinite(r["eval_loss"]) for r in evals)
+    if backend.startswith("xla"):
+        assert evals[0]["eval_compilations"] > 0 and evals[1]["eval_compilations"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reading", [["data.eval_fraction=0.2"],
+                                     ["data.streaming=true", f"data.eval_path={FIXTURES / 'corpus.jsonl'}"]])
+def test_a_causal_lm_fine_tune_on_jsonl_with_packing_and_eval_resumes_exactly(model_dirs, tmp_path, reading):
+    sets = [f"model.name={model_dirs.llama}", f"data.path={FIXTURES / 'corpus.jsonl'}", *reading,
+            "train.seq_len=32", "train.eval_every=2", "train.optimizer=adamw", "train.lr_schedule=linear",
+            *BACKENDS["xla_spmd"][0]]
+    whole = train(tmp_path / "whole", [*sets, "train.steps=4", f"checkpoint.dir={tmp_path}/whole/ckpt",
+                                       "checkpoint.every_steps=2"])
+    # Continue the same run (same schedule, same data order) from its step-2 checkpoint, in another directory.
+    resumed = train(tmp_path / "resumed", [*sets, "train.steps=4", f"checkpoint.dir={tmp_path}/resumed/ckpt",
+                                           f"checkpoint.resume={tmp_path}/whole/ckpt/step-00000002"])
+    timing = ("step_time_s", "tokens_per_s", "mfu", "mfu_basis", "compilations", "eval_compilations")
+    same = [{k: v for k, v in r.items() if k not in timing} for r in whole if r["step"] > 2]
+    assert [{k: v for k, v in r.items() if k not in timing} for r in resumed] == same
+    assert [r["eval_perplexity"] for r in whole if "eval_loss" in r] == pytest.approx(
+        [math.exp(r["eval_loss"]) for r in whole if "eval_loss" in r])
+
+
+def test_one_metrics_series_per_run(tmp_path):
+    """A new run moves an earlier run's metrics aside (and says so); a resume drops the records past its step."""
+    from xla_shard.metrics import StepLogger
+
+    said = []
+
+    def run(start, steps):
+        logger = StepLogger(str(tmp_path), steps, enabled=True, start_step=start, log=said.append)
+        for step in range(start + 1, steps + 1):
+            logger.log({"step": step, "loss": 1.0 / step})
+            if step % 2 == 0:
+                logger.log({"step": step, "eval_loss": 0.5})
+        logger.close()
+        return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+    run(0, 4)
+    assert run(2, 4) == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}, {"step": 2, "eval_loss": 0.5},
+                         {"step": 3, "loss": 1 / 3}, {"step": 4, "loss": 0.25}, {"step": 4, "eval_loss": 0.5}]
+    assert not said
+    assert [r["step"] for r in run(0, 1)] == [1]
+    (earlier,) = tmp_path.glob("metrics-*.jsonl")
+    assert len(earlier.read_text().splitlines()) == 6 and earlier.name in said[0]

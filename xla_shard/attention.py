@@ -1,0 +1,86 @@
+"""Which attention kernel a model runs, per device, and torch_xla's Pallas flash attention as a transformers
+attention function.
+
+`model.attn_implementation: auto` picks the fastest kernel that computes the same thing on the device: the
+Pallas flash attention kernel on TPUs, SDPA (fused kernels) on CUDA GPUs, and eager on CPUs, where the
+backends are cross-checked against each other and eager is one formula on all of them (XLA lowers SDPA to the
+same math there). Anything else the user names is used as named, or refused.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+XLA_PALLAS = "xla_pallas"
+# What `auto` resolves to, by device type (tpu: a TPU through torch_xla; cuda; anything else).
+_AUTO = {"tpu": XLA_PALLAS, "cuda": "sdpa"}
+
+
+def choose(requested: str, device_type: str | None) -> str:
+    """The kernel for `device_type` ('tpu', 'cuda', 'cpu', or None before the runtime is known: eager)."""
+    if requested != "auto":
+        return requested
+    return _AUTO.get(device_type or "", "eager")
+
+
+def available(name: str) -> str | None:
+    """None if `name` can run here, else why not (one line, for a ConfigError)."""
+    if name == "flash_attention_2":
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is None:
+            return "needs the flash-attn package (pip install flash-attn) and a CUDA GPU; use sdpa"
+    return None
+
+
+@functools.cache
+def register() -> None:
+    """Make `xla_pallas` a transformers attention implementation (and its mask function: the sdpa one, which
+    gives no mask at all for plain causal batches, the case the kernel takes)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(XLA_PALLAS, xla_pallas_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(XLA_PALLAS, sdpa_mask)
+
+
+def xla_pallas_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                        **kwargs) -> tuple[torch.Tensor, None]:
+    """torch_xla's Pallas flash attention (TPU) for [batch, heads, seq, head_dim] inputs; under SPMD it is
+    given the global mesh and a partition spec that shards the batch over every mesh axis, as the step does.
+
+    Batches with a padding mask, dropout in training, or a non-causal module without a mask fall back to
+    SDPA, which computes the same thing."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    causal = getattr(module, "is_causal", True)
+    if attention_mask is not None or (dropout and module.training) or not causal:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    from torch_xla.experimental import custom_kernel
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    mesh, spec = _spmd_layout()
+    out = custom_kernel.flash_attention(query, key, value, causal=True, sm_scale=scale, partition_spec=spec,
+                                        mesh=mesh)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _spmd_layout():
+    """(mesh, partition spec) under SPMD: the batch split over all mesh axes; (None, None) otherwise."""
+    try:
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
+    except ImportError:
+        return None, None
+    if not xr.is_spmd():
+        return None, None
+    mesh = xs.get_global_mesh()
+    if mesh is None:
+        return None, None
+    return mesh, (tuple(mesh.axis_names), None, None, None)

@@ -1,0 +1,163 @@
+"""What the model trains and evaluates on: synthetic tokens, or the user's files through their tokenizer.
+
+`build` turns the config's `data` section into a training source (rows of any step, for any process) and,
+if asked for, an evaluation source; both yield batches of `seq_len`-token rows (see `batches`).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from xla_shard.data.batches import Batch, local_rows, micro_rows
+from xla_shard.data.source import DatasetSource, EvalSource, Prefetcher
+from xla_shard.data.synthetic import SyntheticSource
+from xla_shard.errors import ConfigError, one_line
+
+__all__ = ["Batch", "DataSources", "DatasetSource", "EvalSource", "Prefetcher", "SyntheticSource", "build",
+           "load_tokenizer", "local_rows", "micro_rows"]
+
+
+@dataclass
+class DataSources:
+    train: Any  # SyntheticSource | DatasetSource
+    eval: EvalSource | None = None
+    description: str = "synthetic tokens"
+
+
+def build(cfg, model_config=None, model_directory: str | None = None) -> DataSources:
+    """The sources for a run (`model_config` and the model directory, whose tokenizer is the default, come
+    from the config's model section when not given). Processes of one host call it one after the other
+    (`Backend.main_first`): the first tokenizes and fills the `datasets` cache, the others read it."""
+    if model_config is None:
+        from xla_shard.models import model_config as config_of, resolve_source
+
+        source = resolve_source(cfg.model)
+        model_config, model_directory = config_of(cfg.model, source), source.directory
+    data, train = cfg.data, cfg.train
+    task = cfg.model.task
+    labels = model_config.num_labels if task == "sequence_classification" else None
+    if data.path == "synthetic":
+        return DataSources(SyntheticSource(train.global_batch_size, train.seq_len, train.seed,
+                                           model_config.vocab_size, labels))
+    from xla_shard.data.files import resolve_files
+
+    for key, path in (("data.path", data.path), ("data.eval_path", data.eval_path)):
+        if path:
+            resolve_files(path, key)  # a missing file is named before anything else is tried
+    tokenizer = load_tokenizer(data.tokenizer or model_directory, model_config, explicit=data.tokenizer is not None,
+                               model_name=cfg.model.name)
+    if data.streaming:
+        return _streamed(cfg, tokenizer, model_config)
+    try:
+        train_rows, eval_rows = _tokenized(cfg, tokenizer, model_config, task)
+    except UnicodeDecodeError as exc:  # arrow hands undecodable text on when the rows are first read
+        raise ConfigError("data.path", f"{data.path} (or data.eval_path) is not UTF-8 text: byte {exc.start} of a "
+                                       f"value cannot be decoded ({exc.reason})") from None
+    evaluation = None
+    if eval_rows is not None:
+        evaluation = EvalSource(eval_rows, train.global_batch_size)
+        if evaluation.batches == 0:
+            raise ConfigError("data.eval_path" if data.eval_path else "data.eval_fraction",
+                              f"{len(eval_rows)} evaluation rows, fewer than one batch of "
+                              f"train.global_batch_size={train.global_batch_size}")
+    rows = len(train_rows)
+    if rows < train.global_batch_size:
+        raise ConfigError("data.path", f"{data.path} gives {rows} training rows of {train.seq_len} tokens, fewer "
+                                       f"than one batch of train.global_batch_size={train.global_batch_size}")
+    what = "blocks of packed tokens" if task == "causal_lm" and data.packing else "rows"
+    return DataSources(DatasetSource(train_rows, train.global_batch_size, train.seed), evaluation,
+                       f"{data.path}: {rows} training {what} of {train.seq_len} tokens"
+                       + (f", {len(eval_rows)} for evaluation" if eval_rows is not None else ""))
+
+
+def _streamed(cfg, tokenizer, model_config) -> DataSources:
+    import datasets
+
+    from xla_shard.data import files
+    from xla_shard.data.stream import StreamSource
+
+    data, train = cfg.data, cfg.train
+    if cfg.model.task != "causal_lm":
+        raise ConfigError("data.streaming", "streams causal-LM corpora; classification rows are prepared up front "
+                                            "(set it to false)")
+    paths = files.resolve_files(data.path, "data.path")
+    builder = files.BUILDERS[files.file_format(paths, data.format, "data.path")]
+    paths = [files.local_copy(p) if "://" in p else p for p in paths]
+
+    def open_stream(epoch: int):
+        rows = datasets.load_dataset(builder, data_files=paths, split="train", streaming=True)
+        rows = rows.shuffle(seed=train.seed, buffer_size=data.shuffle_buffer)
+        rows.set_epoch(epoch)
+        return rows
+
+    source = StreamSource(open_stream, tokenizer, data.text_field, train.seq_len, data.packing,
+                          train.global_batch_size, data.path)
+    evaluation = None
+    if data.eval_path:
+        from xla_shard.data import tokenize
+
+        raw_eval = files.read_rows(data.eval_path, data.format, "data.eval_path")
+        evaluation = EvalSource(tokenize.causal_lm(raw_eval, tokenizer, data.text_field, train.seq_len, data.packing,
+                                                   data.num_proc, data.eval_path), train.global_batch_size)
+    return DataSources(source, evaluation, f"{data.path}: streamed, tokenized as read (shuffle buffer "
+                                           f"{data.shuffle_buffer} rows)")
+
+
+def _tokenized(cfg, tokenizer, model_config, task):
+    from xla_shard.data import files, tokenize
+
+    data, train = cfg.data, cfg.train
+    raw = files.read_rows(data.path, data.format, "data.path")
+    raw_eval = files.read_rows(data.eval_path, data.format, "data.eval_path") if data.eval_path else None
+    if data.eval_fraction:
+        split = raw.train_test_split(test_size=data.eval_fraction, seed=train.seed, shuffle=True)
+        raw, raw_eval = split["train"], split["test"]
+
+    def encode(rows, path):
+        if task == "causal_lm":
+            return tokenize.causal_lm(rows, tokenizer, data.text_field, train.seq_len, data.packing, data.num_proc,
+                                      path)
+        return tokenize.classification(rows, tokenizer, data.text_fields, data.label_field,
+                                       dict(model_config.label2id or {}), model_config.num_labels, train.seq_len,
+                                       data.num_proc, path)
+
+    return encode(raw, data.path), (encode(raw_eval, data.eval_path or data.path) if raw_eval is not None else None)
+
+
+def load_tokenizer(location: str | None, model_config, explicit: bool, model_name: str):
+    """A transformers tokenizer from a directory (local, or a URL whose tokenizer files are copied to a
+    temporary directory first), checked against the model's vocabulary."""
+    from transformers import AutoTokenizer
+
+    key = "data.tokenizer" if explicit else "model.name"
+    if location is None:
+        raise ConfigError("data.tokenizer", f"model.name {model_name!r} is not a model directory, so it has no "
+                                            "tokenizer: name one (a directory save_pretrained wrote)")
+    local = _local_copy(location, key) if "://" in location else location
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(local)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(key, f"no tokenizer could be loaded from {location}: {one_line(exc)[:300]}") from None
+    if len(tokenizer) > model_config.vocab_size:
+        raise ConfigError(key, f"the tokenizer at {location} has {len(tokenizer)} tokens, the model's embedding "
+                               f"only {model_config.vocab_size}")
+    return tokenizer
+
+
+def _local_copy(url: str, key: str) -> str:
+    from xla_shard.checkpoint.storage import Storage
+    from xla_shard.models import COMPANION_FILES
+
+    storage = Storage(url)
+    target = tempfile.mkdtemp(prefix="xla_shard_tokenizer_")
+    copied = 0
+    for name in COMPANION_FILES + ("config.json",):
+        if storage.exists(name):
+            with open(f"{target}/{name}", "wb") as out:
+                out.write(storage.read_bytes(name))
+            copied += 1
+    if not copied:
+        raise ConfigError(key, f"{url} holds no tokenizer files")
+    return target

@@ -1,0 +1,29 @@
+"""Batches and which rows of them each process takes.
+
+A batch is a dict of row-aligned tensors, the model's keyword arguments: `input_ids`, `labels` (the tokens
+themselves for a causal LM, which shifts them, with -100 where nothing is to be predicted; one class per row
+for a classifier) and, for padded rows, `attention_mask` (and `token_type_ids` where the tokenizer makes them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+Batch = dict[str, torch.Tensor]
+
+
+def local_rows(batch: Batch | torch.Tensor, rank: int, world: int) -> Batch | torch.Tensor:
+    """Rows [rank * n/world, (rank+1) * n/world) of a tensor, or of each tensor of a batch."""
+    if isinstance(batch, dict):
+        return {key: local_rows(value, rank, world) for key, value in batch.items()}
+    rows = batch.shape[0] // world
+    return batch[rank * rows:(rank + 1) * rows]
+
+
+def micro_rows(global_batch_size: int, micro: int, micros: int, rank: int, world: int) -> range:
+    """The rows of a step's global batch that process `rank` feeds in micro-batch `micro` of `micros`: the
+    micro-batches tile the global batch, and each is split over the processes like a whole batch would be."""
+    per_micro = global_batch_size // micros
+    per_rank = per_micro // world
+    start = micro * per_micro + rank * per_rank
+    return range(start, start + per_rank)

@@ -1,0 +1,98 @@
+"""Token rows in a deterministic order, read a step at a time, each process only its own rows.
+
+Position p of the stream (p = step * global_batch_size + row) is row perm(seed, epoch)[p mod N] of epoch
+p // N: a fresh shuffle per epoch from (seed, epoch), the same on every process and backend. A resumed run
+asks for the rows of its next step and gets exactly the samples it would have seen, by construction.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import numpy as np
+import torch
+
+from xla_shard.data.batches import Batch
+
+
+class DatasetSource:
+    """Fixed-length token rows (a tokenized `datasets.Dataset`), shuffled per epoch."""
+
+    def __init__(self, rows, global_batch_size: int, seed: int, shuffle: bool = True):
+        self.table = rows.with_format("numpy")
+        self.rows_per_epoch = len(rows)
+        self.batch, self.seed, self.shuffle = global_batch_size, seed, shuffle
+        self._orders: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def order(self, epoch: int) -> np.ndarray:
+        with self._lock:
+            if epoch not in self._orders:
+                if len(self._orders) > 2:
+                    self._orders.pop(min(self._orders))
+                n = self.rows_per_epoch
+                self._orders[epoch] = (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle
+                                       else np.arange(n))
+            return self._orders[epoch]
+
+    def indices(self, step: int, rows: range) -> list[int]:
+        n = self.rows_per_epoch
+        positions = [step * self.batch + r for r in rows]
+        return [int(self.order(p // n)[p % n]) for p in positions]
+
+    def rows(self, step: int, rows: range) -> Batch:
+        """Rows `rows` of the global batch of `step` (a process reads these and nothing else)."""
+        return _as_batch(self.table[self.indices(step, rows)])
+
+    def global_batch(self, step: int) -> Batch:
+        return self.rows(step, range(self.batch))
+
+    def epoch_of(self, step: int) -> float:
+        return step * self.batch / self.rows_per_epoch
+
+
+class EvalSource:
+    """The evaluation rows, in file order, as full batches of `batch` rows (static shapes)."""
+
+    def __init__(self, rows, batch: int):
+        self.table = rows.with_format("numpy")
+        self.batch = batch
+        self.batches = len(rows) // batch
+
+    def rows(self, index: int, rows: range) -> Batch:
+        start = index * self.batch
+        return _as_batch(self.table[start + rows.start:start + rows.stop])
+
+
+def _as_batch(picked: dict) -> Batch:
+    """Columns as int64 tensors; packed causal-LM rows predict their own tokens (the model shifts them)."""
+    batch = {key: torch.from_numpy(np.asarray(value)).long() for key, value in picked.items()}
+    if "labels" not in batch:
+        batch["labels"] = batch["input_ids"]
+    return batch
+
+
+class Prefetcher:
+    """Reads the next steps' rows in a background thread while the current step runs."""
+
+    def __init__(self, read, steps: range, depth: int = 2):
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._steps = steps
+        self._thread = threading.Thread(target=self._run, args=(read,), daemon=True)
+        self._thread.start()
+
+    def _run(self, read) -> None:
+        for step in self._steps:
+            try:
+                self._queue.put((step, read(step), None))
+            except BaseException as exc:  # handed to the consumer, raised there
+                self._queue.put((step, None, exc))
+                return
+
+    def get(self, step: int):
+        got, value, error = self._queue.get()
+        if error is not None:
+            raise error
+        assert got == step, f"prefetched step {got}, wanted {step}"
+        return value

@@ -1,0 +1,297 @@
+"""Pretrained weights into a sharded model, shard by shard.
+
+The model is built on the meta device, wrapped and sharded by the backend, and only then filled: each process
+(under SPMD, each host) asks its backend which boxes of each parameter it holds and reads those byte ranges
+of the model directory's safetensors files, through the same `ChunkReader` a resume uses. No process ever
+holds a full copy of the model; what it holds at once is its shard plus one read batch.
+
+Names are matched before anything is sharded, as transformers matches them (its key renamings, the base
+model prefix added or stripped), so a wrong directory fails in `config check`, naming the keys.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from xla_shard.checkpoint import hf_dir, layout
+from xla_shard.checkpoint.contract import StateTensor, region
+from xla_shard.checkpoint.reader import ChunkReader, fill
+from xla_shard.checkpoint.storage import Storage
+from xla_shard.errors import ConfigError
+from xla_shard.hostmem import peak_growth
+from xla_shard.models import ModelSource, build_model, resolve_source
+
+_SHOWN = 4  # keys named in one error or log line
+READ_BATCH_BYTES = 256 << 20  # read (and fetched concurrently) at once, per process
+
+
+@dataclass
+class LoadReport:
+    """What one process did: `bytes_read` of the directory's `bytes_stored` tensor bytes, for the `bytes_held`
+    of parameters it holds. Host memory grows by at most what it holds in host memory (on a CPU backend, its
+    shard) plus one read batch (`READ_BATCH_BYTES`) and, where dtypes differ, that batch converted."""
+
+    tensors: int
+    bytes_read: int
+    bytes_stored: int
+    peak_host_growth: int
+    bytes_held: int = 0
+    converted: dict[str, set[str]] = field(default_factory=dict)  # "BF16->F32": the tensors converted
+    fresh: list[str] = field(default_factory=list)  # parameters the directory lacks, initialised from the seed
+    skipped: list[str] = field(default_factory=list)  # directory tensors this model has no place for
+
+    def describe(self) -> str:
+        text = (f"read {_mib(self.bytes_read)} of the {_mib(self.bytes_stored)} stored ({self.tensors} tensors), "
+                f"peak host memory +{_mib(self.peak_host_growth)}")
+        if self.converted:
+            text += "; converted " + ", ".join(f"{len(names)} tensor(s) {kind}" for kind, names in self.converted.items())
+        return text
+
+
+class PretrainedWeights:
+    """A model directory's weights, matched to one model's parameters. `match` runs on the unwrapped model
+    (on the meta device is fine), `load` after the backend wrapped it."""
+
+    def __init__(self, source: ModelSource, retry_deadline_s: float = 120.0):
+        self.source = source
+        self.storage = Storage(source.directory, retry_deadline_s)
+        self.manifest = hf_dir.read_manifest(self.storage)
+        self.names: dict[str, str] = {}  # parameter or buffer name -> manifest tensor name
+        self.fresh: dict[str, torch.Tensor] = {}
+        self.skipped: list[str] = []
+
+    @classmethod
+    def find(cls, source: ModelSource, init: str) -> "PretrainedWeights | None":
+        """The weights `model.init` asks for: None for random init; an error where pretrained ones are wanted
+        and missing."""
+        if init == "random":
+            return None
+        if source.directory is None:
+            if init == "pretrained":
+                kind = "a preset" if source.is_preset else "a config file"
+                raise ConfigError("model.init", f"pretrained, but model.name {source.name!r} is {kind}: name a model "
+                                                "directory holding safetensors weights")
+            return None
+        try:
+            return cls(source)
+        except hf_dir.NoWeights as exc:
+            if init == "pretrained":
+                raise ConfigError("model.init", f"pretrained, but {exc}") from None
+            return None
+
+    # ---- before sharding ------------------------------------------------------------------------------
+    def match(self, model: nn.Module, seed: int) -> None:
+        """Pair every parameter (and stored buffer) with a stored tensor; parameters of a head the directory
+        lacks get fresh values from `seed`. Anything else missing, unexpected or of another shape is refused."""
+        params = dict(model.named_parameters())
+        wanted = {**{n: tuple(p.shape) for n, p in params.items()},
+                  **{n: tuple(b.shape) for n, b in _persistent_buffers(model)}}
+        rename = _renamer(model)
+        tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+        ignored = _ignored_unexpected(model)
+        unexpected = []
+        for stored in self.manifest.tensors:
+            key = rename(stored[len("model/"):])
+            if key in wanted:
+                self.names[key] = stored
+            elif key in tied or ignored(key):
+                self.skipped.append(key)
+            else:
+                unexpected.append(key)
+        missing = sorted(set(params) - set(self.names))
+        base = _base_prefix(model)
+        head = [k for k in missing if base and not k.startswith(base)]
+        lost = [k for k in missing if k not in head]
+        other_heads = [k for k in unexpected if base and not k.startswith(base)]
+        unexpected = [k for k in unexpected if k not in other_heads]
+        where = self.storage.url
+        if lost or unexpected:
+            parts = []
+            if lost:
+                parts.append(f"lacks {len(lost)} tensor(s) the model has: {_some(lost)}")
+            if unexpected:
+                parts.append(f"holds {len(unexpected)} the model has no place for: {_some(unexpected)}")
+            raise ConfigError("model.name", f"{where} does not fit {type(model).__name__}: {'; '.join(parts)}"
+                                            f"{self._saved_as(model)}")
+        for key, stored in self.names.items():
+            have = tuple(self.manifest.tensors[stored]["shape"])
+            if have != wanted[key]:
+                hint = " (set model.num_labels to match it)" if key in head or "classifier" in key else ""
+                raise ConfigError("model.name", f"{where}: {key} is {list(have)} there, {list(wanted[key])} in the "
+                                                f"model{hint}")
+        self.skipped += other_heads
+        self.fresh = _fresh_values(model, head, seed)
+
+    def _saved_as(self, model: nn.Module) -> str:
+        saved = self.source.fields.get("architectures") or []
+        if not saved or type(model).__name__ in saved:
+            return " (another architecture or config?)"
+        hint = ("; set model.task: sequence_classification" if any("SequenceClassification" in a for a in saved)
+                else "; check model.task" if saved else "")
+        return f" (it was saved from a {saved[0]}{hint})"
+
+    # ---- after sharding -------------------------------------------------------------------------------
+    def load(self, backend, model: nn.Module) -> LoadReport:
+        """Fill the wrapped model: each process reads the boxes of each tensor it holds, nothing else."""
+        targets = backend.state(model)
+        report = LoadReport(0, 0, sum(_stored_bytes(self.manifest.tensors[s]) for s in self.names.values()), 0,
+                            fresh=sorted(self.fresh), skipped=sorted(self.skipped))
+        reader = ChunkReader(self.storage, self.manifest, bridge_gaps=False)
+        backend.after_step()  # XLA: allocate the sharded parameters now, so the measure below is the load's alone
+        with peak_growth() as growth:
+            from_files, from_seed = [], []
+            for target in targets:
+                name = target.name[len("model/"):]
+                if name in self.fresh:
+                    from_seed.append(target)
+                elif name in self.names:
+                    from_files.append(dataclasses.replace(target, name=self.names[name]))
+                else:
+                    raise ConfigError("model.name", f"{backend.name} holds a parameter {name!r} the model did not "
+                                                    "have when it was matched")
+            fill(reader, from_files, max_bytes=READ_BATCH_BYTES, convert=_converter(self.manifest, report.converted))
+            for target in from_seed:
+                full = self.fresh[target.name[len("model/"):]]
+                whole = ((0,) * full.dim(), tuple(full.shape))
+                target.fill([full[region(box, whole)].to(target.dtype) for box in target.boxes()])
+            self._load_buffers(backend, model, reader, report.converted)
+        report.tensors = len(from_files)
+        report.bytes_held = sum(math.prod(sizes) * t.dtype.itemsize for t in from_files for _, sizes in t.boxes())
+        report.bytes_read = reader.bytes_read
+        report.peak_host_growth = growth.bytes
+        return report
+
+    def load_buffers(self, backend, model: nn.Module) -> None:
+        """Only the stored buffers (a resumed run: checkpoints hold parameters, not buffers)."""
+        self._load_buffers(backend, model, ChunkReader(self.storage, self.manifest, bridge_gaps=False), {})
+
+    @torch.no_grad()
+    def _load_buffers(self, backend, model: nn.Module, reader: ChunkReader, converted: dict[str, set[str]]) -> None:
+        """Persistent buffers stored with the weights (replicated, small) are loaded whole."""
+        for name, buffer in model.named_buffers():
+            stored = self.names.get(backend.canonical(name))
+            if stored is None:
+                continue
+            shape = tuple(self.manifest.tensors[stored]["shape"])
+            (value,) = reader.read([(stored, ((0,) * len(shape), shape))])
+            buffer.copy_(_convert(value, buffer.dtype, stored, self.manifest, converted).to(buffer.device))
+
+
+def build_for(cfg, accelerator: str | None = None):
+    """The config's model and its pretrained weights (None for random init), matched to each other: on the
+    meta device when weights will fill it after wrapping. Returns (model, weights, source)."""
+    source = resolve_source(cfg.model)
+    weights = PretrainedWeights.find(source, cfg.model.init)
+    model = build_model(cfg.model, cfg.train.seed, empty=weights is not None, source=source, accelerator=accelerator)
+    if weights is not None:
+        weights.match(model, cfg.train.seed)
+    return model, weights, source
+
+
+def load_model(cfg, backend) -> nn.Module:
+    """For your own loop: the config's model wrapped by `backend` (after `backend.setup()`), holding its
+    pretrained weights (read shard by shard) if `model.name` is a directory with weights, else random init."""
+    model, weights, _ = build_for(cfg, backend.accelerator)
+    wrapped = backend.wrap(model)
+    if weights is not None:
+        weights.load(backend, wrapped)
+    return wrapped
+
+
+def _renamer(model: nn.Module) -> Callable[[str], str]:
+    """A stored key as this model names it: transformers' renamings for the class (legacy gamma/beta and
+    the like) and its base-model prefix added or removed. Keys that need transformers to rebuild tensors
+    (fusing experts, splitting qkv) cannot be read as stored ranges and are refused."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta_state = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None) or None
+
+    def rename(key: str) -> str:
+        renamed, converter = rename_source_key(key, renamings, converters, prefix, meta_state)
+        if converter is not None:
+            raise ConfigError("model.name", f"stored tensor {key!r} needs transformers' weight conversion "
+                                            f"({converter}) to become {renamed!r}; xla_shard reads tensors as stored")
+        return renamed
+
+    return rename
+
+
+def _ignored_unexpected(model: nn.Module) -> Callable[[str], bool]:
+    """Stored keys transformers itself ignores for this class (old rotary tables, position ids, ...)."""
+    patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    patterns |= {r"rotary_emb\.inv_freq", r"(^|\.)position_ids$"}
+    regex = re.compile("|".join(f"({p})" for p in patterns))
+    return lambda key: regex.search(key) is not None
+
+
+def _base_prefix(model: nn.Module) -> str | None:
+    """'bert.' for BertForSequenceClassification: parameters outside it belong to the task head."""
+    prefix = getattr(model, "base_model_prefix", "")
+    return f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else None
+
+
+def _persistent_buffers(model: nn.Module):
+    state = set(model.state_dict())
+    return [(n, b) for n, b in model.named_buffers() if n in state]
+
+
+def _fresh_values(model: nn.Module, keys: list[str], seed: int) -> dict[str, torch.Tensor]:
+    """A new task head (a classifier on a base model's weights), initialised as transformers initialises it,
+    from `seed`: the same values on every process and backend, computed once on the host."""
+    if not keys:
+        return {}
+    generator_state = torch.get_rng_state()
+    torch.manual_seed(seed)
+    values = {}
+    try:
+        for owner in sorted({k.rsplit(".", 1)[0] for k in keys}):
+            clone = copy.deepcopy(model.get_submodule(owner)).to_empty(device="cpu")
+            with torch.no_grad():
+                model._init_weights(clone)
+            for name, param in clone.named_parameters(recurse=False):
+                if f"{owner}.{name}" in keys:
+                    values[f"{owner}.{name}"] = param.detach()
+    finally:
+        torch.set_rng_state(generator_state)
+    return values
+
+
+def _converter(manifest, converted: dict[str, set[str]]):
+    def convert(target: StateTensor, value: torch.Tensor) -> torch.Tensor:
+        return _convert(value, target.dtype, target.name, manifest, converted)
+    return convert
+
+
+def _convert(value: torch.Tensor, dtype: torch.dtype, stored: str, manifest, converted: dict[str, set[str]]):
+    """Stored dtype -> the model's (a bf16 file into fp32 master weights): done, and counted for the log."""
+    if value.dtype == dtype:
+        return value
+    kind = f"{manifest.tensors[stored]['dtype']}->{layout.DTYPES.get(dtype, dtype)}"
+    converted.setdefault(kind, set()).add(stored)
+    return value.to(dtype)
+
+
+def _stored_bytes(meta: dict) -> int:
+    chunk = meta["chunks"][0]
+    return chunk["end"] - chunk["start"]
+
+
+def _some(keys: list[str]) -> str:
+    return ", ".join(keys[:_SHOWN]) + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
