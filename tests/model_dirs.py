@@ -1,11 +1,13 @@
 """'Pretrained' model directories made here, never downloaded: small transformers models written with
-`save_pretrained`, with a tokenizer trained by the `tokenizers` library on the text shipped in fixtures/."""
+`save_pretrained`, with a tokenizer trained by the `tokenizers` library on the text shipped in fixtures/; and
+the helpers that compare what a run holds with what such a directory stores."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import (BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM,
                           PreTrainedTokenizerFast)
@@ -70,3 +72,21 @@ def bert_classifier_dir(path: Path, base_only: bool = False, seed: int = 11) -> 
     (model.bert if base_only else model).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def stored_tensors(directory) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def assemble(saved: list[dict]) -> dict[str, torch.Tensor]:
+    """Whole parameters from the boxes each process holds; NaN where no process holds a value."""
+    full = {}
+    for process in saved:
+        for name, (shape, chunks) in process["chunks"].items():
+            tensor = full.setdefault(name, torch.full(shape, float("nan")))
+            for offsets, chunk in chunks:
+                tensor[tuple(slice(o, o + n) for o, n in zip(offsets, chunk.shape))] = chunk
+    return full

@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from conftest import run_cli, run_load_probe
+from model_dirs import assemble, stored_tensors
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -19,15 +19,7 @@ def test_a_pretrained_model_loads_into_gpu_memory_bitwise(model_dirs, tmp_path):
     nproc = torch.cuda.device_count()
     saved = run_load_probe(tmp_path / "probe", f"model.name={model_dirs.llama}", "backend=torch_fsdp",
                            "train.seq_len=32", f"train.global_batch_size={8 * nproc}", nproc=nproc)
-    stored = {}
-    for file in model_dirs.llama.glob("*.safetensors"):
-        stored.update(load_file(file))
-    held = {}
-    for process in saved:
-        for name, (shape, chunks) in process["chunks"].items():
-            tensor = held.setdefault(name, torch.full(shape, float("nan")))
-            for offsets, chunk in chunks:
-                tensor[tuple(slice(o, o + n) for o, n in zip(offsets, chunk.shape))] = chunk
+    stored, held = stored_tensors(model_dirs.llama), assemble(saved)
     assert all(torch.equal(held[name], stored[name]) for name in stored)
     assert sum(p["report"]["bytes_read"] for p in saved) == sum(t.numel() * t.element_size() for t in stored.values())
 

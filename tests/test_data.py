@@ -148,7 +148,10 @@ def test_a_bucket_serves_the_data(model_dirs, gcs):
 
     url = gcs.url("data")
     Storage(url).write("corpus.jsonl", CORPUS.read_bytes())
-    got = sources(model_dirs.llama, f"data.path={url}/corpus.jsonl").train.global_batch(2)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the tokenizer from a bucket too
+        Storage(f"{url}/tokenizer").write(name, (model_dirs.llama / name).read_bytes())
+    got = sources(model_dirs.llama, f"data.path={url}/corpus.jsonl",
+                  f"data.tokenizer={url}/tokenizer").train.global_batch(2)
     want = sources(model_dirs.llama, f"data.path={CORPUS}").train.global_batch(2)
     assert torch.equal(got["input_ids"], want["input_ids"])
 

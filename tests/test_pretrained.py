@@ -10,10 +10,10 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from conftest import run_cli, run_load_probe
+from model_dirs import assemble, stored_tensors
 from xla_shard import config
 from xla_shard.errors import ConfigError
 from xla_shard.data import build as build_data
@@ -24,24 +24,6 @@ BACKENDS = {  # the three backends at the sizes that run on a CPU
     "xla_fsdp": (["backend=xla_fsdp", "cpu_devices=1"], 0),
     "torch_fsdp": (["backend=torch_fsdp"], 2),
 }
-
-
-def stored_tensors(directory) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    return tensors
-
-
-def assemble(saved: list[dict]) -> dict[str, torch.Tensor]:
-    """Whole parameters from the boxes each process holds; NaN where no process holds a value."""
-    full = {}
-    for process in saved:
-        for name, (shape, chunks) in process["chunks"].items():
-            tensor = full.setdefault(name, torch.full(shape, float("nan")))
-            for offsets, chunk in chunks:
-                tensor[tuple(slice(o, o + n) for o, n in zip(offsets, chunk.shape))] = chunk
-    return full
 
 
 def reference_loss(directory, overrides, auto=AutoModelForCausalLM, **fields) -> float:

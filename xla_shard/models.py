@@ -37,6 +37,18 @@ COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json")
 
 
+def copy_companions(directory: str, target: Path, extra: tuple[str, ...] = ()) -> list[str]:
+    """Copy the COMPANION_FILES (and `extra`) that a model directory, local or at a URL, holds into `target`;
+    return the names copied."""
+    from xla_shard.checkpoint.storage import Storage
+
+    storage = Storage(directory)
+    present = [name for name in COMPANION_FILES + extra if storage.exists(name)]
+    for name in present:
+        (target / name).write_bytes(storage.read_bytes(name))
+    return present
+
+
 @dataclass(frozen=True)
 class ModelSource:
     """Where `model.name` points: a preset, a config.json file, or a directory (URL) that may hold weights."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from xla_shard.checkpoint import layout
 from xla_shard.checkpoint.inspect import open_checkpoint
 from xla_shard.checkpoint.manifest import CheckpointError
-from xla_shard.checkpoint.storage import Storage, StorageError
+from xla_shard.checkpoint.storage import StorageError
 from xla_shard.errors import file_in_the_way, one_line
 from xla_shard.hostmem import peak_growth
 from xla_shard.checkpoint.reader import ChunkReader
@@ -106,16 +106,13 @@ def _copy_companions(manifest, out: Path) -> tuple[list[str], str | None]:
     """The tokenizer and generation config of the model directory the run started from, when it had them:
     what `from_pretrained` users load next to the weights. Returns (files copied, why none could be)."""
     from xla_shard.config.presets import PRESETS
-    from xla_shard.models import COMPANION_FILES
+    from xla_shard.models import copy_companions
 
     source = ((manifest.data.get("config") or {}).get("model") or {}).get("name")
     if not isinstance(source, str) or source in PRESETS or source.endswith(".json"):
         return [], None  # nothing beside it
     try:
-        storage = Storage(source)
-        present = [name for name in COMPANION_FILES if storage.exists(name)]
-        for name in present:
-            (out / name).write_bytes(storage.read_bytes(name))
+        present = copy_companions(source, out)
     except (StorageError, OSError) as exc:
         return [], f"the model directory {source} is not readable from here ({one_line(exc)}): no tokenizer copied"
     return present, None

@@ -7,6 +7,7 @@ if asked for, an evaluation source; both yield batches of `seq_len`-token rows (
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,17 +148,9 @@ def load_tokenizer(location: str | None, model_config, explicit: bool, model_nam
 
 
 def _local_copy(url: str, key: str) -> str:
-    from xla_shard.checkpoint.storage import Storage
-    from xla_shard.models import COMPANION_FILES
+    from xla_shard.models import copy_companions
 
-    storage = Storage(url)
     target = tempfile.mkdtemp(prefix="xla_shard_tokenizer_")
-    copied = 0
-    for name in COMPANION_FILES + ("config.json",):
-        if storage.exists(name):
-            with open(f"{target}/{name}", "wb") as out:
-                out.write(storage.read_bytes(name))
-            copied += 1
-    if not copied:
+    if not copy_companions(url, Path(target), extra=("config.json",)):
         raise ConfigError(key, f"{url} holds no tokenizer files")
     return target

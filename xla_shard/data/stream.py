@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 
 from xla_shard.data.batches import Batch
-from xla_shard.data.tokenize import IGNORE
+from xla_shard.data.tokenize import IGNORE, with_eos
 from xla_shard.errors import ConfigError
 
 _GROUP = 256  # documents tokenized per tokenizer call
@@ -64,7 +64,7 @@ class StreamSource:
                                                      f"{type(bad).__name__}, not text (its keys: {', '.join(group[0])})")
             if self.packing:
                 for doc in self.tokenizer(texts)["input_ids"]:
-                    carry += doc if doc[-1:] == [eos] else doc + [eos]
+                    carry += with_eos(doc, eos)
                     while len(carry) >= self.seq_len:
                         yield {"input_ids": carry[:self.seq_len]}
                         carry = carry[self.seq_len:]

@@ -15,6 +15,11 @@ IGNORE = -100  # label transformers' losses skip
 _PARALLEL_FROM = 10_000  # rows: below this, worker processes cost more than they save
 
 
+def with_eos(doc: list[int], eos: int) -> list[int]:
+    """A document's tokens ending in EOS once (tokenizers that add it themselves are not given a second)."""
+    return doc if doc[-1:] == [eos] else doc + [eos]
+
+
 def _workers(rows: int, num_proc: int | None) -> int | None:
     if num_proc is not None:
         return num_proc if num_proc > 1 else None
@@ -42,7 +47,7 @@ def causal_lm(rows, tokenizer, text_field: str, seq_len: int, packing: bool, num
 
         def tokenize(batch: dict[str, list]) -> dict[str, list]:
             ids = tokenizer(batch[text_field])["input_ids"]
-            return {"ids": [doc if doc[-1:] == [eos] else doc + [eos] for doc in ids]}
+            return {"ids": [with_eos(doc, eos) for doc in ids]}
 
         def blocks(batch: dict[str, list]) -> dict[str, list]:
             stream = [token for doc in batch["ids"] for token in doc]
