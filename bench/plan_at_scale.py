@@ -17,9 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-CLUSTERS = [("h100", [8, 64, 256, 1024], lambda n: dict(hosts=max(1, n // 8))),
-            ("v5p", [128, 256, 512, 1024], lambda n: dict(slices=1)),
-            ("v5p", [1024], lambda n: dict(slices=4))]
+# (accelerator, device counts, its layout, the backend that runs there)
+CLUSTERS = [("h100", [8, 64, 256, 1024], lambda n: dict(hosts=max(1, n // 8)), "torch_fsdp"),
+            ("v5p", [128, 256, 512, 1024], lambda n: dict(slices=1), "xla_spmd"),
+            ("v5p", [1024], lambda n: dict(slices=4), "xla_spmd")]
 
 
 def main() -> None:
@@ -29,13 +30,13 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["llama-7b", "llama-13b", "llama-30b", "llama-70b"])
     args = parser.parse_args()
 
-    from xla_shard import config, planner
+    from xla_shard import backends, config, planner
 
     print("| model | devices | ZeRO-3: fast / slow GB per device-step | ZeRO-3 step s (MFU) | planner's pick "
-          "| pick: fast / slow GB | pick step s (MFU) | best runnable today (MFU) |")
+          "| pick: fast / slow GB | pick step s (MFU) | best the backend runs (MFU) |")
     print("|---|---|---|---|---|---|---|---|")
     for model in args.models:
-        for name, sizes, layout in CLUSTERS:
+        for name, sizes, layout, backend in CLUSTERS:
             acc = planner.accelerator(name)
             for n in sizes:
                 per_device = max(1, args.global_batch // n)
@@ -43,8 +44,10 @@ def main() -> None:
                 cfg = config.load(None, [f"model={model}", "fsdp.mixed_precision=bf16", "fsdp.activation_checkpointing=true",
                                          "train.seq_len=2048", f"train.global_batch_size={per_device * n}",
                                          f"train.grad_accum_steps={micro}"])
-                ranked = planner.plan(planner.workload(cfg, n), n, acc, efficiency=args.efficiency, **layout(n))
-                base, best, runnable = ranked.baseline, ranked.best, ranked.best_realisable()
+                ranked = planner.plan(planner.workload(cfg, n, backend), n, acc, efficiency=args.efficiency,
+                                      **layout(n))
+                base, best = ranked.baseline, ranked.best
+                runnable = ranked.best_where(lambda t: backend in backends.running(t, n))
                 where = f"{n} x {acc.name}" + (f" ({layout(n)['slices']} slices)" if layout(n).get("slices", 1) > 1 else "")
 
                 def gb(e):
@@ -53,7 +56,7 @@ def main() -> None:
                 fits = "" if base.fits else " (does not fit)"
                 row = [model, where, gb(base), f"{base.step_s:.2f} ({base.mfu:.2f}){fits}"]
                 row += [str(best.triple), gb(best), f"{best.step_s:.2f} ({best.mfu:.2f})"] if best else ["none fits", "", ""]
-                row += [f"{runnable.triple} ({runnable.mfu:.2f})" if runnable else "none"]
+                row += [f"{backend}: {runnable.triple} ({runnable.mfu:.2f})" if runnable else f"{backend}: none"]
                 print("| " + " | ".join(row) + " |")
 
 

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import start_cli
+from tests.conftest import REPO, start_cli
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +59,24 @@ def test_a_checkpoint_loads_on_another_backend_and_world_size(cli, tmp_path, ref
     for step in (5, 6):
         assert got[step] == pytest.approx(expected[step], rel=1e-5), (backend, step)
     # ... and what that backend saved loads back into the SPMD run and continues it.
+    train(cli, tmp_path / "back", f"checkpoint.dir={tmp_path / 'ckpt2'}",
+          f"checkpoint.resume={tmp_path / 'ckpt' / 'step-00000006'}", steps=STEPS + 1)
+    assert sorted(losses(tmp_path / "back")) == [STEPS + 1]
+
+
+def test_a_checkpoint_resumes_under_parameters_gradients_and_optimizer_state_sharded_apart(cli, tmp_path, reference):
+    """The reference's FULL_SHARD (4/4/4) checkpoint continues under 1/2/4 (replicated parameters, gradients
+    over 2, AdamW state over 4) with the same losses; what that layout saves loads back under FULL_SHARD."""
+    ckpt, expected = reference
+    config = tmp_path / "apart.yaml"
+    config.write_text((REPO / CONFIG).read_text().replace("  sharding_strategy: FULL_SHARD\n", ""))
+    apart = ["--set", "backend=xla_spmd", "--set", "fsdp.sharding={params: 1, grads: 2, optimizer: 4}"]
+    done = cli("train", str(config), *apart, "--set", f"train.steps={STEPS}", "--set", f"output_dir={tmp_path / 'run'}",
+               "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--set", f"checkpoint.resume={ckpt / 'step-00000004'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "1/2/4" in done.stderr
+    got = losses(tmp_path / "run")
+    assert sorted(got) == [5, 6] and all(got[s] == pytest.approx(expected[s], rel=1e-5) for s in (5, 6)), got
     train(cli, tmp_path / "back", f"checkpoint.dir={tmp_path / 'ckpt2'}",
           f"checkpoint.resume={tmp_path / 'ckpt' / 'step-00000006'}", steps=STEPS + 1)
     assert sorted(losses(tmp_path / "back")) == [STEPS + 1]

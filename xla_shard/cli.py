@@ -84,7 +84,7 @@ def _accelerators() -> list[str]:
 def _plan(args) -> int:
     import json
 
-    from xla_shard import planner
+    from xla_shard import backends, planner
 
     cfg = cfglib.load(args.config, args.set)
     try:
@@ -98,18 +98,21 @@ def _plan(args) -> int:
             raise UserError(f"{flag} {value}: needs a positive count that divides --devices {args.devices}")
     if cfg.train.global_batch_size * cfg.train.seq_len < args.devices:
         raise UserError(f"train.global_batch_size x seq_len is fewer tokens than --devices {args.devices}")
-    ranked = planner.plan(planner.workload(cfg, args.devices), args.devices, hardware,
+    backend = cfg.backend.value if cfg.backend.value != "auto" else "torch_fsdp" if hardware.domain_max else "xla_spmd"
+    ranked = planner.plan(planner.workload(cfg, args.devices, backend), args.devices, hardware,
                           hosts=args.hosts or max(1, args.devices // 8), slices=args.slices,
                           hbm_bytes=args.hbm_gib * 2**30 if args.hbm_gib else None, efficiency=args.efficiency)
+    def running(e: planner.Estimate) -> list[str]:
+        return backends.running(e.triple, args.devices)
+
     if args.json:
         print(json.dumps({"devices": args.devices, "accelerator": hardware.name, "fast_domain": ranked.domain,
-                          "candidates": [dict(e.as_dict(), runs_today=planner.realisable(e.triple))
-                                         for e in ranked.ranked]}, indent=1))
+                          "candidates": [dict(e.as_dict(), backends=running(e)) for e in ranked.ranked]}, indent=1))
         return 0
     fast, slow = hardware.fast_name, hardware.slow_name
     print(f"{args.devices} x {hardware.name} ({ranked.domain} per {fast} domain), {cfg.model.name}, "
           f"{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens per step")
-    print(f"| P/G/OS | fits | GiB/device | {fast} GB/step | {slow} GB/step | step ms | MFU | runs today |")
+    print(f"| P/G/OS | fits | GiB/device | {fast} GB/step | {slow} GB/step | step ms | MFU | backends |")
     print("|---|---|---|---|---|---|---|---|")
     shown = ranked.ranked[:args.top]
     if ranked.baseline not in shown:
@@ -118,7 +121,7 @@ def _plan(args) -> int:
         label = f"{e.triple}" + (" (FULL_SHARD)" if e is ranked.baseline else "")
         print(f"| {label} | {'yes' if e.fits else 'no'} | {e.memory['total'] / 2**30:.1f} | {e.traffic[fast] / 1e9:.1f} "
               f"| {e.traffic[slow] / 1e9:.1f} | {e.step_s * 1e3:.0f} | {e.mfu:.2f} | "
-              f"{'yes' if planner.realisable(e.triple) else 'predicted only'} |")
+              f"{', '.join(running(e))} |")
     if ranked.best is None:
         print(f"nothing fits in {ranked.accelerator.hbm_bytes / 2**30:.0f} GiB per device")
     return 0

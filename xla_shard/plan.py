@@ -2,8 +2,8 @@
 
 A backend resolves it in `setup` and reads only the plan after that (how to build its mesh, whether to
 reshard after forward, whether anything is sharded at all); the manifest records it. Parameters, gradients
-and optimizer state each carry their own sharding degree, so that a planner can later choose them
-independently (AMSP-style); the named strategies set all three alike.
+and optimizer state each carry their own sharding degree (AMSP-style: `fsdp.sharding`, or chosen by the cost
+model in `xla_shard.planner`); the named strategies set all three alike.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ class ShardingPlan:
     devices: int
     replicas: int  # groups that each hold a whole copy (HSDP's replicate dim, SPMD's `replica` axis)
     shard: int  # devices one copy is sharded over; replicas x shard == devices
-    reshard_after_forward: bool  # free gathered parameters after forward (else keep them until backward)
+    # After forward: back to the P-way shards (True), kept whole until backward (False), or split over a
+    # smaller group of k devices that backward gathers from (k, FSDP2's int form).
+    reshard_after_forward: bool | int
     params: int  # devices a parameter is split over
     grads: int  # ... a gradient
     optimizer: int  # ... an optimizer state tensor
@@ -30,6 +32,24 @@ class ShardingPlan:
     def replicate_only(self) -> bool:
         """Nothing is sharded: plain data parallelism (NO_SHARD)."""
         return self.params == self.grads == self.optimizer == 1
+
+    @property
+    def uniform(self) -> bool:
+        """Parameters, gradients and optimizer state sharded alike (what FSDP wrappers do)."""
+        return self.params == self.grads == self.optimizer
+
+    @property
+    def after_forward(self) -> int:
+        """Devices a parameter stays split over between forward and backward."""
+        if self.reshard_after_forward is True:
+            return self.params
+        return 1 if self.reshard_after_forward is False else self.reshard_after_forward
+
+    @property
+    def triple(self) -> str:
+        """P/G/OS, with the after-forward degree in brackets where it is not P: `8(2)/8/8`."""
+        after = f"({self.after_forward})" if self.after_forward != self.params else ""
+        return f"{self.params}{after}/{self.grads}/{self.optimizer}"
 
     @property
     def hybrid(self) -> bool:
@@ -58,7 +78,8 @@ def resolve(fsdp: FsdpSection, mesh: MeshSection, devices: int) -> ShardingPlan:
     PlanError naming the key when they do not fit the devices. (`fsdp.sharding: auto` is the backend's to
     resolve, with the cost model: see `from_triple`.)"""
     if fsdp.sharding is not None and fsdp.sharding != "auto":
-        return from_triple(*fsdp.sharding.resolve(devices), devices)
+        params, grads, optimizer, after_forward = fsdp.sharding.resolve(devices)
+        return from_triple(params, grads, optimizer, devices, after_forward=after_forward)
     strategy = fsdp.sharding_strategy
     try:
         replicas, shard = mesh.resolve(devices)  # validates the mesh for every strategy (replica > 1 needs hybrid)
@@ -70,9 +91,14 @@ def resolve(fsdp: FsdpSection, mesh: MeshSection, devices: int) -> ShardingPlan:
                         params=shard, grads=shard, optimizer=shard)
 
 
-def from_triple(params: int, grads: int, optimizer: int, devices: int, reason: str | None = None) -> ShardingPlan:
-    """A (P, G, OS) triple as a plan. Nested degrees only (P | G | OS | devices); the backends run the uniform
-    ones (k/k/k: FULL_SHARD, HYBRID_SHARD with devices/k replicas, NO_SHARD) and refuse the rest here."""
+def from_triple(params: int, grads: int, optimizer: int, devices: int, reason: str | None = None,
+                after_forward: int | None = None) -> ShardingPlan:
+    """A (P, G, OS) triple as a plan; PlanError unless P | G | OS | devices. Which triples a backend runs is
+    the backend's to say (`Backend.triple_refusal`): xla_spmd runs them all, the others the uniform k/k/k.
+
+    `strategy`, `replicas` and `shard` describe the parameters: FULL_SHARD when P is every device, NO_SHARD
+    when P is 1, else HYBRID_SHARD with devices/P replicas of each parameter; SHARD_GRAD_OP and
+    HYBRID_SHARD_ZERO2 where parameters stay whole after forward (`after_forward` 1)."""
     triple = f"{params}/{grads}/{optimizer}"
     for name, degree in (("params", params), ("grads", grads), ("optimizer", optimizer)):
         if degree > devices or devices % degree:
@@ -81,12 +107,16 @@ def from_triple(params: int, grads: int, optimizer: int, devices: int, reason: s
         raise PlanError("fsdp.sharding", f"{triple}: the degrees must nest (params divides grads divides optimizer): "
                                          "each device's optimizer state must lie inside its gradient shard, and that "
                                          "inside its parameter shard, or every step would reshuffle them")
-    if not params == grads == optimizer:
-        raise PlanError("fsdp.sharding", f"{triple}: parameters, gradients and optimizer state sharded to different "
-                                         "degrees are predicted by `xla-shard plan` but not run by any backend yet; "
-                                         "use a uniform triple (k/k/k)")
-    strategy = (ShardingStrategy.FULL_SHARD if params == devices else ShardingStrategy.NO_SHARD if params == 1
-                else ShardingStrategy.HYBRID_SHARD)
-    replicas = devices // params
-    return ShardingPlan(strategy, devices, replicas, params, True, params=params, grads=grads, optimizer=optimizer,
-                        reason=reason)
+    after_forward = params if after_forward is None else after_forward
+    if after_forward > params or params % after_forward:
+        raise PlanError("fsdp.sharding.params_after_forward", f"{after_forward} does not divide params ({params}): "
+                                                              "backward gathers from a subgroup of the P devices")
+    if params == devices:  # (one device: FULL_SHARD, which every backend runs)
+        strategy = ShardingStrategy.FULL_SHARD if after_forward > 1 or devices == 1 else ShardingStrategy.SHARD_GRAD_OP
+    elif params == 1:
+        strategy = ShardingStrategy.NO_SHARD
+    else:
+        strategy = ShardingStrategy.HYBRID_SHARD if after_forward > 1 else ShardingStrategy.HYBRID_SHARD_ZERO2
+    reshard = True if after_forward == params else False if after_forward == 1 else after_forward
+    return ShardingPlan(strategy, devices, devices // params, params, reshard, params=params, grads=grads,
+                        optimizer=optimizer, reason=reason)

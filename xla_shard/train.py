@@ -123,7 +123,8 @@ class Trainer:
         model_class = type(model).__name__  # before wrapping (FSDP2 renames the class)
         self.model = backend.wrap(model)
         self.model.train()
-        self.optimizer = make_optimizer(self.model.parameters(), cfg.train, backend.accelerator)
+        self.optimizer = backend.prepare_optimizer(make_optimizer(self.model.parameters(), cfg.train,
+                                                                  backend.accelerator))
         self.peak_per_device, self.mfu_basis = self._mfu_basis()
         self.start_step, self.checkpointer, self.preempted = 0, None, False
         if cfg.checkpoint.dir:

@@ -19,7 +19,7 @@ def main(url: str, times: str, *overrides: str) -> None:
     backend, ckpt = trainer.backend, trainer.checkpointer
     reference = None
     for attempt in range(int(times)):
-        optimizer = make_optimizer(trainer.model.parameters(), cfg.train)
+        optimizer = backend.prepare_optimizer(make_optimizer(trainer.model.parameters(), cfg.train))
         assert ckpt.restore(trainer.model, optimizer) == trainer.start_step > 0
         state = {t.name: backend.full_tensor(v) for t, v in _tensors(backend, trainer.model, optimizer)}
         if reference is None:

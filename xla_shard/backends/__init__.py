@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from xla_shard.backends.base import Backend
+from xla_shard.backends.base import Backend, as_plan
 from xla_shard.backends.torch_fsdp import TorchFsdpBackend
 from xla_shard.backends.xla_fsdp import XlaFsdpBackend
 from xla_shard.backends.xla_spmd import XlaSpmdBackend
@@ -26,10 +26,16 @@ def resolve_name(cfg: ShardConfig) -> str:
     return "xla_spmd"
 
 
+def running(triple, devices: int) -> list[str]:
+    """The backends that run a planner `Triple` on `devices` (what `xla-shard plan` shows per row)."""
+    resolved = as_plan(triple, devices)
+    return [name for name, cls in BACKENDS.items() if cls.triple_refusal(resolved) is None]
+
+
 def create(cfg: ShardConfig) -> Backend:
     backend = BACKENDS[resolve_name(cfg)](cfg)
     backend.check()
     return backend
 
 
-__all__ = ["BACKENDS", "Backend", "create", "resolve_name"]
+__all__ = ["BACKENDS", "Backend", "create", "resolve_name", "running"]

@@ -38,6 +38,10 @@ class Backend(abc.ABC):
     starts_processes: ClassVar[bool] = False
     # Module names its wrappers insert into parameter names; removed so every backend saves the same names.
     wrapper_prefixes: ClassVar[tuple[str, ...]] = ()
+    # Why it shards parameters, gradients and optimizer state only alike (None: it runs any nested triple).
+    uniform_only: ClassVar[str | None] = "it keeps gradients and optimizer state in the parameters' layout"
+    # Why it cannot keep parameters split over a smaller group between forward and backward (None: it can).
+    no_group_after_forward: ClassVar[str | None] = "its reshard_after_forward is a bool"
 
     def __init__(self, cfg: ShardConfig):
         self.cfg = cfg
@@ -79,14 +83,27 @@ class Backend(abc.ABC):
                 resolved = plan.resolve(self.cfg.fsdp, self.cfg.mesh, devices)
         except plan.PlanError as exc:
             self.reject(exc.key, f"{exc}" + ("" if what == "devices" else f" ({what})"))
-        reason = self.unsupported_strategies.get(resolved.strategy)
-        if reason and self.cfg.fsdp.sharding is not None:
-            self.reject("fsdp.sharding", f"{resolved.params}/{resolved.grads}/{resolved.optimizer} is "
-                                         f"{resolved.strategy.value}, which {reason}")
+        refusal = self.triple_refusal(resolved)
+        if refusal and self.cfg.fsdp.sharding is not None:
+            self.reject("fsdp.sharding", refusal)
         if self.cfg.train.global_batch_size % devices:
             self.reject("train.global_batch_size",
                         f"{self.cfg.train.global_batch_size} does not split evenly over {devices} {what}")
         return resolved
+
+    @classmethod
+    def triple_refusal(cls, resolved: plan.ShardingPlan) -> str | None:
+        """Why this backend cannot run the plan's (P, G, OS) triple, in one line naming it; None if it can."""
+        if not resolved.uniform and cls.uniform_only:
+            return (f"{resolved.triple}: {cls.name} shards parameters, gradients and optimizer state alike "
+                    f"({cls.uniform_only}); use a uniform triple k/k/k, or backend xla_spmd")
+        reason = cls.unsupported_strategies.get(resolved.strategy)
+        if reason:
+            return f"{resolved.triple} is {resolved.strategy.value}, which {reason}"
+        if 1 < resolved.after_forward < resolved.params and cls.no_group_after_forward:
+            return (f"{resolved.triple}: params_after_forward {resolved.after_forward} is FSDP2's int "
+                    f"reshard_after_forward (backend torch_fsdp); {cls.name}: {cls.no_group_after_forward}")
+        return None
 
     def auto_plan(self, devices: int) -> plan.ShardingPlan:
         """fsdp.sharding: auto. The cost model's fastest triple that fits and that this backend runs."""
@@ -97,10 +114,8 @@ class Backend(abc.ABC):
             return plan.from_triple(devices, devices, devices, devices, reason=f"fsdp.sharding=auto: no hardware "
                                     f"model for {self.device_kind!r}, so FULL_SHARD")
         hosts = max(1, devices // (hardware.domain_max or devices))
-        ranked = planner.plan(planner.workload(self.cfg, devices), devices, hardware, hosts=hosts)
-        runnable = [e for e in ranked.ranked if e.fits and planner.realisable(e.triple)
-                    and plan.from_triple(e.triple.params, e.triple.params, e.triple.params, devices).strategy
-                    not in self.unsupported_strategies]
+        ranked = planner.plan(planner.workload(self.cfg, devices, self.name), devices, hardware, hosts=hosts)
+        runnable = [e for e in ranked.ranked if e.fits and self.triple_refusal(as_plan(e.triple, devices)) is None]
         if not runnable:
             raise plan.PlanError("fsdp.sharding", f"auto: no sharding of this model fits {devices} x "
                                                   f"{hardware.name} by the cost model (see `xla-shard plan`)")
@@ -108,9 +123,9 @@ class Backend(abc.ABC):
         best = ranked.best
         why = (f"fsdp.sharding=auto: {pick.triple} predicted {pick.step_s * 1e3:.0f} ms/step, MFU {pick.mfu:.2f}, "
                f"{pick.memory['total'] / 2**30:.1f} GiB/device, vs FULL_SHARD {base.step_s * 1e3:.0f} ms"
-               + (f"; the model's best, {best.triple}, is not run yet" if best and best.triple != pick.triple else ""))
-        t = pick.triple
-        return plan.from_triple(t.params, t.grads, t.optimizer, devices, reason=why)
+               + (f"; the model's best, {best.triple}, is not run by {self.name}" if best and best.triple != pick.triple
+                  else ""))
+        return as_plan(pick.triple, devices, reason=why)
 
     # ---- how it starts -----------------------------------------------------------------------------
     def expected_devices(self, nproc_per_node: int | None = None) -> int | None:
@@ -275,8 +290,14 @@ class Backend(abc.ABC):
                            lambda: self.local_boxes(tensor), lambda values: self.fill_local(tensor, values))
 
     def zeros_like(self, param: torch.Tensor) -> torch.Tensor:
-        """A zero tensor sharded like `param` (optimizer state being restored)."""
+        """A zero tensor laid out as `param`'s optimizer state (being restored before the optimizer made it)."""
         return torch.zeros_like(param)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer over the wrapped model's parameters, made to keep its state in the plan's layout (a
+        backend that shards optimizer state apart from the parameters hooks it here). Own training loops pass
+        their optimizer through this too."""
+        return optimizer
 
     def local_chunks(self, tensor: torch.Tensor) -> list[Chunk]:
         """The boxes of `tensor` this process writes, copied to the host. Replicated tensors: rank 0 only."""
@@ -324,6 +345,12 @@ class Backend(abc.ABC):
         finally:
             if self.local_leader:
                 self.barrier()
+
+
+def as_plan(triple, devices: int, reason: str | None = None) -> plan.ShardingPlan:
+    """A planner's `Triple` as the sharding plan a backend runs."""
+    return plan.from_triple(triple.params, triple.grads, triple.optimizer, devices, reason=reason,
+                            after_forward=triple.kept)
 
 
 def on_meta(model: nn.Module) -> bool:

@@ -30,6 +30,9 @@ class TorchFsdpBackend(Backend):
     starts_processes = True
     offloads_params = True  # FSDP2's CPUOffloadPolicy, on a machine with GPUs
     wrapper_prefixes = ("module",)  # DistributedDataParallel (NO_SHARD); fully_shard keeps names as they are
+    uniform_only = ("FSDP2 keeps gradients and optimizer state in the parameters' DTensor layout and cannot shard "
+                    "them wider: pytorch/pytorch#148257")
+    no_group_after_forward = None  # fully_shard(reshard_after_forward=k)
 
     def check(self) -> None:
         super().check()

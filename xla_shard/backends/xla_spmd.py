@@ -1,12 +1,23 @@
 """torch_xla SPMD FSDPv2 (`SpmdFullyShardedDataParallel`): one process per host, devices sharded by a mesh.
 
-Mesh axes are ("replica", "fsdp"): parameters are sharded over `fsdp` and replicated over `replica`, the batch
-is split over both. On a multi-slice pod, `replica` is the slow (DCN) axis, which is what HYBRID_SHARD wants.
+Parameters, gradients and optimizer state each get their own sharding (the plan's P/G/OS triple, AMSP-style),
+on one mesh whose axes nest, outermost first:
+
+    replica (N/OS) x optimizer (OS/G) x grads (G/P) x fsdp (P)
+
+A parameter's largest dimension is split over `fsdp` (FSDPv2's rule), its gradient's over `fsdp` x `grads`,
+its AdamW state's over `fsdp` x `grads` x `optimizer`: each device's optimizer-state shard lies inside its
+gradient shard, which lies inside its parameter shard. XLA's partitioner then emits what the triple implies
+(gathers over P, a gradient reduce-scatter over G and all-reduce across the rest, the updated shard gathered
+from OS back to P). Consecutive device ids are the closest devices, so the inner axes stay on the fast links;
+on a multi-slice pod the slices are outermost (DCN). The batch is split over all four axes. A named strategy
+is the uniform triple: FULL_SHARD N/N/N, HYBRID_SHARD k/k/k (N/k replicas), NO_SHARD 1/1/1.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -16,13 +27,39 @@ from xla_shard.backends import xla_common
 from xla_shard.checkpoint.contract import Box, Chunk
 from xla_shard.config.schema import ShardingStrategy
 
+MESH_AXES = ("replica", "optimizer", "grads", "fsdp")  # outermost (slowest links) first
 _NOT_UNDER_SPMD = ("is not expressible under SPMD (XLA's partitioner schedules the all-gathers); use FULL_SHARD, "
                    "HYBRID_SHARD or NO_SHARD")
+
+
+@dataclass(frozen=True)
+class Layouts:
+    """One parameter's partition specs over `MESH_AXES`: nested, so every shard lies inside the one before."""
+
+    params: tuple
+    grads: tuple
+    optimizer: tuple
+
+    @classmethod
+    def of(cls, param: torch.Tensor) -> "Layouts":
+        from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
+
+        spec = _prepare_spmd_partition_spec(param, shard_maximal=True)  # FSDPv2's own rule: the largest dim
+        if not spec:
+            return cls((), (), ())  # a scalar: replicated
+        dim = spec.index("fsdp")
+
+        def over(*axes):
+            return spec[:dim] + (axes,) + spec[dim + 1:]
+
+        return cls(spec, over("fsdp", "grads"), over("fsdp", "grads", "optimizer"))
 
 
 class XlaSpmdBackend(xla_common.XlaBackend):
     name = "xla_spmd"
     wrapper_prefixes = ("_orig_module",)
+    uniform_only = None  # per-tensor annotations: any nested triple
+    no_group_after_forward = "XLA's partitioner decides what it keeps from forward for backward"
     unsupported_strategies = {ShardingStrategy.SHARD_GRAD_OP: _NOT_UNDER_SPMD,
                               ShardingStrategy.HYBRID_SHARD_ZERO2: _NOT_UNDER_SPMD}
 
@@ -38,15 +75,16 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         self.num_devices = xr.global_runtime_device_count()
         self.local_devices = xr.addressable_runtime_device_count()
         self.plan = self.resolve_plan(self.num_devices)
-        self.mesh = xs.Mesh(np.arange(self.num_devices), (self.plan.replicas, self.plan.shard), ("replica", "fsdp"))
+        p, g, o, n = self.plan.params, self.plan.grads, self.plan.optimizer, self.num_devices
+        self.mesh = xs.Mesh(np.arange(n), (n // o, o // g, g // p, p), MESH_AXES)
         xs.set_global_mesh(self.mesh)
         self.device = torch_xla.device()
         self.device_kind = xla_common.device_kind()
         self.host_index, self.hosts = xr.process_index(), xr.process_count()
-        self._param_specs: dict[torch.Tensor, tuple] = {}
+        self._layouts: dict[torch.Tensor, Layouts] = {}
         # Every host builds the same global batch from (seed, step); mark_sharding sends each device its rows.
         self.rank, self.world = 0, 1
-        self._batch_axes = ("replica", "fsdp")
+        self._batch_axes = MESH_AXES
 
     @property
     def is_main(self) -> bool:
@@ -60,29 +98,57 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
 
         policy = self.prepare_wrap(model)
-        if self.plan.replicate_only:
-            return self.to_device(model)  # replicated parameters; the sharded batch makes it data-parallel
-        wrapped = SpmdFullyShardedDataParallel(
-            self.to_device(model), mesh=self.mesh, shard_output=self._shard_output, auto_wrap_policy=policy,
-            extra_data_axis="replica")
-        self._shard_gradients_like_params(wrapped)
+        if self.plan.params == 1:
+            wrapped = self.to_device(model)  # replicated parameters; the sharded batch makes it data-parallel
+        else:
+            wrapped = SpmdFullyShardedDataParallel(
+                self.to_device(model), mesh=self.mesh, shard_output=self._shard_output, auto_wrap_policy=policy,
+                extra_data_axis="replica")
+        if not self.plan.replicate_only:
+            self._annotate(wrapped)
         return wrapped
 
-    def _shard_gradients_like_params(self, model: nn.Module) -> None:
-        """Left alone, GSPMD materialises gradients replicated (an all-reduce, full size on every device).
-        Annotating each gradient with its parameter's sharding turns that into a reduce-scatter."""
+    def _annotate(self, model: nn.Module) -> None:
+        """Give each parameter its layouts. FSDPv2 has marked the parameters (P > 1); replicated ones are
+        marked here, or XLA would let them take the optimizer state's sharding after the first update. Left
+        alone, GSPMD also materialises gradients replicated (an all-reduce, full size on every device):
+        annotating each gradient turns that into a reduce-scatter over G devices (and an all-reduce of the
+        shard across the other N/G). With micro-batches that happens for each one: XLA's sharding propagation
+        carries the annotation back through the accumulation (leaving the earlier micro-batches unannotated
+        changes nothing, measured), so the gradient traffic is k times FSDP2's, which reduces once."""
         import torch_xla.distributed.spmd as xs
-        from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
 
-        def shard_like(spec):
+        def shard(spec):
             def hook(param: torch.Tensor) -> None:
                 xs.mark_sharding(param.grad, self.mesh, spec)
             return hook
 
         for param in model.parameters():
-            # FSDPv2's own placement rule for parameters, computed once, so gradient and parameter shards line up.
-            spec = self._param_specs[param] = _prepare_spmd_partition_spec(param, shard_maximal=True)
-            param.register_post_accumulate_grad_hook(shard_like(spec))
+            layouts = self._layouts[param] = Layouts.of(param)
+            if self.plan.params == 1:
+                xs.mark_sharding(param, self.mesh, layouts.params)
+            param.register_post_accumulate_grad_hook(shard(layouts.grads))
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """After each step, the optimizer's per-parameter state (AdamW's exp_avg, exp_avg_sq) is annotated with
+        its own layout, so XLA keeps it sharded over OS devices; the parameter keeps its own (P), so the updated
+        shard is gathered back to it. The state is created at the first step; the annotation reaches it before
+        that step's graph is compiled."""
+        import torch_xla.distributed.spmd as xs
+
+        if self.plan.replicate_only:
+            return optimizer
+
+        def shard_state(opt, args, kwargs) -> None:
+            for param, state in opt.state.items():
+                layouts = self._layouts.get(param)
+                for value in state.values():
+                    if layouts and isinstance(value, torch.Tensor) and value.shape == param.shape \
+                            and value.device.type == "xla":
+                        xs.mark_sharding(value, self.mesh, layouts.optimizer)
+
+        optimizer.register_step_post_hook(shard_state)
+        return optimizer
 
     def _shard_output(self, output, mesh) -> None:
         """Inner layers return hidden states, the root a ModelOutput: shard whichever tensor leads, by batch."""
@@ -183,9 +249,9 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         import torch_xla.distributed.spmd as xs
 
         zeros = torch.zeros_like(param)
-        spec = self._param_specs.get(param)
-        if spec:
-            xs.mark_sharding(zeros, self.mesh, spec)
+        layouts = self._layouts.get(param)
+        if layouts:
+            xs.mark_sharding(zeros, self.mesh, layouts.optimizer)
         torch_xla.sync()  # shards exist only once the tensor is materialised
         return zeros
 

@@ -78,22 +78,30 @@ class Backend(str, enum.Enum):
 
 class ShardingTriple(_Section):
     """How many devices each of parameters, gradients and optimizer state is split over (AMSP's P, G, OS):
-    a device count dividing the devices, `all`, or `none` (replicated); nested, P <= G <= OS."""
+    a device count dividing the devices, `all`, or `none` (replicated); nested, P <= G <= OS.
+
+    `params_after_forward`: what a parameter stays split over between its forward and its backward (default:
+    params, gathered again over all P in backward; `none`: kept whole, ZeRO-2 style; a divisor k of params:
+    FSDP2's `reshard_after_forward=k`, so backward gathers over k close devices, for P/k times the memory)."""
 
     params: int | Literal["all", "none"] = "all"
     grads: int | Literal["all", "none"] = "all"
     optimizer: int | Literal["all", "none"] = "all"
+    params_after_forward: int | Literal["none"] | None = None
 
-    @field_validator("params", "grads", "optimizer")
+    @field_validator("params", "grads", "optimizer", "params_after_forward")
     @classmethod
     def _positive(cls, value: Any) -> Any:
         if isinstance(value, int) and value < 1:
             raise ValueError("must be a positive device count, all or none")
         return value
 
-    def resolve(self, devices: int) -> tuple[int, int, int]:
-        return tuple(devices if v == "all" else 1 if v == "none" else v
-                     for v in (self.params, self.grads, self.optimizer))
+    def resolve(self, devices: int) -> tuple[int, int, int, int]:
+        """(params, grads, optimizer, params_after_forward) as device counts."""
+        params, grads, optimizer = (devices if v == "all" else 1 if v == "none" else v
+                                    for v in (self.params, self.grads, self.optimizer))
+        after = self.params_after_forward
+        return params, grads, optimizer, (params if after is None else 1 if after == "none" else after)
 
 
 class FsdpSection(_Section):

@@ -2,33 +2,35 @@
 
 `candidates` enumerates every nested triple for the device count, `estimate` (cost.py) predicts each one's
 memory, traffic per link class and step time, and `plan` ranks those that fit, fastest first. Which triples a
-backend can run today is its own business (`realisable`): the named strategies' uniform triples k/k/k.
+backend runs is the backend's to say (`Backend.triple_refusal`): xla_spmd any, the FSDP wrappers k/k/k.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
-from xla_shard.planner.cost import Estimate, Triple, Workload, estimate
+from xla_shard.planner.cost import Collective, Estimate, Triple, Workload, collectives, estimate
 from xla_shard.planner.hardware import ACCELERATORS, Accelerator, accelerator, for_device_kind
 
-__all__ = ["ACCELERATORS", "Accelerator", "Estimate", "Plan", "Triple", "Workload", "accelerator", "candidates",
-           "estimate", "for_device_kind", "plan", "realisable", "workload"]
+__all__ = ["ACCELERATORS", "Accelerator", "Collective", "Estimate", "Plan", "Triple", "Workload", "accelerator",
+           "candidates", "collectives", "embedding_params", "estimate", "for_device_kind", "plan", "workload"]
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(devices: int) -> list[Triple]:
-    """Every (P, G, OS) with P | G | OS | devices."""
-    return [Triple(p, g, o) for o in divisors(devices) for g in divisors(o) for p in divisors(g)]
-
-
-def realisable(triple: Triple) -> bool:
-    """What the backends run today: uniform triples (FULL_SHARD, HYBRID_SHARD k/k/k with N/k replicas,
-    NO_SHARD). Parameters, gradients and optimizer state sharded to different degrees are predicted, not run."""
-    return triple.params == triple.grads == triple.optimizer
+def candidates(devices: int, domain: int | None = None) -> list[Triple]:
+    """Every (P, G, OS) with P | G | OS | devices; each sharded P also kept whole after forward (ZeRO-2) and,
+    given the fast `domain`, split over it (backward gathers on the fast links: FSDP2's int reshard)."""
+    found = []
+    for triple in (Triple(p, g, o) for o in divisors(devices) for g in divisors(o) for p in divisors(g)):
+        found.append(triple)
+        p = triple.params
+        for kept in dict.fromkeys(k for k in (1, min(p, domain or p)) if k < p and p % k == 0):
+            found.append(Triple(p, triple.grads, triple.optimizer, kept))
+    return found
 
 
 @dataclass
@@ -43,8 +45,9 @@ class Plan:
     def best(self) -> Estimate | None:
         return next((e for e in self.ranked if e.fits), None)
 
-    def best_realisable(self) -> Estimate | None:
-        return next((e for e in self.ranked if e.fits and realisable(e.triple)), None)
+    def best_where(self, runs: Callable[[Triple], bool]) -> Estimate | None:
+        """The fastest fitting triple that `runs` (a backend's test) accepts."""
+        return next((e for e in self.ranked if e.fits and runs(e.triple)), None)
 
 
 def plan(work: Workload, devices: int, acc: Accelerator, hosts: int = 1, slices: int = 1,
@@ -57,25 +60,42 @@ def plan(work: Workload, devices: int, acc: Accelerator, hosts: int = 1, slices:
         domain = min(acc.domain_max, devices // hosts if hosts else devices)
     if hbm_bytes:
         acc = Accelerator(**{**acc.__dict__, "hbm_bytes": hbm_bytes})
-    estimates = [estimate(work, t, devices, acc, domain, efficiency=efficiency) for t in candidates(devices)]
+    estimates = [estimate(work, t, devices, acc, domain, efficiency=efficiency) for t in candidates(devices, domain)]
     ranked = sorted(estimates, key=lambda e: (not e.fits, e.step_s, e.memory["total"]))
     baseline = next(e for e in estimates if e.triple == Triple(devices, devices, devices))
     return Plan(devices, domain, acc, ranked, baseline)
 
 
-def workload(cfg, devices: int) -> Workload:
-    """The step of a config, from its model built on the meta device (no memory, nothing downloaded)."""
+def embedding_params(model) -> int:
+    """Parameters of embedding tables that nothing else uses (an untied input embedding, BERT's position
+    embeddings): their gradients need only the token ids, so backward does not gather them again."""
+    from torch import nn
+
+    elsewhere = {id(p) for m in model.modules() if not isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
+    return sum(m.weight.numel() for m in model.modules()
+               if isinstance(m, nn.Embedding) and id(m.weight) not in elsewhere)
+
+
+def workload(cfg, devices: int, backend: str | None = None) -> Workload:
+    """The step of a config, from its model built on the meta device (no memory, nothing downloaded).
+    `backend`: the one that will run it (xla_spmd gathers per tensor, so backward skips the embedding, and
+    reduces gradients at every micro-batch; FSDP wrappers gather whole units and reduce once); default the
+    config's."""
     import torch
 
+    from xla_shard.backends import resolve_name
     from xla_shard.metrics import train_flops_per_token
     from xla_shard.models import build_model
     from xla_shard.wrap import wrap_targets
 
+    backend = backend or resolve_name(cfg)
     with torch.device("meta"):
         model = build_model(cfg.model, cfg.train.seed)
     config = model.config
     tokens = cfg.train.global_batch_size * cfg.train.seq_len // devices
     return Workload(params=sum(p.numel() for p in model.parameters()), units=len(wrap_targets(model, cfg.fsdp)) + 1,
+                    embedding_params=embedding_params(model) if backend == "xla_spmd" else 0,
+                    grad_reductions=cfg.train.grad_accum_steps if backend == "xla_spmd" else 1,
                     flops_per_token=train_flops_per_token(model, cfg.train.seq_len), tokens_per_device=max(1, tokens),
                     layers=getattr(config, "num_hidden_layers", 1), hidden=getattr(config, "hidden_size", 1),
                     seq_len=cfg.train.seq_len, compute_bytes=2 if cfg.fsdp.mixed_precision == "bf16" else 4,

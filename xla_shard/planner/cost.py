@@ -2,20 +2,25 @@
 
 A triple (P, G, OS) shards parameters over P devices, gradients over G and optimizer state over OS, nested
 (P divides G divides OS divides N): each device's parameter shard contains its gradient shard, which contains
-its optimizer-state shard. FULL_SHARD is N/N/N, NO_SHARD 1/1/1, HYBRID_SHARD k/k/k. Per step and device, ring
-collectives send (g-1)/g of the bytes involved:
+its optimizer-state shard. FULL_SHARD is N/N/N, NO_SHARD 1/1/1, HYBRID_SHARD k/k/k. The devices form a mesh
+(N/OS, OS/G, G/P, P), innermost on the closest devices. A step's collectives (`collectives`), each over groups
+of `size` devices `stride` apart, on a tensor of T bytes (Psi parameters, c bytes each in compute):
 
-  parameters:  all-gather over P, in forward and again in backward if resharded,    2 (P-1)/P * Psi * c
-               for each micro-batch                                                  (x micro-batches)
-  gradients:   reduce-scatter over G (fp32)                                          (G-1)/G * Psi * 4
-               all-reduce of the shard across the N/G replicas                       2 (R-1)/R * Psi/G * 4
-  update:      all-gather of the updated shard from OS back to P's layout (if OS>P)  (k-1)/k * Psi/P * 4
+  parameters:  all-gather over P (stride 1) in forward, and again in backward, for every micro-batch:
+               T = Psi*c per gather; backward skips the input embedding where the backend gathers per tensor
+               (its gradient needs only the token ids). Kept split over k < P devices after forward, backward
+               gathers over those k (stride 1) instead, and each device holds Psi*c/k until then (k = 1: whole)
+  gradients:   reduce-scatter over G (stride 1), fp32: T = Psi*4
+               all-reduce of the shard across the N/G replicas (stride G): T = Psi*4/G
+               once per step, or per micro-batch where the backend cannot defer it (SPMD)
+  update:      all-gather of the updated shard from OS back to P's layout, over OS/P (stride P): T = Psi*4/P
+               (an optimizer without state, SGD, updates in the gradients' layout: over G/P)
 
-A group of devices that lies inside one fast domain uses the fast links; one that spans domains runs
-hierarchically, sending 1/d of its bytes across domains per device (d: its devices per domain); placement nests
-the inner axes on the closest devices. Step time: compute at `efficiency` of
-peak, overlapped with communication (FSDP prefetches the next unit), plus one unit's collectives that nothing
-hides; each collective also pays one latency per ring hop, once per FSDP unit.
+A ring collective sends (g-1)/g of T per device (an all-reduce twice that). A group inside one fast domain uses
+the fast links; one spanning domains runs hierarchically, sending 1/d of its bytes across domains per device
+(d: its devices per domain). Step time: compute at `efficiency` of peak, overlapped with communication (FSDP
+prefetches the next unit), plus one unit's collectives that nothing hides; each collective also pays one
+latency per ring hop, once per FSDP unit.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class Workload:
     optimizer: str = "adamw"
     activation_checkpointing: bool = False
     micro_batches: int = 1  # gradient accumulation: parameters are gathered again for each micro-batch
+    embedding_params: int = 0  # the input embedding (untied): not gathered again for backward
+    grad_reductions: int = 1  # gradients reduced per step: once (FSDP's no_sync), or per micro-batch (SPMD)
 
     def activation_bytes(self) -> float:
         """Per device, for one micro-batch: Korthikanti et al.'s 34 * s * b * h bytes per layer for 16-bit
@@ -56,15 +63,60 @@ class Triple:
     params: int
     grads: int
     optimizer: int
+    after_forward: int | None = None  # devices a parameter stays split over until backward (None: params)
+
+    def __post_init__(self):
+        if self.after_forward == self.params:
+            object.__setattr__(self, "after_forward", None)  # the default, spelled one way
+
+    @property
+    def kept(self) -> int:
+        return self.params if self.after_forward is None else self.after_forward
 
     def __str__(self) -> str:
-        return f"{self.params}/{self.grads}/{self.optimizer}"
+        after = f"({self.kept})" if self.kept != self.params else ""
+        return f"{self.params}{after}/{self.grads}/{self.optimizer}"
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective in a step: over groups of `size` devices `stride` apart, on `tensor_bytes` in
+    all (the gathered or reduced tensor, summed over the step's calls)."""
+
+    name: str  # "params", "grads", "replicas", "update"
+    op: str  # all-gather | reduce-scatter | all-reduce
+    size: int
+    stride: int
+    tensor_bytes: float
+    calls: int
+
+    @property
+    def ring_bytes(self) -> float:
+        """What each device sends in a ring: (g-1)/g of the tensor, twice for an all-reduce."""
+        share = (self.size - 1) / self.size * self.tensor_bytes
+        return 2 * share if self.op == "all-reduce" else share
+
+
+def collectives(work: Workload, triple: Triple, devices: int) -> list[Collective]:
+    """The collectives a step of `triple` runs (those over one device left out)."""
+    psi, c, units, micro = work.params, work.compute_bytes, work.units, work.micro_batches
+    p, g, os_, k = triple.params, triple.grads, triple.optimizer, triple.kept
+    update = os_ if OPTIMIZER_BYTES[work.optimizer] else g  # the layout the update is computed in
+    again = (psi - work.embedding_params) * c * micro  # backward's gather
+    found = [Collective("params", "all-gather", p, 1, psi * c * micro + (again if k == p else 0),
+                        units * micro * (2 if k == p else 1)),
+             Collective("params_backward", "all-gather", k, 1, again if 1 < k < p else 0, units * micro),
+             Collective("grads", "reduce-scatter", g, 1, psi * 4 * work.grad_reductions, units * work.grad_reductions),
+             Collective("replicas", "all-reduce", devices // g, g, psi * 4 / g * work.grad_reductions,
+                        units * work.grad_reductions),
+             Collective("update", "all-gather", update // p, p, psi * 4 / p, units)]
+    return [x for x in found if x.size > 1 and x.tensor_bytes > 0]
 
 
 @dataclass
 class Estimate:
     triple: Triple
-    memory: dict[str, float]  # bytes per device: params, grads, optimizer, activations, gathered, total
+    memory: dict[str, float]  # bytes per device: params, grads, optimizer, activations, gathered, kept, total
     traffic: dict[str, float]  # bytes per device per step, by link class
     compute_s: float
     comm_s: float
@@ -78,41 +130,30 @@ class Estimate:
 
 
 def estimate(work: Workload, triple: Triple, devices: int, acc: Accelerator, domain: int,
-             reshard_after_forward: bool = True, efficiency: float = 0.7) -> Estimate:
+             efficiency: float = 0.7) -> Estimate:
     psi, c = work.params, work.compute_bytes
-    p, g, os_ = triple.params, triple.grads, triple.optimizer
+    p, g, os_, k = triple.params, triple.grads, triple.optimizer, triple.kept
     memory = {"params": 4 * psi / p, "grads": 4 * psi / g, "optimizer": OPTIMIZER_BYTES[work.optimizer] * psi / os_,
               "activations": work.activation_bytes(),
-              "gathered": 2 * c * psi / max(1, work.units - 1) if p > 1 else 0.0}  # a unit in use + one prefetched
+              "gathered": 2 * c * psi / max(1, work.units - 1) if p > 1 else 0.0,  # a unit in use + one prefetched
+              "kept": c * psi / k if k < p else 0.0}  # every unit's parameters, held from forward for backward
     memory["total"] = sum(memory.values())
     traffic = {acc.fast_name: 0.0, acc.slow_name: 0.0}
     seconds = 0.0
-
-    def collective(size: int, stride: int, nbytes: float, calls: int, ring_factor: int = 1) -> None:
-        """`calls` collectives over groups of `size` devices `stride` apart, moving `nbytes` per device (ring
-        accounting). A group inside one domain uses the fast links; one spanning several runs hierarchically
-        (as NCCL's multi-ring / XLA's DCN collectives do): inside each domain first, then only 1/d of the bytes
-        per device across domains, d being the group's devices per domain."""
-        nonlocal seconds
-        if size <= 1 or nbytes <= 0:
-            return
-        local = max(1, min(size, domain // stride)) if stride < domain else 1
-        across = size // local
-        whole = nbytes * size / (size - 1)  # the bytes a device's share of the collective covers
+    for x in collectives(work, triple, devices):
+        # A group spanning several fast domains runs hierarchically (NCCL's multi-ring, XLA's DCN collectives):
+        # inside each domain first, then only 1/d of the bytes per device across domains, d being the group's
+        # devices per domain.
+        local = max(1, min(x.size, domain // x.stride)) if x.stride < domain else 1
+        across = x.size // local
+        whole = x.ring_bytes * x.size / (x.size - 1)  # the bytes a device's share of the collective covers
         fast_bytes = whole * (local - 1) / local
         slow_bytes = whole * (across - 1) / across / local
         traffic[acc.fast_name] += fast_bytes
         traffic[acc.slow_name] += slow_bytes
+        hops = (local - 1) * acc.fast_latency_s + (across - 1) * acc.slow_latency_s
         seconds += fast_bytes / acc.fast_bw + slow_bytes / acc.slow_bw
-        seconds += calls * ring_factor * ((local - 1) * acc.fast_latency_s + (across - 1) * acc.slow_latency_s)
-
-    gathers = (2 if reshard_after_forward else 1) * work.micro_batches
-    collective(p, 1, gathers * (p - 1) / p * psi * c, gathers * work.units)
-    collective(g, 1, (g - 1) / g * psi * 4, work.units)
-    replicas = devices // g
-    collective(replicas, g, 2 * (replicas - 1) / replicas * psi / g * 4, work.units, ring_factor=2)
-    k = os_ // p
-    collective(k, p, (k - 1) / k * psi / p * 4, work.units)
+        seconds += x.calls * (2 if x.op == "all-reduce" else 1) * hops
     compute = work.flops_per_token * work.tokens_per_device / (acc.peak_flops * efficiency)
     exposed = seconds / max(1, work.units)  # the first gather and the last reduction of a step
     step = max(compute, seconds) + exposed

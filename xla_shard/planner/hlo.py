@@ -8,31 +8,47 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
+
 _BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}
 _OP = re.compile(r"= \(?([a-z0-9]+)\[([0-9,]*)\][^ ]* (all-gather|all-reduce|reduce-scatter)(?:-start)?\("
-                 r".*?replica_groups=(\{\{[0-9,{} ]*\}\}|\[[0-9,]+\]<=\[[0-9,]+\][^,]*)")
+                 r".*?replica_groups=(\{\{[0-9,{} ]*\}\}|\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?)")
 
 
-def collectives(hlo_text: str) -> dict[tuple[str, int], dict[str, int]]:
-    """{(op, group size): {"count", "bytes"}}; bytes of each op's result (the whole gathered or reduced
-    tensor for all-gather and all-reduce, one shard for reduce-scatter)."""
-    totals: dict[tuple[str, int], dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
+def collectives(hlo_text: str) -> dict[tuple[str, int, int], dict[str, int]]:
+    """{(op, group size, stride): {"count", "bytes"}}; bytes of each op's result (the whole gathered or reduced
+    tensor for all-gather and all-reduce, one shard for reduce-scatter). The stride is the distance between
+    neighbouring device ids of the first group, sorted (1: consecutive devices, the inner mesh axis)."""
+    totals: dict[tuple[str, int, int], dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
     for match in _OP.finditer(hlo_text):
         dtype, dims, op, groups = match.groups()
         elements = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-        if groups.startswith("{{"):
-            size = len(groups[2:].split("}")[0].split(","))
-        else:  # iota form [groups,size]<=[...]
-            size = int(groups.split("]")[0].split(",")[-1])
-        entry = totals[(op, size)]
+        first = sorted(_first_group(groups))
+        size, stride = len(first), (first[1] - first[0] if len(first) > 1 else 1)
+        entry = totals[(op, size, stride)]
         entry["count"] += 1
         entry["bytes"] += elements * _BYTES.get(dtype, 4)
     return dict(totals)
 
 
-def step_program(dump_dir: str | Path) -> str:
-    """The largest optimized module in a dump: the training step (the others are small setup graphs)."""
-    files = sorted(Path(dump_dir).glob("*after_optimizations.txt"), key=lambda f: f.stat().st_size)
+def _first_group(groups: str) -> list[int]:
+    """The device ids of the first replica group, from `{{0,1},{2,3}}` or the iota form
+    `[groups,size]<=[dims]T(perm)` (iota over dims, transposed by perm, reshaped to groups x size)."""
+    if groups.startswith("{{"):
+        return [int(d) for d in groups[2:].split("}")[0].split(",")]
+    match = re.match(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", groups)
+    shape, dims, perm = ([int(d) for d in g.split(",")] if g else None for g in match.groups())
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if perm:
+        ids = ids.transpose(perm)
+    return ids.reshape(shape[0], -1)[0].tolist()
+
+
+def step_program(dump: str | Path | list[Path]) -> str:
+    """The largest optimized module in a dump directory (or among some of its files): the training step (the
+    others are small setup graphs)."""
+    files = (sorted(Path(dump).glob("*after_optimizations.txt")) if isinstance(dump, (str, Path))
+             else [f for f in dump if f.name.endswith("after_optimizations.txt")])
     if not files:
-        raise FileNotFoundError(f"no optimized HLO in {dump_dir} (was XLA_FLAGS set before XLA started?)")
-    return files[-1].read_text()
+        raise FileNotFoundError(f"no optimized HLO in {dump} (was XLA_FLAGS set before XLA started?)")
+    return max(files, key=lambda f: f.stat().st_size).read_text()

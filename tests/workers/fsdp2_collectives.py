@@ -1,0 +1,54 @@
+"""Train under torchrun, recording the collectives torch.distributed runs in the first step; rank 0 writes them
+with the losses (JSON).
+
+Usage: fsdp2_collectives.py OUT STEPS [KEY=VALUE ...]
+Recorded per (op, group size, stride): calls and the bytes of each op's result (the gathered or reduced tensor;
+one shard for a reduce-scatter), as xla_shard.planner.hlo reads a compiled XLA step.
+"""
+
+import json
+import sys
+from collections import defaultdict
+
+import torch.distributed as dist
+
+from xla_shard import config
+from xla_shard.train import Trainer
+
+# torch.distributed function: (op, the result tensor's parameter name and position)
+RECORDED = {"all_gather_into_tensor": ("all-gather", "output_tensor", 0),
+            "reduce_scatter_tensor": ("reduce-scatter", "output", 0), "all_reduce": ("all-reduce", "tensor", 0)}
+
+
+def main(out: str, steps: str, *overrides: str) -> None:
+    seen = defaultdict(lambda: {"count": 0, "bytes": 0})
+    recording = [True]
+
+    def wrap(op, result, result_at, original):
+        def recorded(*args, **kwargs):
+            if recording[0]:
+                group = kwargs.get("group")
+                ranks = sorted(dist.get_process_group_ranks(group) if group is not None
+                               else range(dist.get_world_size()))
+                tensor = kwargs[result] if result in kwargs else args[result_at]
+                key = f"{op} {len(ranks)} {ranks[1] - ranks[0] if len(ranks) > 1 else 1}"
+                seen[key]["count"] += 1
+                seen[key]["bytes"] += tensor.numel() * tensor.element_size()
+            return original(*args, **kwargs)
+        return recorded
+
+    for name, (op, result, result_at) in RECORDED.items():
+        setattr(dist, name, wrap(op, result, result_at, getattr(dist, name)))
+    trainer = Trainer(config.load(None, overrides)).setup()
+    losses = []
+    for step in range(int(steps)):
+        losses.append(trainer.backend.mean_loss(trainer.step(step)))
+        recording[0] = False
+    if trainer.backend.is_main:
+        with open(out, "w") as f:
+            json.dump({"losses": losses, "collectives": dict(seen)}, f)
+    trainer.backend.shutdown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
