@@ -75,6 +75,8 @@ def test_a_checkpoint_resumes_under_parameters_gradients_and_optimizer_state_sha
                "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--set", f"checkpoint.resume={ckpt / 'step-00000004'}")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "1/2/4" in done.stderr
+    manifest = json.loads((tmp_path / "ckpt" / "step-00000006" / "manifest.json").read_text())
+    assert manifest["plan"]["triple"] == "1/2/4"
     got = losses(tmp_path / "run")
     assert sorted(got) == [5, 6] and all(got[s] == pytest.approx(expected[s], rel=1e-5) for s in (5, 6)), got
     train(cli, tmp_path / "back", f"checkpoint.dir={tmp_path / 'ckpt2'}",

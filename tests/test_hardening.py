@@ -3,7 +3,6 @@ saved: malformed configs, impossible model settings, diverging runs, damaged man
 
 import json
 import math
-import subprocess
 from pathlib import Path
 
 import pytest

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from xla_shard.config.schema import FsdpSection, MeshSection, ShardingStrategy
+from xla_shard.planner.cost import Triple
 
 
 @dataclass(frozen=True)
@@ -48,15 +49,14 @@ class ShardingPlan:
     @property
     def triple(self) -> str:
         """P/G/OS, with the after-forward degree in brackets where it is not P: `8(2)/8/8`."""
-        after = f"({self.after_forward})" if self.after_forward != self.params else ""
-        return f"{self.params}{after}/{self.grads}/{self.optimizer}"
+        return str(Triple(self.params, self.grads, self.optimizer, self.after_forward))
 
     @property
     def hybrid(self) -> bool:
         return self.strategy.is_hybrid
 
     def describe(self) -> dict[str, Any]:
-        return {**asdict(self), "strategy": self.strategy.value}
+        return {**asdict(self), "strategy": self.strategy.value, "triple": self.triple}
 
     def __str__(self) -> str:
         return (f"{self.strategy.value}: {self.replicas} replica(s) x {self.shard}-way shards over {self.devices} "

@@ -1,5 +1,5 @@
 """Train under torchrun, recording the collectives torch.distributed runs in the first step; rank 0 writes them
-with the losses (JSON).
+with the losses and the bytes of parameters, gradients and optimizer state on one process (JSON).
 
 Usage: fsdp2_collectives.py OUT STEPS [KEY=VALUE ...]
 Recorded per (op, group size, stride): calls and the bytes of each op's result (the gathered or reduced tensor;
@@ -13,6 +13,7 @@ from collections import defaultdict
 import torch.distributed as dist
 
 from xla_shard import config
+from xla_shard.planner.measure import bytes_after_backward
 from xla_shard.train import Trainer
 
 # torch.distributed function: (op, the result tensor's parameter name and position)
@@ -44,9 +45,10 @@ def main(out: str, steps: str, *overrides: str) -> None:
     for step in range(int(steps)):
         losses.append(trainer.backend.mean_loss(trainer.step(step)))
         recording[0] = False
+    memory = bytes_after_backward(trainer, int(steps))
     if trainer.backend.is_main:
         with open(out, "w") as f:
-            json.dump({"losses": losses, "collectives": dict(seen)}, f)
+            json.dump({"losses": losses, "collectives": dict(seen), "memory": memory}, f)
     trainer.backend.shutdown()
 
 

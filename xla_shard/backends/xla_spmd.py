@@ -10,12 +10,14 @@ its AdamW state's over `fsdp` x `grads` x `optimizer`: each device's optimizer-s
 gradient shard, which lies inside its parameter shard. XLA's partitioner then emits what the triple implies
 (gathers over P, a gradient reduce-scatter over G and all-reduce across the rest, the updated shard gathered
 from OS back to P). Consecutive device ids are the closest devices, so the inner axes stay on the fast links;
-on a multi-slice pod the slices are outermost (DCN). The batch is split over all four axes. A named strategy
-is the uniform triple: FULL_SHARD N/N/N, HYBRID_SHARD k/k/k (N/k replicas), NO_SHARD 1/1/1.
+on a multi-slice pod a HybridMesh puts the slices on the outermost axes (DCN). The batch is split over all
+four axes. A named strategy is the uniform triple: FULL_SHARD N/N/N, HYBRID_SHARD k/k/k (N/k replicas),
+NO_SHARD 1/1/1.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -30,6 +32,16 @@ from xla_shard.config.schema import ShardingStrategy
 MESH_AXES = ("replica", "optimizer", "grads", "fsdp")  # outermost (slowest links) first
 _NOT_UNDER_SPMD = ("is not expressible under SPMD (XLA's partitioner schedules the all-gathers); use FULL_SHARD, "
                    "HYBRID_SHARD or NO_SHARD")
+
+
+def slices_outermost(shape: tuple[int, ...], slices: int) -> tuple[int, ...] | None:
+    """How many slices each mesh axis spans (HybridMesh's dcn_mesh_shape), the outermost axes taking them
+    first; None if the axis sizes cannot split the slice count."""
+    dcn, left = [], slices
+    for size in shape:
+        dcn.append(math.gcd(size, left))
+        left //= dcn[-1]
+    return tuple(dcn) if left == 1 else None
 
 
 @dataclass(frozen=True)
@@ -75,8 +87,7 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         self.num_devices = xr.global_runtime_device_count()
         self.local_devices = xr.addressable_runtime_device_count()
         self.plan = self.resolve_plan(self.num_devices)
-        p, g, o, n = self.plan.params, self.plan.grads, self.plan.optimizer, self.num_devices
-        self.mesh = xs.Mesh(np.arange(n), (n // o, o // g, g // p, p), MESH_AXES)
+        self.mesh = self._build_mesh()
         xs.set_global_mesh(self.mesh)
         self.device = torch_xla.device()
         self.device_kind = xla_common.device_kind()
@@ -85,6 +96,26 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         # Every host builds the same global batch from (seed, step); mark_sharding sends each device its rows.
         self.rank, self.world = 0, 1
         self._batch_axes = MESH_AXES
+
+    def _build_mesh(self):
+        """The plan's mesh. On a multi-slice TPU pod, torch_xla's HybridMesh with the slices as the outermost
+        axes (DCN) and the physical ICI order inside each slice; otherwise devices in id order."""
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
+
+        p, g, o, n = self.plan.params, self.plan.grads, self.plan.optimizer, self.num_devices
+        shape = (n // o, o // g, g // p, p)
+        attributes = xr.global_runtime_device_attributes() if xla_common.on_tpu() else []
+        slices = len({a.get("slice_index", 0) for a in attributes}) or 1
+        if slices == 1:
+            return xs.Mesh(np.arange(n), shape, MESH_AXES)
+        dcn = slices_outermost(shape, slices)
+        if dcn is None:
+            self.reject("fsdp.sharding", f"{self.plan.triple} on {slices} slices: the slices must split the outer mesh "
+                                         f"axes {dict(zip(MESH_AXES, shape))} (outermost first), so that only those "
+                                         "cross DCN")
+        return xs.HybridMesh(ici_mesh_shape=tuple(a // b for a, b in zip(shape, dcn)), dcn_mesh_shape=dcn,
+                             axis_names=MESH_AXES)
 
     @property
     def is_main(self) -> bool:

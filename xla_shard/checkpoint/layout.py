@@ -15,7 +15,6 @@ chunk is known before upload and can be fetched alone.
 from __future__ import annotations
 
 import json
-import math
 import re
 import struct
 from dataclasses import dataclass, field

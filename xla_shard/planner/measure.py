@@ -49,7 +49,7 @@ class _Run:
 
     def result(self) -> Measured:
         backend = self.trainer.backend
-        memory = _bytes_after_backward(self.trainer, len(self.losses))
+        memory = bytes_after_backward(self.trainer, len(self.losses))
         return Measured(backend.plan.triple, self.losses, memory, statistics.median(self.times[2:]),
                         collectives(self.program) if self.program else {})
 
@@ -81,8 +81,9 @@ def measure(trainer, steps: int, hlo_dump: str | Path | None = None) -> Measured
     return measure_all([trainer], steps, hlo_dump)[0]
 
 
-def _bytes_after_backward(trainer, step: int) -> dict[str, int]:
-    """One more step, cut after backward so the gradients can be read, then stepped."""
+def bytes_after_backward(trainer, step: int) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state on one device, read in one more step (number `step`)
+    cut after backward so the gradients exist, then stepped."""
     backend, model = trainer.backend, trainer.model
     batch = backend.place(trainer.micro_batches(step)[0])
     with backend.forward_context():
