@@ -121,7 +121,9 @@ def _plan(args) -> int:
         label = f"{e.triple}" + (" (FULL_SHARD)" if e is ranked.baseline else "")
         print(f"| {label} | {'yes' if e.fits else 'no'} | {e.memory['total'] / 2**30:.1f} | {e.traffic[fast] / 1e9:.1f} "
               f"| {e.traffic[slow] / 1e9:.1f} | {e.step_s * 1e3:.0f} | {e.mfu:.2f} | "
-              f"{', '.join(running(e))} |")
+              f"{', '.join(running(e)) or 'none yet'} |")
+    print("P(k): parameters stay split over k devices between forward and backward (fsdp.sharding."
+          "params_after_forward; (1): kept whole)")
     if ranked.best is None:
         print(f"nothing fits in {ranked.accelerator.hbm_bytes / 2**30:.0f} GiB per device")
     return 0
