@@ -76,11 +76,6 @@ def measure_all(trainers: list, steps: int, hlo_dump: str | Path | None = None) 
     return [run.result() for run in runs]
 
 
-def measure(trainer, steps: int, hlo_dump: str | Path | None = None) -> Measured:
-    """`measure_all` for one Trainer."""
-    return measure_all([trainer], steps, hlo_dump)[0]
-
-
 def bytes_after_backward(trainer, step: int) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state on one device, read in one more step (number `step`)
     cut after backward so the gradients exist, then stepped."""
