@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # (accelerator, device counts, its layout, the backend that runs there)
-CLUSTERS = [("h100", [8, 64, 256, 1024], lambda n: dict(hosts=max(1, n // 8)), "torch_fsdp"),
+CLUSTERS = [("h100", [8, 64, 256, 1024], lambda n: dict(), "torch_fsdp"),  # hosts: full 8-GPU nodes
             ("v5p", [128, 256, 512, 1024], lambda n: dict(slices=1), "xla_spmd"),
             ("v5p", [1024], lambda n: dict(slices=4), "xla_spmd")]
 

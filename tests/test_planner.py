@@ -12,6 +12,7 @@ from conftest import REPO, _env, run_cli
 from xla_shard import config, plan
 from xla_shard.errors import ConfigError
 from xla_shard.planner import Triple, Workload, accelerator, candidates, estimate, for_device_kind, workload
+from xla_shard.planner import memory as planner_memory
 
 PSI = 1_000_000
 
@@ -67,6 +68,12 @@ def test_a_triple_is_the_plan_of_its_named_strategy():
      ["2/4/4", "torch_fsdp", "uniform triple", "pytorch/pytorch#148257", "xla_spmd"]),
     (["fsdp.sharding={params: 2, grads: 2, optimizer: 2}", "fsdp.sharding_strategy=FULL_SHARD"], None,
      ["drop fsdp.sharding_strategy"]),
+    (["fsdp.sharding={params: 4, grads: 4, optimizer: 4, params_after_forward: 3}"],
+     "fsdp.sharding.params_after_forward", ["3 does not divide params (4)"]),
+    (["fsdp.sharding={params: 4, grads: 4, optimizer: 4, params_after_forward: 2}"], "fsdp.sharding",
+     ["4(2)/4/4", "FSDP2's int reshard_after_forward", "xla_spmd"]),
+    (["fsdp.sharding={params: 4, grads: 4, optimizer: 4, params_after_forward: none}"], "fsdp.sharding",
+     ["4(1)/4/4 is SHARD_GRAD_OP", "not expressible under SPMD"]),
 ])
 def test_triples_the_backends_cannot_run_are_refused_naming_the_key(sets, key, words):
     from xla_shard import backends
@@ -221,7 +228,7 @@ def test_fsdp2_allocates_and_communicates_as_the_plan_predicts(fsdp2_runs, run):
     p, g, o, kept = run
     result = fsdp2_runs[run]
     work, triple = workload(config.load(None, FSDP2_SETS), 4), Triple(p, g, o, kept)
-    memory = estimate(work, triple, 4, accelerator("h100"), domain=4).memory
+    memory = planner_memory(work, triple)
     for kind in ("params", "grads", "optimizer"):
         slack = (2 if kind == "optimizer" else 1) * 21 * 64 * 4  # one row of the widest tensor, per tensor
         assert memory[kind] <= result["memory"][kind] <= memory[kind] + slack, (kind, result["memory"], memory)

@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     plan.add_argument("--devices", type=int, required=True, help="accelerators in the job")
     plan.add_argument("--accelerator", required=True, help="one of: " + ", ".join(_accelerators()))
-    plan.add_argument("--hosts", type=int, default=None, help="GPU nodes (default: devices / 8)")
+    plan.add_argument("--hosts", type=int, default=None, help="GPU nodes (default: full nodes of the accelerator)")
     plan.add_argument("--slices", type=int, default=1, help="TPU slices joined by DCN (default 1)")
     plan.add_argument("--hbm-gib", type=float, default=None, help="memory per device (default: the table's)")
     plan.add_argument("--efficiency", type=float, default=0.7,
@@ -100,8 +100,9 @@ def _plan(args) -> int:
         raise UserError(f"train.global_batch_size x seq_len is fewer tokens than --devices {args.devices}")
     backend = cfg.backend.value if cfg.backend.value != "auto" else "torch_fsdp" if hardware.domain_max else "xla_spmd"
     ranked = planner.plan(planner.workload(cfg, args.devices, backend), args.devices, hardware,
-                          hosts=args.hosts or max(1, args.devices // 8), slices=args.slices,
+                          hosts=args.hosts, slices=args.slices,
                           hbm_bytes=args.hbm_gib * 2**30 if args.hbm_gib else None, efficiency=args.efficiency)
+
     def running(e: planner.Estimate) -> list[str]:
         return backends.running(e.triple, args.devices)
 

@@ -113,8 +113,7 @@ class Backend(abc.ABC):
         if hardware is None:
             return plan.from_triple(devices, devices, devices, devices, reason=f"fsdp.sharding=auto: no hardware "
                                     f"model for {self.device_kind!r}, so FULL_SHARD")
-        hosts = max(1, devices // (hardware.domain_max or devices))
-        ranked = planner.plan(planner.workload(self.cfg, devices, self.name), devices, hardware, hosts=hosts)
+        ranked = planner.plan(planner.workload(self.cfg, devices, self.name), devices, hardware)
         runnable = [e for e in ranked.ranked if e.fits and self.triple_refusal(as_plan(e.triple, devices)) is None]
         if not runnable:
             raise plan.PlanError("fsdp.sharding", f"auto: no sharding of this model fits {devices} x "

@@ -10,11 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from xla_shard.planner.cost import Collective, Estimate, Triple, Workload, collectives, estimate
+from xla_shard.planner.cost import (Collective, Estimate, Triple, Workload, collectives, estimate, memory,
+                                    update_degree)
 from xla_shard.planner.hardware import ACCELERATORS, Accelerator, accelerator, for_device_kind
 
 __all__ = ["ACCELERATORS", "Accelerator", "Collective", "Estimate", "Plan", "Triple", "Workload", "accelerator",
-           "candidates", "collectives", "embedding_params", "estimate", "for_device_kind", "plan", "workload"]
+           "candidates", "collectives", "embedding_params", "estimate", "for_device_kind", "memory", "plan",
+           "update_degree", "workload"]
 
 
 def divisors(n: int) -> list[int]:
@@ -50,10 +52,10 @@ class Plan:
         return next((e for e in self.ranked if e.fits and runs(e.triple)), None)
 
 
-def plan(work: Workload, devices: int, acc: Accelerator, hosts: int = 1, slices: int = 1,
+def plan(work: Workload, devices: int, acc: Accelerator, hosts: int | None = None, slices: int = 1,
          hbm_bytes: float | None = None, efficiency: float = 0.7) -> Plan:
     """Rank every triple for `devices` of `acc`. The fast domain is a GPU node (devices / hosts, at most the
-    accelerator's node size) or a TPU slice (devices / slices)."""
+    accelerator's node size; hosts default to full nodes) or a TPU slice (devices / slices)."""
     if acc.domain_max is None:
         domain = devices // slices
     else:

@@ -83,7 +83,7 @@ class Collective:
     """One kind of collective in a step: over groups of `size` devices `stride` apart, on `tensor_bytes` in
     all (the gathered or reduced tensor, summed over the step's calls)."""
 
-    name: str  # "params", "grads", "replicas", "update"
+    name: str  # "params", "params_backward", "grads", "replicas", "update"
     op: str  # all-gather | reduce-scatter | all-reduce
     size: int
     stride: int
@@ -97,11 +97,29 @@ class Collective:
         return 2 * share if self.op == "all-reduce" else share
 
 
+def update_degree(optimizer: str, triple: Triple) -> int:
+    """Devices the update is computed over: the optimizer state's (OS), or the gradients' (G) for an optimizer
+    without state."""
+    return triple.optimizer if OPTIMIZER_BYTES[optimizer] else triple.grads
+
+
+def memory(work: Workload, triple: Triple) -> dict[str, float]:
+    """Bytes per device: params, grads, optimizer, activations, gathered, kept, total."""
+    psi, c = work.params, work.compute_bytes
+    p, g, os_, k = triple.params, triple.grads, triple.optimizer, triple.kept
+    found = {"params": 4 * psi / p, "grads": 4 * psi / g, "optimizer": OPTIMIZER_BYTES[work.optimizer] * psi / os_,
+             "activations": work.activation_bytes(),
+             "gathered": 2 * c * psi / max(1, work.units - 1) if p > 1 else 0.0,  # a unit in use + one prefetched
+             "kept": c * psi / k if k < p else 0.0}  # every unit's parameters, held from forward for backward
+    found["total"] = sum(found.values())
+    return found
+
+
 def collectives(work: Workload, triple: Triple, devices: int) -> list[Collective]:
     """The collectives a step of `triple` runs (those over one device left out)."""
     psi, c, units, micro = work.params, work.compute_bytes, work.units, work.micro_batches
-    p, g, os_, k = triple.params, triple.grads, triple.optimizer, triple.kept
-    update = os_ if OPTIMIZER_BYTES[work.optimizer] else g  # the layout the update is computed in
+    p, g, k = triple.params, triple.grads, triple.kept
+    update = update_degree(work.optimizer, triple)
     again = (psi - work.embedding_params) * c * micro  # backward's gather
     found = [Collective("params", "all-gather", p, 1, psi * c * micro + (again if k == p else 0),
                         units * micro * (2 if k == p else 1)),
@@ -131,13 +149,7 @@ class Estimate:
 
 def estimate(work: Workload, triple: Triple, devices: int, acc: Accelerator, domain: int,
              efficiency: float = 0.7) -> Estimate:
-    psi, c = work.params, work.compute_bytes
-    p, g, os_, k = triple.params, triple.grads, triple.optimizer, triple.kept
-    memory = {"params": 4 * psi / p, "grads": 4 * psi / g, "optimizer": OPTIMIZER_BYTES[work.optimizer] * psi / os_,
-              "activations": work.activation_bytes(),
-              "gathered": 2 * c * psi / max(1, work.units - 1) if p > 1 else 0.0,  # a unit in use + one prefetched
-              "kept": c * psi / k if k < p else 0.0}  # every unit's parameters, held from forward for backward
-    memory["total"] = sum(memory.values())
+    held = memory(work, triple)
     traffic = {acc.fast_name: 0.0, acc.slow_name: 0.0}
     seconds = 0.0
     for x in collectives(work, triple, devices):
@@ -158,4 +170,4 @@ def estimate(work: Workload, triple: Triple, devices: int, acc: Accelerator, dom
     exposed = seconds / max(1, work.units)  # the first gather and the last reduction of a step
     step = max(compute, seconds) + exposed
     mfu = work.flops_per_token * work.tokens_per_device / (step * acc.peak_flops)
-    return Estimate(triple, memory, traffic, compute, seconds, step, mfu, memory["total"] <= acc.hbm_bytes)
+    return Estimate(triple, held, traffic, compute, seconds, step, mfu, held["total"] <= acc.hbm_bytes)

@@ -132,9 +132,7 @@ def compare(overrides: list[str], triples: list[tuple[int, int, int]], steps: in
     """Train `steps` steps of the config `overrides` under each triple, side by side in this process, and set
     the cost model's predictions beside the measurements."""
     from xla_shard import config
-    from xla_shard.planner import Triple, collectives as predicted_collectives, estimate, workload
-    from xla_shard.planner.cost import OPTIMIZER_BYTES
-    from xla_shard.planner.hardware import accelerator
+    from xla_shard.planner import Triple, collectives as predicted_collectives, memory, update_degree, workload
     from xla_shard.train import Trainer
 
     configs = [config.load(None, [*overrides, f"train.steps={steps}",
@@ -144,15 +142,15 @@ def compare(overrides: list[str], triples: list[tuple[int, int, int]], steps: in
     for (p, g, o), cfg, trainer, measured in zip(triples, configs, trainers, measure_all(trainers, steps, hlo_dump)):
         devices = trainer.backend.num_devices
         work, triple = workload(cfg, devices, trainer.backend.name), Triple(p, g, o)
-        memory = estimate(work, triple, devices, accelerator("h100"), domain=devices).memory
+        held = memory(work, triple)
         predicted = {x.name: x.tensor_bytes for x in predicted_collectives(work, triple, devices)}
-        update = o if OPTIMIZER_BYTES[cfg.train.optimizer] else g
+        update = update_degree(cfg.train.optimizer, triple)
         if hlo_dump:
             # (P, G, update degree) fix every annotation: a layout met before compiles to the program XLA cached.
             measured.collectives = measured.collectives or seen.get((p, g, update), {})
             seen[(p, g, update)] = measured.collectives
         found = attribute(measured.collectives, p, g, update, devices) if measured.collectives else {}
-        rows.append(Comparison(measured, {k: memory[k] for k in ("params", "grads", "optimizer")}, predicted, found))
+        rows.append(Comparison(measured, {k: held[k] for k in ("params", "grads", "optimizer")}, predicted, found))
     for trainer in trainers:
         trainer.backend.shutdown()
     return rows
