@@ -11,6 +11,7 @@ import torch
 
 from conftest import FIXTURES, WORKERS, _env, run_cli
 from xla_shard import config
+from xla_shard.errors import ConfigError
 from xla_shard.data import SyntheticSource
 from xla_shard.models import build_model
 from xla_shard.schedule import lr_factor
@@ -70,6 +71,18 @@ def _eager_steps(steps: int, micro: int, max_norm: float):
         optimizer.zero_grad()
         losses.append(total)
     return losses, norms
+
+
+@pytest.mark.parametrize("sets", [["backend=xla_spmd", "cpu_devices=8"], ["backend=torch_fsdp"]])
+def test_micro_batches_that_do_not_split_over_the_devices_are_refused(sets):
+    """8 rows in 2 micro-batches of 4 over 8 devices: FSDP2 ranks would feed no rows, SPMD would replicate."""
+    from xla_shard import backends
+
+    cfg = config.load(None, [*sets, "train.global_batch_size=8", "train.grad_accum_steps=2"])
+    with pytest.raises(ConfigError) as raised:
+        backends.create(cfg).check_launch(8)
+    assert raised.value.key == "train.grad_accum_steps" and "4 rows" in str(raised.value), str(raised.value)
+    backends.create(config.load(None, [*sets, "train.global_batch_size=16", "train.grad_accum_steps=2"])).check_launch(8)
 
 
 @pytest.fixture(scope="module")

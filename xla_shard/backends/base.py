@@ -86,9 +86,17 @@ class Backend(abc.ABC):
         refusal = self.triple_refusal(resolved)
         if refusal and self.cfg.fsdp.sharding is not None:
             self.reject("fsdp.sharding", refusal)
-        if self.cfg.train.global_batch_size % devices:
+        train = self.cfg.train
+        if train.global_batch_size % devices:
             self.reject("train.global_batch_size",
-                        f"{self.cfg.train.global_batch_size} does not split evenly over {devices} {what}")
+                        f"{train.global_batch_size} does not split evenly over {devices} {what}")
+        micro = train.global_batch_size // train.grad_accum_steps
+        if micro % devices:
+            # Each micro-batch is split over the devices like a whole batch: uneven, a process would drop rows
+            # (FSDP2) or XLA would replicate the batch (SPMD).
+            self.reject("train.grad_accum_steps", f"{train.grad_accum_steps} micro-batches of {micro} rows: each "
+                                                  f"must split evenly over the {devices} {what} (global_batch_size "
+                                                  f"{train.global_batch_size})")
         return resolved
 
     @classmethod
