@@ -283,13 +283,23 @@ def test_auto_resume_falls_back_past_a_checkpoint_that_fails_verification(cli, t
     shard.write_bytes(bytes(data))
     # ... and a manifest that claims another step than its directory (copied there by hand).
     shutil.copytree(ckpt / "step-00000004", ckpt / "step-00000007")
+    # ... and manifests that fail the schema: a key missing, a field of the wrong type.
+    for step, damage in ((8, lambda m: m.pop("rng")), (9, lambda m: next(iter(m["tensors"].values())).update(
+            shape="32"))):
+        shutil.copytree(ckpt / "step-00000005", ckpt / f"step-0000000{step}")
+        manifest = json.loads((ckpt / f"step-0000000{step}" / "manifest.json").read_text())
+        manifest["step"] = step
+        damage(manifest)
+        (ckpt / f"step-0000000{step}" / "manifest.json").write_text(json.dumps(manifest))
     done = train(cli, tmp_path / "run", f"checkpoint.dir={ckpt}", "checkpoint.every_steps=100", steps=STEPS)
     log = done.stderr
     assert "step-00000007/manifest.json says step 4" in log and "00000-of-00001.safetensors is corrupt" in log
+    assert "step-00000008/manifest.json is damaged: rng: expected a JSON object, got nothing" in log
+    assert "step-00000009/manifest.json is damaged: tensors[" in log and "got a string" in log
     assert "resumed from" in log and f"{ckpt / 'step-00000005'} at step 5" in log
     assert losses(tmp_path / "run") == {STEPS: expected[STEPS]}
     aside = sorted(p.name.rsplit("-", 1)[0] for p in ckpt.glob("corrupt-*"))
-    assert aside == ["corrupt-step-00000006", "corrupt-step-00000007"]  # set aside, not deleted
+    assert aside == [f"corrupt-step-0000000{s}" for s in (6, 7, 8, 9)]  # set aside, not deleted
     assert (ckpt / "step-00000006" / "manifest.json").exists()  # the new, good step 6
 
 

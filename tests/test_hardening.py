@@ -117,12 +117,12 @@ def _checkpoint(folder: Path) -> Path:
 
 
 @pytest.mark.parametrize("edit, words", [
-    (lambda m: m.pop("tensors"), ["'tensors' is missing"]),
-    (lambda m: m.update(step="3"), ["'step' is missing or not a JSON integer"]),
+    (lambda m: m.pop("tensors"), ["tensors: expected a JSON object, got nothing (the field is missing)"]),
+    (lambda m: m.update(step="3"), ["step: expected an integer, got a string"]),
     (lambda m: m.update(step=4), ["says step 4", "step-00000003"]),
-    (lambda m: m["tensors"]["model/w"].update(dtype="F16"), ["F16 chunk", "edited or is damaged"]),
-    (lambda m: m["tensors"]["model/w"].update(dtype="Q7"), ["no dtype xla_shard knows"]),
-    (lambda m: m.clear() or m.update(format=layout.FORMAT, step=[]), ["'step'"]),
+    (lambda m: m["tensors"]["model/w"].update(dtype="F16"), ["tensors['model/w'].chunks[0]", "F16 chunk of [4, 4]"]),
+    (lambda m: m["tensors"]["model/w"].update(dtype="Q7"), ["tensors['model/w'].dtype", "'Q7' is not a dtype"]),
+    (lambda m: m.clear() or m.update(format=layout.FORMAT, step=[]), ["step: expected an integer, got a list"]),
 ])
 def test_a_damaged_manifest_is_one_line(tmp_path, capsys, edit, words):
     step = _checkpoint(tmp_path)
@@ -141,7 +141,7 @@ def test_a_damaged_manifest_is_one_line(tmp_path, capsys, edit, words):
 def test_manifest_json_that_is_not_an_object(tmp_path, capsys):
     step = _checkpoint(tmp_path)
     (step / "manifest.json").write_text("[1, 2]")
-    _one_line_exit_2(["ckpt", "verify", str(step)], capsys, "JSON list, not a manifest")
+    _one_line_exit_2(["ckpt", "verify", str(step)], capsys, "expected a JSON object, got a list")
 
 
 # ---- storage and messages ------------------------------------------------------------------------------

@@ -7,11 +7,34 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from xla_shard import config as cfglib
 from xla_shard import launch
 from xla_shard.errors import UserError, one_line, redact
+
+
+def _count(text: str) -> int:
+    """A whole number of at least 1 (argparse prints the one-line usage error otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: needs at least 1")
+    return value
+
+
+def _positive(text: str) -> float:
+    """A finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text}: needs a finite number above 0")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -22,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("config", nargs="?", help="YAML config (ours, accelerate's or transformers')")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key, e.g. --set train.steps=20 (repeatable)")
-    train.add_argument("--nproc-per-node", type=int, default=None,
+    train.add_argument("--nproc-per-node", type=_count, default=None,
                        help="torch_fsdp: processes torchrun starts on this node (default: GPUs, or cpu_devices)")
     train.set_defaults(func=_train)
 
@@ -48,14 +71,14 @@ def _parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="rank the sharding triples for a model and a cluster by the cost model")
     plan.add_argument("config", nargs="?", help="YAML config (its model, batch, precision and optimizer)")
     plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    plan.add_argument("--devices", type=int, required=True, help="accelerators in the job")
+    plan.add_argument("--devices", type=_count, required=True, help="accelerators in the job")
     plan.add_argument("--accelerator", required=True, help="one of: " + ", ".join(_accelerators()))
-    plan.add_argument("--hosts", type=int, default=None, help="GPU nodes (default: full nodes of the accelerator)")
-    plan.add_argument("--slices", type=int, default=1, help="TPU slices joined by DCN (default 1)")
-    plan.add_argument("--hbm-gib", type=float, default=None, help="memory per device (default: the table's)")
-    plan.add_argument("--efficiency", type=float, default=0.7,
+    plan.add_argument("--hosts", type=_count, default=None, help="GPU nodes (default: full nodes of the accelerator)")
+    plan.add_argument("--slices", type=_count, default=1, help="TPU slices joined by DCN (default 1)")
+    plan.add_argument("--hbm-gib", type=_positive, default=None, help="memory per device (default: the table's)")
+    plan.add_argument("--efficiency", type=_positive, default=0.7,
                       help="fraction of peak FLOP/s the step's kernels reach when not waiting (default 0.7)")
-    plan.add_argument("--top", type=int, default=10, help="rows to print")
+    plan.add_argument("--top", type=_count, default=10, help="rows to print")
     plan.add_argument("--json", action="store_true", help="every candidate, as JSON")
     plan.set_defaults(func=_plan)
 
@@ -69,7 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     verify.set_defaults(func=_ckpt_verify)
     export = ckpt_commands.add_parser("export", help="write a Hugging Face model directory (safetensors)")
     export.add_argument("url", help="one checkpoint (.../step-00000100) or a checkpoint.dir (its newest)")
-    export.add_argument("--to", required=True, metavar="DIR", help="output directory (local)")
+    export.add_argument("--to", required=True, metavar="DIR",
+                        help="output directory: a local path or any fsspec URL (gs://bucket/dir); written whole")
+    export.add_argument("--overwrite", action="store_true", help="replace what --to holds (else it must be empty)")
     export.add_argument("--max-shard-size", default="2GB", help="split safetensors files at this size")
     export.set_defaults(func=_ckpt_export)
     return parser
@@ -93,9 +118,15 @@ def _plan(args) -> int:
         raise UserError(f"--accelerator {args.accelerator!r}: choose one of {', '.join(_accelerators())}") from None
     if not 0 < args.efficiency <= 1:
         raise UserError(f"--efficiency {args.efficiency}: a fraction of peak, in (0, 1]")
-    for flag, value in (("--devices", args.devices), ("--slices", args.slices), ("--hosts", args.hosts or 1)):
-        if value < 1 or args.devices % value:
-            raise UserError(f"{flag} {value}: needs a positive count that divides --devices {args.devices}")
+    for flag, value in (("--slices", args.slices), ("--hosts", args.hosts or 1)):
+        if args.devices % value:
+            raise UserError(f"{flag} {value}: needs a count that divides --devices {args.devices}")
+    if hardware.domain_max and args.slices != 1:
+        raise UserError(f"--slices {args.slices}: slices are TPU pods joined by DCN; {hardware.name} nodes are "
+                        "given with --hosts")
+    if not hardware.domain_max and args.hosts is not None:
+        raise UserError(f"--hosts {args.hosts}: counts GPU nodes; a TPU slice's hosts follow from --devices "
+                        "(use --slices for several slices)")
     if cfg.train.global_batch_size * cfg.train.seq_len < args.devices:
         raise UserError(f"train.global_batch_size x seq_len is fewer tokens than --devices {args.devices}")
     backend = cfg.backend.value if cfg.backend.value != "auto" else "torch_fsdp" if hardware.domain_max else "xla_spmd"
@@ -135,11 +166,16 @@ def _gcp_render(args) -> int:
 
     from xla_shard.deploy.render import render
 
+    from xla_shard.errors import file_in_the_way
+
     rendering = render(cfglib.load(args.config, args.set), args.target)
     if not args.out:
         print(rendering.files["deploy.sh"], end="")
         return 0
     out = Path(args.out)
+    blocker = file_in_the_way(out)
+    if blocker:
+        raise UserError(f"--out {args.out}: {blocker} is a file, not a directory")
     out.mkdir(parents=True, exist_ok=True)
     for name, text in rendering.files.items():
         (out / name).write_text(text)
@@ -160,10 +196,12 @@ def _ckpt_list(args) -> int:
         return 0
     print(f"{'step':>10}  {'state':<10} {'bytes':>12}  {'writers':>7}  {'backend':<10} created")
     for row in rows:
-        if not row.committed:
-            print(f"{row.step:>10}  {'incomplete':<10} {'-':>12}  {'-':>7}  {'-':<10} -")
+        if not row.committed or row.damaged:
+            state = "damaged" if row.damaged else "incomplete"
+            print(f"{row.step:>10}  {state:<10} {'-':>12}  {'-':>7}  {'-':<10} -"
+                  + (f"  ({redact(one_line(row.damaged))})" if row.damaged else ""))
             continue
-        created = datetime.datetime.fromtimestamp(row.created).isoformat(timespec="seconds")
+        created = datetime.datetime.fromtimestamp(row.created).isoformat(timespec="seconds") if row.created else "-"
         print(f"{row.step:>10}  {'committed':<10} {row.bytes:>12}  {row.writers:>7}  {row.backend:<10} {created}")
     return 0
 
@@ -185,7 +223,7 @@ def _ckpt_verify(args) -> int:
 def _ckpt_export(args) -> int:
     from xla_shard.checkpoint.export import export, parse_size
 
-    report = export(args.url, args.to, parse_size(args.max_shard_size))
+    report = export(args.url, args.to, parse_size(args.max_shard_size), overwrite=args.overwrite)
     print(f"exported step {report.step}: {report.tensors} tensors, {report.bytes} bytes in "
           f"{len(report.files)} file(s) to {args.to}; largest tensor {report.largest_tensor_bytes} bytes, "
           f"host memory grew by at most {report.peak_rss_growth_bytes} bytes"
@@ -210,15 +248,17 @@ def _config_check(args) -> int:
 def _config_import(args) -> int:
     raw = cfglib.read_raw(args.file)
     native, kind, notes = cfglib.to_native(raw)
-    cfg = cfglib.validate(native)
+    text = cfglib.dump(cfglib.validate(native))
+    if args.output:
+        try:
+            with open(args.output, "w") as out:
+                out.write(text)
+        except OSError as exc:
+            raise UserError(f"-o {args.output}: cannot write it ({exc.strerror or exc})") from None
     print(f"# imported from {kind}: {args.file}", file=sys.stderr)
     for note in notes:
         print(f"# note: {note}", file=sys.stderr)
-    text = cfglib.dump(cfg)
-    if args.output:
-        with open(args.output, "w") as out:
-            out.write(text)
-    else:
+    if not args.output:
         print(text, end="")
     return 0
 
@@ -245,8 +285,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as exc:
-        print(f"xla-shard: error: {redact(one_line(exc))}", file=sys.stderr)
-        return 2
+        line = redact(one_line(exc))
+        if not launch.report_worker_error(line):  # a torchrun worker's launcher prints it, once
+            print(f"xla-shard: error: {line}", file=sys.stderr)
+        return launch.USER_ERROR_EXIT
+    except Exception:  # a bug: keep the traceback, but never print a credential it may hold
+        import traceback
+
+        print(redact(traceback.format_exc()), end="", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

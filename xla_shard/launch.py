@@ -16,8 +16,12 @@ from pathlib import Path
 # Exit status after a SIGTERM stop with the checkpoint committed (128 + SIGTERM, as a shell reports it):
 # scripts/train_loop.sh restarts on it, and the restart resumes.
 PREEMPTED_EXIT = 143
+# Exit status of a user error (bad config, damaged input): one line, and a restart would only repeat it.
+USER_ERROR_EXIT = 2
 # Set by the torchrun launcher before it execs (torchrun keeps its PID): the parent its workers must outlive.
 LAUNCHER_PID = "XLA_SHARD_LAUNCHER_PID"
+# Set by the torchrun launcher: the directory where its workers leave their user error's one line.
+WORKER_ERRORS = "XLA_SHARD_WORKER_ERRORS"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -62,15 +66,56 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def exec_torchrun(nproc: int, argv: list[str]) -> None:
-    """Replace this process by `torchrun --standalone` running the same command in `nproc` workers. torchrun
-    takes this PID, so a SIGTERM sent to the launcher reaches it (and it forwards it to the workers)."""
+def run_torchrun(nproc: int, argv: list[str]) -> int:
+    """Run the same command under torchrun (`--standalone`, `nproc` workers), its elastic agent in this
+    process: the agent keeps this PID, so a SIGTERM sent to the launcher reaches it and it forwards it to the
+    workers. How the workers end decides the exit status: a user error in any worker is that worker's one
+    line and exit 2 (each writes its line to a file the launcher reads; none prints it); a crash is exit 1
+    with the worker's own traceback above one line naming it; a SIGTERM stop is PREEMPTED_EXIT."""
+    import logging
+    import shutil
+    import tempfile
+
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from xla_shard.errors import UserError
+
+    errors = tempfile.mkdtemp(prefix="xla_shard_worker_errors_")
     os.environ[LAUNCHER_PID] = str(os.getpid())
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "xla_shard.cli", *argv]
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execv(sys.executable, command)
+    os.environ[WORKER_ERRORS] = errors
+    # The agent logs each failed worker as an error with its own stack; what failed is said below, once.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    args = torchrun.parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "xla_shard.cli", *argv])
+    try:
+        torchrun.run(args)
+        return 0
+    except SignalException as exc:
+        print(f"xla-shard: {signal.Signals(exc.sigval).name}: the workers were stopped", file=sys.stderr)
+        return PREEMPTED_EXIT if exc.sigval == signal.SIGTERM else 128 + exc.sigval
+    except ChildFailedError as exc:
+        said = sorted(Path(errors).glob("rank-*.txt"), key=lambda p: int(p.stem.split("-")[1]))
+        codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
+        if said:  # the others were stopped by the agent when the first failed
+            raise UserError(said[0].read_text().strip()) from None
+        if all(code == PREEMPTED_EXIT for code in codes.values()):
+            return PREEMPTED_EXIT
+        rank, code = min(codes.items())
+        print(f"xla-shard: worker {rank} failed (exit code {code}); its traceback is above", file=sys.stderr)
+        return 1
+    finally:
+        shutil.rmtree(errors, ignore_errors=True)
+
+
+def report_worker_error(message: str) -> bool:
+    """In a torchrun worker, hand a user error's one line to the launcher (which prints it once for all
+    workers) instead of printing it; False where there is no launcher to hand it to."""
+    errors = os.environ.get(WORKER_ERRORS)
+    if not errors or not torchrun_worker() or not os.path.isdir(errors):
+        return False
+    Path(errors, f"rank-{int(os.environ.get('RANK', 0))}.txt").write_text(message)
+    return True
 
 
 def torchrun_worker() -> bool:

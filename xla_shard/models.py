@@ -7,7 +7,6 @@ Nothing is downloaded: a directory is read where it is; a preset is built from i
 from __future__ import annotations
 
 import difflib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,16 +36,53 @@ COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json")
 
 
-def copy_companions(directory: str, target: Path, extra: tuple[str, ...] = ()) -> list[str]:
-    """Copy the COMPANION_FILES (and `extra`) that a model directory, local or at a URL, holds into `target`;
-    return the names copied."""
+# JSON files of a model directory through which transformers would import Python code from it (`auto_map`).
+CODE_MAPS = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
+
+
+def copy_companions(directory: str, target, extra: tuple[str, ...] = ()) -> list[str]:
+    """Copy the COMPANION_FILES (and `extra`) that a model directory, local or at a URL, holds into `target` (a
+    `Storage`); return the names copied. A file that a link takes outside the directory is refused."""
     from xla_shard.checkpoint.storage import Storage
 
     storage = Storage(directory)
     present = [name for name in COMPANION_FILES + extra if storage.exists(name)]
     for name in present:
-        (target / name).write_bytes(storage.read_bytes(name))
+        refuse_link_out(storage, name, "model.name")
+        target.write(name, storage.read_bytes(name))
     return present
+
+
+def refuse_link_out(storage, name: str, key: str) -> None:
+    link = storage.outside(name)
+    if link is not None:
+        raise ConfigError(key, f"{storage.url_of(name)} is a link to {link}, outside the model directory; "
+                               "refusing to read it")
+
+
+def refuse_untrusted(directory: str, key: str, shown: str | None = None) -> None:
+    """Check what transformers will read from a model directory before it reads it: a file that a link takes
+    outside the directory is refused, and so is a directory whose files ask transformers to import Python code
+    from it (`auto_map`): xla_shard never runs code that came with a model (its loaders are called with
+    trust_remote_code=False, which would refuse it less clearly)."""
+    from xla_shard.checkpoint.schema import SchemaError, parse_json
+    from xla_shard.checkpoint.storage import Storage
+
+    storage = Storage(directory)
+    present = {name for name in set(COMPANION_FILES + CODE_MAPS) if storage.exists(name)}
+    for name in sorted(present):
+        refuse_link_out(storage, name, key)
+    for name in CODE_MAPS:
+        if name not in present:
+            continue
+        try:
+            fields = parse_json(storage.read_bytes(name))
+        except SchemaError as exc:
+            raise ConfigError(key, f"{(shown or directory).rstrip('/')}/{name}: {exc}") from None
+        if isinstance(fields, dict) and "auto_map" in fields:
+            raise ConfigError(key, f"{(shown or directory).rstrip('/')}/{name} has 'auto_map': it needs Python code "
+                                   "from the model directory, which xla_shard never runs (trust_remote_code is "
+                                   "off); use a model and tokenizer that transformers implements itself")
 
 
 @dataclass(frozen=True)
@@ -62,9 +98,10 @@ class ModelSource:
         return self.name in PRESETS
 
 
-def resolve_source(section: ModelSection) -> ModelSource:
+def resolve_source(section: ModelSection, retry_deadline_s: float = 120.0) -> ModelSource:
     if section.name in PRESETS:
         return ModelSource(section.name, dict(PRESETS[section.name]))
+    from xla_shard.checkpoint.schema import SchemaError, parse_json
     from xla_shard.checkpoint.storage import Storage, StorageError
 
     name = section.name
@@ -73,17 +110,25 @@ def resolve_source(section: ModelSection) -> ModelSource:
     else:
         directory, file = name, CONFIG
     try:
-        raw = Storage(directory).read_bytes(file)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, StorageError):
+        storage = Storage(directory, retry_deadline_s)
+        refuse_link_out(storage, file, "model.name")
+        raw = storage.read_bytes(file)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         raise ConfigError("model.name", f"{name!r} is neither a preset ({', '.join(PRESETS)}) nor a transformers "
                                         f"model directory or config.json (no {file} there)") from None
+    except StorageError as exc:  # an outage is not a wrong name: say which it was
+        raise ConfigError("model.name", f"{name!r}: the storage could not be read ({exc})") from None
     where = f"{directory.rstrip('/')}/{file}"
     try:
-        fields = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        fields = parse_json(raw)
+    except (UnicodeDecodeError, SchemaError) as exc:
         raise ConfigError("model.name", f"{where} is not valid UTF-8 JSON: {one_line(exc)}") from None
     if not isinstance(fields, dict) or "model_type" not in fields:
         raise ConfigError("model.name", f"{where} has no model_type: not a transformers config")
+    if file == CONFIG:
+        refuse_untrusted(directory, "model.name")
+    elif "auto_map" in fields:
+        raise ConfigError("model.name", f"{where} has 'auto_map': it needs Python code, which xla_shard never runs")
     return ModelSource(name, fields, directory=None if file != CONFIG else directory)
 
 

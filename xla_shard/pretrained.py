@@ -69,7 +69,7 @@ class PretrainedWeights:
         self.skipped: list[str] = []
 
     @classmethod
-    def find(cls, source: ModelSource, init: str) -> "PretrainedWeights | None":
+    def find(cls, source: ModelSource, init: str, retry_deadline_s: float = 120.0) -> "PretrainedWeights | None":
         """The weights `model.init` asks for: None for random init; an error where pretrained ones are wanted
         and missing."""
         if init == "random":
@@ -81,7 +81,7 @@ class PretrainedWeights:
                                                 "directory holding safetensors weights")
             return None
         try:
-            return cls(source)
+            return cls(source, retry_deadline_s)
         except hf_dir.NoWeights as exc:
             if init == "pretrained":
                 raise ConfigError("model.init", f"pretrained, but {exc}") from None
@@ -188,8 +188,9 @@ class PretrainedWeights:
 def build_for(cfg, accelerator: str | None = None):
     """The config's model and its pretrained weights (None for random init), matched to each other: on the
     meta device when weights will fill it after wrapping. Returns (model, weights, source)."""
-    source = resolve_source(cfg.model)
-    weights = PretrainedWeights.find(source, cfg.model.init)
+    deadline = cfg.checkpoint.retry_deadline_s
+    source = resolve_source(cfg.model, deadline)
+    weights = PretrainedWeights.find(source, cfg.model.init, deadline)
     model = build_model(cfg.model, cfg.train.seed, empty=weights is not None, source=source, accelerator=accelerator)
     if weights is not None:
         weights.match(model, cfg.train.seed)

@@ -298,7 +298,8 @@ class Trainer:
         from xla_shard.checkpoint.export import export
 
         target = Path(self.cfg.output_dir) / "model"
-        report = export(ckpt.storage.url_of(layout.step_dir(ckpt.last_committed)), str(target))
+        # The run's own output: a rerun that trains further replaces its earlier export (whole, never mixed).
+        report = export(ckpt.storage.url_of(layout.step_dir(ckpt.last_committed)), str(target), overwrite=True)
         self._log(f"fsdp.state_dict_type=FULL_STATE_DICT: exported step {report.step} to {target} "
                   f"({report.tensors} tensors, {report.bytes} bytes"
                   + (f"; with {', '.join(report.companions)})" if report.companions else ")")

@@ -20,7 +20,7 @@ from xla_shard import launch, plan
 from xla_shard.checkpoint.contract import Box, Chunk, StateTensor
 from xla_shard.config.schema import ShardConfig, ShardingStrategy
 from xla_shard.data import Batch, local_rows
-from xla_shard.errors import ConfigError
+from xla_shard.errors import ConfigError, UserError
 
 CheckpointFn = Callable[..., Any]
 
@@ -376,6 +376,9 @@ def optimizer_state(opt_state: dict, name: str, stored: dict | None, like_shape:
     for key in [k.rsplit("/", 1)[1] for k in stored if k.startswith(f"optim/{name}/")]:
         if key not in opt_state:
             shape, dtype = stored[f"optim/{name}/{key}"]
+            if tuple(shape) not in (like_shape, ()):  # what optimizers keep: per-element state, or a scalar
+                raise UserError(f"the checkpoint's optim/{name}/{key} is {list(shape)}, neither the "
+                                      f"parameter's shape {list(like_shape)} nor a scalar: another optimizer or model")
             opt_state[key] = zeros_like() if tuple(shape) == like_shape else torch.zeros(shape, dtype=dtype)
         out.append((key, opt_state[key]))
     return out

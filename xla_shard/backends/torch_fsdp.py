@@ -42,7 +42,7 @@ class TorchFsdpBackend(Backend):
 
     def launch(self, argv: list[str], nproc_per_node: int | None = None) -> int:
         """Inside torchrun: train here, dying with torchrun. Otherwise: check the process count against the
-        batch and mesh, then become `torchrun --standalone` (multi-node users run torchrun themselves)."""
+        batch and mesh, then run `torchrun --standalone` here (multi-node users run torchrun themselves)."""
         if launch.torchrun_worker():
             launch.as_torchrun_worker()
             return launch.train_here(self.cfg, self)
@@ -51,8 +51,7 @@ class TorchFsdpBackend(Backend):
                                          f"{self.cfg.launch.nnodes} --nproc-per-node=N --rdzv-backend=c10d "
                                          "--rdzv-endpoint=HOST:PORT -m xla_shard.cli train CONFIG` on every node "
                                          "(`xla-shard train` starts one node)")
-        launch.exec_torchrun(self.expected_devices(nproc_per_node), argv)  # the CLI ran check_launch
-        return 0  # not reached: exec replaced this process
+        return launch.run_torchrun(self.expected_devices(nproc_per_node), argv)  # the CLI ran check_launch
 
     def expected_devices(self, nproc_per_node: int | None = None) -> int | None:
         """Inside torchrun, its world; before it, the processes the launcher will start, per node."""

@@ -7,17 +7,19 @@ each output file is written as a stream: read one tensor's chunks, write its byt
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from xla_shard.checkpoint import layout
 from xla_shard.checkpoint.inspect import open_checkpoint
 from xla_shard.checkpoint.manifest import CheckpointError
-from xla_shard.checkpoint.storage import StorageError
-from xla_shard.errors import file_in_the_way, one_line
+from xla_shard.checkpoint.storage import Storage
+from xla_shard.errors import UserError, file_in_the_way, one_line
 from xla_shard.hostmem import peak_growth
 from xla_shard.checkpoint.reader import ChunkReader
 
@@ -47,28 +49,94 @@ def parse_size(text: str) -> int:
         raise CheckpointError(f"--max-shard-size {text!r}: expected a size such as 2GB or 500MiB") from None
 
 
-def export(url: str, out_dir: str, max_shard_bytes: int = 2 * 10**9) -> ExportReport:
-    out = Path(out_dir)
-    blocker = file_in_the_way(out)
-    if blocker:
-        raise CheckpointError(f"--to {out_dir}: {blocker} is a file, not a directory")
+def export(url: str, to: str, max_shard_bytes: int = 2 * 10**9, overwrite: bool = False) -> ExportReport:
+    """Write the checkpoint at `url` as a Hugging Face model directory at `to` (a path or any fsspec URL). The
+    result appears whole or not at all: see `Destination`."""
     with peak_growth() as growth:
         storage, manifest = open_checkpoint(url)
         hf = manifest.data.get("hf_config")
-        if not hf:
+        if not isinstance(hf, dict) or not hf:
             raise CheckpointError(f"{manifest.url}: the manifest has no hf_config; it cannot be exported")
         names = sorted(n for n in manifest.tensors if n.startswith("model/"))
+        if not names:
+            raise CheckpointError(f"{manifest.url} holds no model tensors (model/...): nothing to export")
         sizes = {n: math.prod(manifest.tensors[n]["shape"])
                  * layout.TORCH_DTYPES[manifest.tensors[n]["dtype"]].itemsize for n in names}
-        out.mkdir(parents=True, exist_ok=True)
-        files = _write_weights(ChunkReader(storage, manifest), manifest, names, sizes, out, max_shard_bytes)
-        (out / "config.json").write_text(json.dumps(hf, indent=2))
-        copied, note = _copy_companions(manifest, out)
+        with Destination(to, overwrite) as out:
+            files = _write_weights(ChunkReader(storage, manifest), manifest, names, sizes, out, max_shard_bytes)
+            copied, note = _copy_companions(manifest, out)
+            out.write("config.json", json.dumps(hf, indent=2).encode())  # last: what loaders look for first
     return ExportReport(manifest.step, files, len(names), sum(sizes.values()), max(sizes.values()),
                         growth.bytes, copied, note)
 
 
-def _write_weights(reader: ChunkReader, manifest, names: list[str], sizes: dict[str, int], out: Path,
+class Destination:
+    """Where an export goes, written so that a reader never finds a stale or partial model there.
+
+    A local directory is written as a temporary sibling and renamed into place whole (an earlier export it
+    replaces is moved aside first and deleted after). An object store has no directory rename: its files are
+    written in place with `config.json` last, the file `from_pretrained` needs first, so a prefix without it is
+    no model. A destination that already holds files is refused unless `overwrite`, which replaces it entirely.
+    A failed export removes what it wrote."""
+
+    def __init__(self, to: str, overwrite: bool):
+        self.to, self.overwrite = to.rstrip("/") or to, overwrite
+        self.final = Storage(self.to)
+        self.storage: Storage | None = None
+
+    def __enter__(self) -> Storage:
+        final = self.final
+        if final.local:
+            blocker = file_in_the_way(Path(final.root))
+            if blocker:
+                raise CheckpointError(f"--to {self.to}: {blocker} is a file, not a directory")
+        elif final.fs.isfile(final.root):
+            raise CheckpointError(f"--to {self.to} is a file, not a directory")
+        if final.local:
+            held = sorted(os.listdir(final.root)) if os.path.isdir(final.root) else []
+        else:
+            held = final.glob("*") if final.exists("") else []
+        if held and not self.overwrite:
+            raise CheckpointError(f"--to {self.to} already holds {len(held)} file(s) ({held[0]}, ...); choose an empty "
+                                  "directory or pass --overwrite to replace it entirely")
+        if final.local:
+            root = Path(final.root)
+            self.staging = root.with_name(f".{root.name}.partial-{os.getpid()}")
+            try:
+                self.staging.mkdir(parents=True)
+            except OSError as exc:
+                raise CheckpointError(f"--to {self.to}: cannot write next to it ({one_line(exc)})") from None
+            self.storage = Storage(str(self.staging))
+        else:
+            if held:
+                final.remove_tree("")
+            self.storage = final
+        return self.storage
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if kind is not None:
+            self._discard()
+            if isinstance(exc, OSError):  # a full or read-only disk, met outside Storage's retries
+                raise CheckpointError(f"export to {self.to} failed, nothing was left there: {one_line(exc)}") from None
+            return
+        if self.final.local:
+            root = Path(self.final.root)
+            aside = root.with_name(f".{root.name}.replaced-{os.getpid()}")
+            if root.exists():
+                root.rename(aside)
+            self.staging.rename(root)
+            if aside.exists():
+                shutil.rmtree(aside)
+
+    def _discard(self) -> None:
+        with contextlib.suppress(Exception):
+            if self.final.local:
+                shutil.rmtree(self.staging)
+            else:
+                self.final.remove_tree("")
+
+
+def _write_weights(reader: ChunkReader, manifest, names: list[str], sizes: dict[str, int], out: Storage,
                    max_shard_bytes: int) -> list[str]:
     groups: list[list[str]] = [[]]
     for name in names:  # split by size, tensors kept whole, in name order
@@ -86,23 +154,22 @@ def _write_weights(reader: ChunkReader, manifest, names: list[str], sizes: dict[
                                             "data_offsets": [offset, offset + sizes[name]]}
             offset += sizes[name]
             weight_map[name[len("model/"):]] = file
-        header["__metadata__"] = {"format": "pt"}
-        tmp = out / f".{file}.partial"
-        with open(tmp, "wb") as stream:
-            stream.write(layout.safetensors_prefix(header))
+
+        def parts(group=group, header=header):  # one tensor in memory at a time
+            yield layout.safetensors_prefix({**header, "__metadata__": {"format": "pt"}})
             for name in group:
                 shape = tuple(manifest.tensors[name]["shape"])
                 (tensor,) = reader.read([(name, ((0,) * len(shape), shape))])
-                stream.write(layout.tensor_bytes(tensor))
-                del tensor
-        os.replace(tmp, out / file)
+                yield layout.tensor_bytes(tensor)
+
+        out.write(file, parts)
     if len(files) > 1:
-        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": sum(sizes.values())},
-                                             "weight_map": weight_map}, indent=2))
+        out.write(INDEX, json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map},
+                                    indent=2).encode())
     return files
 
 
-def _copy_companions(manifest, out: Path) -> tuple[list[str], str | None]:
+def _copy_companions(manifest, out: Storage) -> tuple[list[str], str | None]:
     """The tokenizer and generation config of the model directory the run started from, when it had them:
     what `from_pretrained` users load next to the weights. Returns (files copied, why none could be)."""
     from xla_shard.config.presets import PRESETS
@@ -113,6 +180,6 @@ def _copy_companions(manifest, out: Path) -> tuple[list[str], str | None]:
         return [], None  # nothing beside it
     try:
         present = copy_companions(source, out)
-    except (StorageError, OSError) as exc:
-        return [], f"the model directory {source} is not readable from here ({one_line(exc)}): no tokenizer copied"
+    except (UserError, OSError) as exc:
+        return [], f"the model directory {source} could not be copied from here ({one_line(exc)}): no tokenizer copied"
     return present, None

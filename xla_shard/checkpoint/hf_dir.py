@@ -3,16 +3,15 @@
 `save_pretrained` writes `model.safetensors` (or several files and `model.safetensors.index.json`). A safetensors
 header gives each tensor's dtype, shape and byte range, so the directory maps onto a `Manifest` whose chunks are
 whole tensors with no crc32; `ChunkReader` then reads any box of any tensor with ranged reads, the rows a box
-touches and nothing else. Only the headers are read up front (two small requests per file).
+touches and nothing else. Only the sizes and headers are read up front (three small requests per file), and
+each header is checked against the schema every checkpoint passes (`checkpoint.schema`).
 """
 
 from __future__ import annotations
 
-import json
-import math
 import struct
 
-from xla_shard.checkpoint import layout
+from xla_shard.checkpoint import layout, schema
 from xla_shard.checkpoint.manifest import CheckpointError, Manifest
 from xla_shard.checkpoint.storage import Storage
 
@@ -28,14 +27,17 @@ class NoWeights(CheckpointError):
 def weight_files(storage: Storage) -> list[str]:
     """The safetensors files holding the model's weights, as the directory's index (or lack of one) says."""
     if storage.exists(INDEX):
+        where = storage.url_of(INDEX)
         try:
-            index = json.loads(storage.read_bytes(INDEX))
-            files = sorted(set(index["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise CheckpointError(f"{storage.url_of(INDEX)} is not a safetensors index (no weight_map of tensor "
-                                  "names to files)") from None
-        if not files or not all(isinstance(f, str) and f and "/" not in f and f != ".." for f in files):
-            raise CheckpointError(f"{storage.url_of(INDEX)}: its weight_map names no usable file")
+            if storage.size(INDEX) > _MAX_HEADER:
+                raise schema.SchemaError("", f"larger than {_MAX_HEADER} bytes")
+            index = schema.parse_json(storage.read_bytes(INDEX))
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise schema.SchemaError("weight_map", "expected an object of tensor names to files")
+            files = sorted({schema.relative_name(f, f"weight_map[{k!r}]") for k, f in weight_map.items()})
+        except schema.SchemaError as exc:
+            raise CheckpointError(f"{where} is not a usable safetensors index: {exc}") from None
         return files
     if storage.exists(SINGLE):
         return [SINGLE]
@@ -47,44 +49,44 @@ def weight_files(storage: Storage) -> list[str]:
 
 
 def read_manifest(storage: Storage) -> Manifest:
-    """Tensors as `model/<key>`: one unverified chunk each, its byte range from its file's header."""
+    """Tensors as `model/<key>`: one unverified chunk each, its byte range from its file's header. Each header
+    is checked by the schema against the file's real size before anything is allocated for it."""
     tensors: dict[str, dict] = {}
+    sizes: dict[str, int] = {}
     for file in weight_files(storage):
+        where = storage.url_of(file)
+        link = storage.outside(file)
+        if link is not None:
+            raise CheckpointError(f"{where} is a link to {link}, outside {storage.url}; refusing to read it")
         try:
+            size = storage.size(file)
             (prefix,) = storage.read_ranges([file], [0], [8])
         except FileNotFoundError:
-            raise CheckpointError(f"{storage.url_of(file)}: named by {INDEX} but missing") from None
-        where = storage.url_of(file)
+            raise CheckpointError(f"{where}: named by {INDEX} but missing") from None
         if len(prefix) < 8:
             raise CheckpointError(f"{where} is not a safetensors file (shorter than its 8-byte header length)")
         (length,) = struct.unpack("<Q", prefix)
-        if length > _MAX_HEADER:
-            raise CheckpointError(f"{where} is not a safetensors file (a header of {length} bytes)")
+        if length > min(_MAX_HEADER, size - 8):
+            raise CheckpointError(f"{where} is not a safetensors file (a header of {length} bytes in a file of "
+                                  f"{size})")
         (raw,) = storage.read_ranges([file], [8], [8 + length])
         try:
-            header = json.loads(raw)
-        except ValueError:
-            raise CheckpointError(f"{where}: its safetensors header is not JSON; the file is damaged") from None
-        data_start = 8 + length
-        for key, meta in header.items():
-            if key == "__metadata__":
-                continue
-            tensors[f"model/{key}"] = _entry(where, file, key, meta, data_start, tensors)
-    return Manifest(storage.url, {"step": 0, "tensors": tensors})
+            entries = schema.safetensors_tensors(raw, size - 8 - length)
+        except schema.SchemaError as exc:
+            raise CheckpointError(f"{where}: its safetensors header is damaged: {exc}") from None
+        for key, meta in entries.items():
+            tensors[f"model/{key}"] = _entry(where, file, key, meta, 8 + length, tensors)
+        sizes[file] = size
+    return Manifest(storage.url, {"step": 0, "tensors": tensors}, file_bytes=sizes)
 
 
-def _entry(where: str, file: str, key: str, meta, data_start: int, seen: dict) -> dict:
+def _entry(where: str, file: str, key: str, meta: dict, data_start: int, seen: dict) -> dict:
     if f"model/{key}" in seen:
         raise CheckpointError(f"{where}: tensor {key!r} is also in {seen[f'model/{key}']['chunks'][0]['file']}")
-    try:
-        dtype, shape, (begin, end) = meta["dtype"], [int(n) for n in meta["shape"]], meta["data_offsets"]
-    except (KeyError, TypeError, ValueError):
-        raise CheckpointError(f"{where}: the header entry of {key!r} is malformed") from None
+    dtype, shape = meta["dtype"], meta["shape"]
     if dtype not in layout.TORCH_DTYPES:
         raise CheckpointError(f"{where}: tensor {key!r} is {dtype}, which xla_shard does not load "
                               f"({', '.join(layout.TORCH_DTYPES)})")
-    if end - begin != math.prod(shape) * layout.TORCH_DTYPES[dtype].itemsize:
-        raise CheckpointError(f"{where}: the byte range of {key!r} does not match its {dtype} shape {shape}")
-    chunk = {"file": file, "start": data_start + begin, "end": data_start + end, "offsets": [0] * len(shape),
-             "sizes": shape, "dtype": dtype, "crc32": None}
+    chunk = {"file": file, "start": data_start + meta["begin"], "end": data_start + meta["end"],
+             "offsets": [0] * len(shape), "sizes": shape, "dtype": dtype, "crc32": None}
     return {"shape": shape, "dtype": dtype, "chunks": [chunk]}

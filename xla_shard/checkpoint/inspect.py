@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xla_shard.checkpoint import layout
-from xla_shard.checkpoint.manifest import (CheckpointError, Manifest, all_steps, committed_steps,
+from xla_shard.checkpoint.manifest import (CheckpointError, CorruptCheckpointError, Manifest, all_steps, committed_steps,
                                            read_manifest)
 from xla_shard.checkpoint.reader import ChunkReader
 from xla_shard.checkpoint.storage import Storage
@@ -27,6 +27,7 @@ def open_checkpoint(url: str) -> tuple[Storage, Manifest]:
 class Row:
     step: int
     committed: bool
+    damaged: str | None = None  # why a committed checkpoint's manifest cannot be used
     bytes: int | None = None
     writers: int | None = None
     backend: str | None = None
@@ -35,15 +36,23 @@ class Row:
 
 def list_checkpoints(url: str) -> list[Row]:
     storage = Storage(url)
+    if not storage.exists(""):
+        raise CheckpointError(f"{url}: no such directory")
+    if storage.fs.isfile(storage.root):
+        raise CheckpointError(f"{url} is a file, not a checkpoint directory")
     committed = set(committed_steps(storage))
     rows = []
     for step in all_steps(storage):
         if step not in committed:
             rows.append(Row(step, False))
             continue
-        data = read_manifest(storage, layout.step_dir(step)).data
-        rows.append(Row(step, True, sum(f["bytes"] for f in data["files"].values()), data["writers"],
-                        data["backend"], data["created"]))
+        try:
+            data = read_manifest(storage, layout.step_dir(step)).data
+        except CorruptCheckpointError as exc:
+            rows.append(Row(step, True, damaged=str(exc)))
+            continue
+        rows.append(Row(step, True, None, sum(f["bytes"] for f in data["files"].values()), data["writers"],
+                        data.get("backend", "?"), data.get("created")))
     return rows
 
 
@@ -54,15 +63,20 @@ def verify(url: str) -> tuple[Manifest, list[str]]:
     problems: list[str] = []
     for name, meta in manifest.data["files"].items():
         where = storage.url_of(name)
+        link = storage.outside(name)
+        if link is not None:
+            problems.append(f"{where} is a link to {link}, outside the checkpoint; not read")
+            continue
         try:
             size = storage.size(name)
+            if size != meta["bytes"]:
+                problems.append(f"{where}: {size} bytes, the manifest says {meta['bytes']}")
+                continue
             (header,) = storage.read_ranges([name], [0], [meta["header_bytes"]])
         except FileNotFoundError:
             problems.append(f"{where}: missing")
             continue
-        if size != meta["bytes"]:
-            problems.append(f"{where}: {size} bytes, the manifest says {meta['bytes']}")
-        elif layout.crc32_hex(header) != meta["header_crc32"]:
+        if layout.crc32_hex(header) != meta["header_crc32"]:
             problems.append(f"{where}: crc32 of the safetensors header does not match the manifest")
     reader = ChunkReader(storage, manifest)
     for name, meta in manifest.tensors.items():

@@ -278,7 +278,11 @@ class Checkpointer:
         fill(ChunkReader(storage, manifest), targets)
         rank, world = self.backend.writer
         if manifest.data["writers"] == world and str(rank) in manifest.data["rng"]:
-            self.backend.set_rng_state(manifest.data["rng"][str(rank)])
+            try:
+                self.backend.set_rng_state(manifest.data["rng"][str(rank)])
+            except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # binascii.Error is a ValueError
+                raise CorruptCheckpointError(f"{manifest.url}/{layout.MANIFEST} is damaged: rng[{str(rank)!r}] is "
+                                             f"not a random-number state ({type(exc).__name__})") from None
         else:
             self.log(f"checkpoint written by {manifest.data['writers']} writer(s), now {world}: random number "
                      "generators start fresh (model, optimizer and data position are restored exactly)")

@@ -8,16 +8,16 @@ retention deletes only its own run's, and `resume: auto` says which run it conti
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from xla_shard.checkpoint import layout
+from xla_shard.checkpoint import layout, schema
 from xla_shard.checkpoint.storage import Storage
 from xla_shard.errors import UserError
 
 # Manifests written before runs were recorded belong to this run.
 UNRECORDED_RUN = "unrecorded"
-_REQUIRED = {"step": int, "writers": int, "files": dict, "tensors": dict, "rng": dict, "config": dict}
+MAX_MANIFEST_BYTES = 1 << 30  # ~5 million chunks; a larger file is not a manifest this code wrote
 
 
 class CheckpointError(UserError):
@@ -33,6 +33,7 @@ class CorruptCheckpointError(CheckpointError):
 class Manifest:
     url: str
     data: dict[str, Any]
+    file_bytes: dict[str, int] = field(default_factory=dict)  # sizes already measured (not merely claimed)
 
     @property
     def step(self) -> int:
@@ -48,33 +49,33 @@ class Manifest:
 
 
 def read_manifest(storage: Storage, step_dir: str = "") -> Manifest:
+    """A committed checkpoint's manifest, checked whole against the schema (`checkpoint.schema`) before any of
+    it is used: a manifest that fails it is corrupt (resume falls back past it), one of another format is not
+    ours to read."""
     url = storage.url_of(step_dir)
+    rel = f"{step_dir}/{layout.MANIFEST}" if step_dir else layout.MANIFEST
+    where = f"{url}/{layout.MANIFEST}"
     try:
-        raw = storage.read_bytes(f"{step_dir}/{layout.MANIFEST}" if step_dir else layout.MANIFEST)
+        size = storage.size(rel)
+        if size > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(f"{where} is {size} bytes; a manifest is at most {MAX_MANIFEST_BYTES}")
+        raw = storage.read_bytes(rel)
     except FileNotFoundError:
         raise CheckpointError(f"{url} is not a committed checkpoint: it has no {layout.MANIFEST} "
                               "(a save that never finished, or not an xla_shard checkpoint)") from None
-    where = f"{url}/{layout.MANIFEST}"
     try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise CorruptCheckpointError(f"{where} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise CorruptCheckpointError(f"{where} holds a JSON {type(data).__name__}, not a manifest")
-    if data.get("format") != layout.FORMAT:
-        raise CheckpointError(f"{where}: format {data.get('format')!r}, this xla_shard reads {layout.FORMAT!r}")
-    for field, kind in _REQUIRED.items():
-        if not isinstance(data.get(field), kind) or isinstance(data.get(field), bool):
-            raise CorruptCheckpointError(f"{where}: field {field!r} is missing or not a JSON "
-                                         f"{'integer' if kind is int else 'object'}")
+        data = schema.parse_json(raw)
+        if isinstance(data, dict) and isinstance(data.get("format"), str) and data["format"] != layout.FORMAT:
+            raise CheckpointError(f"{where}: format {data['format']!r}, this xla_shard reads {layout.FORMAT!r}")
+        schema.check_manifest(data, verified=True)
+        if data.get("format") != layout.FORMAT:
+            raise schema.SchemaError("format", f"expected {layout.FORMAT!r}")
+    except schema.SchemaError as exc:
+        raise CorruptCheckpointError(f"{where} is damaged: {exc}") from None
     named = layout.parse_step_dir(url)
     if named is not None and named != data["step"]:
         raise CorruptCheckpointError(f"{where} says step {data['step']} but lies in {layout.step_dir(named)}: "
                                      "it was moved or edited; not loading it")
-    for name, meta in data["tensors"].items():
-        if not isinstance(meta, dict) or meta.get("dtype") not in layout.TORCH_DTYPES:
-            raise CorruptCheckpointError(f"{where}: tensor {name!r} has no dtype xla_shard knows "
-                                         f"({', '.join(layout.TORCH_DTYPES)})")
     return Manifest(url, data)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -27,6 +28,27 @@ class ChunkReader:
         self.storage, self.manifest, self.step_dir = storage, manifest, step_dir
         self.bridge_gaps = bridge_gaps
         self.bytes_read = 0
+        self._sizes = dict(manifest.file_bytes)  # file -> its real size, measured before reading it
+        self._lock = threading.Lock()
+
+    def _stored_size(self, file: str) -> int:
+        """The real size of a file the manifest names, measured once (its chunks' claims are bounded by it
+        before anything is allocated); a link out of the checkpoint is refused."""
+        with self._lock:
+            if file in self._sizes:
+                return self._sizes[file]
+        rel = f"{self.step_dir}/{file}" if self.step_dir else file
+        link = self.storage.outside(rel)
+        if link is not None:
+            raise CorruptCheckpointError(f"{self.manifest.url}: {file} is a link to {link}, outside the checkpoint; "
+                                         "refusing to read it")
+        try:
+            size = self.storage.size(rel)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{self.manifest.url}/{file}: shard file missing") from None
+        with self._lock:
+            self._sizes[file] = size
+        return size
 
     def read(self, requests: list[tuple[str, layout.Box]]) -> list[torch.Tensor]:
         needed: dict[tuple[str, int, int], dict] = {}
@@ -86,6 +108,10 @@ class ChunkReader:
 
         def fetch(span) -> list[tuple[tuple[str, int], torch.Tensor]]:
             file, span_start, span_end, span_keys = span
+            stored = self._stored_size(file)
+            if span_end > stored:
+                raise CorruptCheckpointError(f"{self.manifest.url}/{file} holds {stored} bytes, the manifest places "
+                                             f"chunks up to byte {span_end}: it was truncated or the manifest edited")
             buffer = torch.empty(span_end - span_start, dtype=torch.uint8)  # uninitialised: the read fills it
             view = memoryview(buffer.numpy())
             try:

@@ -13,7 +13,7 @@ import contextlib
 import errno
 import logging
 import os
-from typing import Callable, TypeVar
+from typing import Callable, Iterable, TypeVar
 
 import tenacity
 from fsspec.core import url_to_fs
@@ -96,9 +96,11 @@ class Storage:
                                                f"{exc}"))) from exc
 
     # ---- operations -------------------------------------------------------------------------------
-    def write(self, rel: str, parts: bytes | list[bytes | memoryview]) -> None:
+    def write(self, rel: str, parts: bytes | list[bytes | memoryview] | Callable[[], Iterable[bytes]]) -> None:
         """Write one whole object from its parts. A local file goes to a temporary name first and is renamed,
-        so a crash leaves the old file or the new one; object stores make single-object writes atomic."""
+        so a crash leaves the old file or the new one; object stores make single-object writes atomic. Parts
+        given as a function are streamed (and produced again if a transient error makes the write start over),
+        so an object larger than memory never has to be held whole."""
         parts = [parts] if isinstance(parts, (bytes, bytearray, memoryview)) else parts
         path = self.path(rel)
 
@@ -108,7 +110,7 @@ class Storage:
                 tmp = f"{path}.tmp-{os.getpid()}"
                 try:
                     with open(tmp, "wb") as out:
-                        for part in parts:
+                        for part in parts() if callable(parts) else parts:
                             out.write(part)
                         out.flush()
                         os.fsync(out.fileno())
@@ -117,6 +119,10 @@ class Storage:
                     with contextlib.suppress(OSError):
                         os.unlink(tmp)
                     raise
+            elif callable(parts):
+                with self.fs.open(path, "wb") as out:
+                    for part in parts():
+                        out.write(part)
             else:
                 self.fs.pipe_file(path, parts[0] if len(parts) == 1 and isinstance(parts[0], bytes)
                                   else b"".join(parts))
@@ -157,6 +163,19 @@ class Storage:
             return len(data)
 
         return self.retry(f"reading {self.url_of(rel)}", read)
+
+    def outside(self, rel: str) -> str | None:
+        """Where `rel` really is, if a symbolic link takes it outside the root (None: inside). Object stores
+        have no links. A Hugging Face cache snapshot (`models--org--name/snapshots/<revision>/`) links each
+        file into its repository's `blobs/`: that is inside too."""
+        if not self.local:
+            return None
+        root = os.path.realpath(self.root)
+        real = os.path.realpath(self.path(rel))
+        allowed = [root]
+        if os.path.basename(os.path.dirname(root)) == "snapshots":
+            allowed.append(os.path.join(os.path.dirname(os.path.dirname(root)), "blobs"))
+        return None if any(real == a or real.startswith(a + os.sep) for a in allowed) else real
 
     def exists(self, rel: str) -> bool:
         path = self.path(rel)

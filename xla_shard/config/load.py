@@ -24,17 +24,25 @@ class _StrictLoader(yaml.SafeLoader):
     exponentially as it is walked)."""
 
     MAX_ALIASES = 32
+    MAX_DEPTH = 32  # a config nests 3 deep; a deeper one is a mistake or an attack (a RecursionError to walk)
 
     def __init__(self, stream):
         super().__init__(stream)
         self.aliases = 0
+        self.depth = 0
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             self.aliases += 1
             if self.aliases > self.MAX_ALIASES:
                 raise yaml.YAMLError(f"more than {self.MAX_ALIASES} aliases (*name); refusing to expand them")
-        return super().compose_node(parent, index)
+        self.depth += 1
+        try:
+            if self.depth > self.MAX_DEPTH:
+                raise yaml.YAMLError(f"nested deeper than {self.MAX_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -61,6 +69,9 @@ def read_raw(path: str | Path) -> dict[str, Any]:
     text = read_utf8(path, None)
     try:
         raw = json.loads(text, object_pairs_hook=_unique_keys) if kind == "JSON" else parse_yaml(text)
+        _check_depth(raw)
+    except RecursionError:
+        raise ConfigError(None, f"{path} is not valid {kind}: nested too deeply") from None
     except (yaml.YAMLError, ValueError) as exc:
         raise ConfigError(None, f"{path} is not valid {kind}: {one_line(exc)}") from None
     if raw is None:
@@ -78,6 +89,16 @@ def read_utf8(path: Path, key: str | None, why: str = "") -> str:
     except UnicodeDecodeError as exc:
         raise ConfigError(key, f"{path} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x})"
                                + (f"; {why}" if why else "")) from None
+
+
+def _check_depth(node: Any) -> None:
+    stack = [(node, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > _StrictLoader.MAX_DEPTH:
+                raise ValueError(f"nested deeper than {_StrictLoader.MAX_DEPTH} levels")
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -135,7 +156,10 @@ def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, 
             node = child
         try:
             node[leaf] = parse_yaml(value)
-        except yaml.YAMLError as exc:
+            _check_depth(node[leaf])
+        except RecursionError:
+            raise ConfigError(key.strip(), "--set value is nested too deeply") from None
+        except (yaml.YAMLError, ValueError) as exc:
             raise ConfigError(key.strip(), f"--set value {value!r} is not valid YAML: {one_line(exc)}") from None
         _check_keys(node[leaf], key.strip().split("."))
     return raw

@@ -6,6 +6,7 @@ if asked for, an evaluation source; both yield batches of `seq_len`-token rows (
 
 from __future__ import annotations
 
+import math
 import tempfile
 from pathlib import Path
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ def build(cfg, model_config=None, model_directory: str | None = None) -> DataSou
     if model_config is None:
         from xla_shard.models import model_config as config_of, resolve_source
 
-        source = resolve_source(cfg.model)
+        source = resolve_source(cfg.model, cfg.checkpoint.retry_deadline_s)
         model_config, model_directory = config_of(cfg.model, source), source.directory
     data, train = cfg.data, cfg.train
     task = cfg.model.task
@@ -113,6 +114,9 @@ def _tokenized(cfg, tokenizer, model_config, task):
     raw = files.read_rows(data.path, data.format, "data.path")
     raw_eval = files.read_rows(data.eval_path, data.format, "data.eval_path") if data.eval_path else None
     if data.eval_fraction:
+        if math.ceil(len(raw) * data.eval_fraction) >= len(raw):  # held out as datasets counts it
+            raise ConfigError("data.eval_fraction", f"{data.eval_fraction:g} of the {len(raw)} rows of {data.path} "
+                                                    "leaves no training rows")
         split = raw.train_test_split(test_size=data.eval_fraction, seed=train.seed, shuffle=True)
         raw, raw_eval = split["train"], split["test"]
 
@@ -129,28 +133,40 @@ def _tokenized(cfg, tokenizer, model_config, task):
 
 def load_tokenizer(location: str | None, model_config, explicit: bool, model_name: str):
     """A transformers tokenizer from a directory (local, or a URL whose tokenizer files are copied to a
-    temporary directory first), checked against the model's vocabulary."""
+    temporary directory first), checked against the model's embedding. Its files are untrusted input: no code
+    from them runs, and whatever fails to parse in them is one error naming the key."""
     from transformers import AutoTokenizer
+
+    from xla_shard.models import refuse_untrusted
 
     key = "data.tokenizer" if explicit else "model.name"
     if location is None:
         raise ConfigError("data.tokenizer", f"model.name {model_name!r} is not a model directory, so it has no "
                                             "tokenizer: name one (a directory save_pretrained wrote)")
+    if "://" not in location and not Path(location).is_dir():
+        raise ConfigError(key, f"{location} is not a directory holding a tokenizer (nothing is downloaded: name a "
+                               "directory save_pretrained wrote, local or at a URL)")
     local = _local_copy(location, key) if "://" in location else location
+    refuse_untrusted(local, key, shown=location)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(local)
-    except (OSError, ValueError, TypeError) as exc:
-        raise ConfigError(key, f"no tokenizer could be loaded from {location}: {one_line(exc)[:300]}") from None
-    if len(tokenizer) > model_config.vocab_size:
-        raise ConfigError(key, f"the tokenizer at {location} has {len(tokenizer)} tokens, the model's embedding "
-                               f"only {model_config.vocab_size}")
+        tokenizer = AutoTokenizer.from_pretrained(local, trust_remote_code=False)
+    except Exception as exc:  # noqa: BLE001 - a damaged tokenizer file fails in many ways, all the user's to fix
+        raise ConfigError(key, f"no tokenizer could be loaded from {location}: {type(exc).__name__}: "
+                               f"{one_line(exc)[:300]}") from None
+    largest = max([len(tokenizer) - 1, *tokenizer.get_vocab().values()])  # added tokens included
+    if largest >= model_config.vocab_size:
+        raise ConfigError(key, f"the tokenizer at {location} has token ids up to {largest} ({len(tokenizer)} tokens); "
+                               f"the model's embedding has {model_config.vocab_size} rows, so those ids would be out "
+                               "of range (XLA would clamp them silently)")
     return tokenizer
 
 
 def _local_copy(url: str, key: str) -> str:
     from xla_shard.models import copy_companions
 
+    from xla_shard.checkpoint.storage import Storage
+
     target = tempfile.mkdtemp(prefix="xla_shard_tokenizer_")
-    if not copy_companions(url, Path(target), extra=("config.json",)):
+    if not copy_companions(url, Storage(target), extra=("config.json",)):
         raise ConfigError(key, f"{url} holds no tokenizer files")
     return target

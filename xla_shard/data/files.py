@@ -6,6 +6,7 @@ fingerprint of its input and function, so a restart reads the tokenized rows bac
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path, PurePosixPath
 
@@ -43,7 +44,7 @@ def resolve_files(path: str, key: str) -> list[str]:
         raise ConfigError(key, f"no file or directory at {path}")
     if not found:
         raise ConfigError(key, f"{path} matches no file")
-    return [p if protocol in ("file", "local") else f"{protocol}://{p}" for p in found]
+    return [p if protocol in ("file", "local") else fs.unstrip_protocol(p) for p in found]
 
 
 def local_copy(url: str) -> str:
@@ -100,7 +101,24 @@ def read_rows(path: str, declared_format: str | None, key: str):
     try:
         rows = datasets.load_dataset(builder, data_files=files, split="train")
     except Exception as exc:  # datasets wraps parse errors in several exception types, all naming the file
+        if _holds_no_rows(files, builder):  # which datasets reports as an error of its own
+            raise ConfigError(key, f"{path} holds no rows") from None
         raise ConfigError(key, f"{path} could not be read as {builder}: {one_line(exc)[:400]}") from None
     if len(rows) == 0:
         raise ConfigError(key, f"{path} holds no rows")
     return rows
+
+
+def _holds_no_rows(files: list[str], builder: str) -> bool:
+    """Whether text files hold nothing but blank lines (and, in each CSV, its header); read only that far."""
+    import fsspec
+
+    if builder == "parquet":
+        return False
+    header = 1 if builder == "csv" else 0
+    for file in files:
+        with fsspec.open(file, "rt", compression="infer", errors="replace") as stream:
+            lines = (line for line in stream if line.strip())
+            if sum(1 for _ in itertools.islice(lines, header + 1)) > header:
+                return False
+    return True

@@ -115,3 +115,10 @@ def _require_text(rows, field: str, path: str, key: str) -> None:
     kind = getattr(rows.features.get(field), "dtype", None)
     if kind not in ("string", "large_string"):
         raise ConfigError(key, f"{path}: column {field!r} holds {kind or rows.features.get(field)}, not text")
+    column = rows.data.column(field)
+    if column.null_count:  # a missing value (null in jsonl, an empty cell in some CSVs): no text to train on
+        import pyarrow.compute as pc
+
+        first = pc.index(pc.is_null(column), True).as_py()
+        raise ConfigError(key, f"{path}: row {first} has no {field!r} (null; {column.null_count} row(s) in all); "
+                               "every row needs its text")
