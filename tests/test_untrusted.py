@@ -392,6 +392,25 @@ def test_export_refuses_a_used_destination_and_overwrite_replaces_it_whole(tmp_p
     assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name or ".replaced-" in p.name]
 
 
+def test_an_export_killed_before_it_finished_leaves_no_model_where_asked(tmp_path, checkpoint, model_dirs):
+    """SIGKILL after the weights, before the tokenizer and config: nothing at --to loads as a model."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, _env
+
+    step, _ = checkpoint
+    out = tmp_path / "out"
+    script = ("import os, signal, sys\n"
+              "import xla_shard.checkpoint.export as export\n"
+              "export._copy_companions = lambda *a: os.kill(os.getpid(), signal.SIGKILL)\n"
+              "export.export(sys.argv[1], sys.argv[2])\n")
+    done = subprocess.run([sys.executable, "-c", script, str(step), str(out)], env=_env(), cwd=REPO, timeout=300)
+    assert done.returncode == -9
+    assert not out.exists()  # the weights went to a hidden sibling, never renamed into place
+    assert [p.name.startswith(".out.partial-") for p in tmp_path.iterdir() if p.name != "ckpt"] == [True]
+
+
 def test_a_failed_export_leaves_nothing(tmp_path, capsys, checkpoint):
     step, _ = checkpoint
     shard = step / "shards" / "00000-of-00001.safetensors"
@@ -401,16 +420,38 @@ def test_a_failed_export_leaves_nothing(tmp_path, capsys, checkpoint):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no .partial directory either
 
 
-def test_export_into_a_read_only_directory_is_one_line(tmp_path, capsys, checkpoint):
-    if os.geteuid() == 0:
-        # root ignores file modes: a read-only mount is what refuses root; a file in the way stands in for it
-        (tmp_path / "ro").write_text("")
-        refused(capsys, ["ckpt", "export", str(checkpoint[0]), "--to", str(tmp_path / "ro" / "out")], "is a file")
-        return
-    locked = tmp_path / "ro"
-    locked.mkdir()
-    locked.chmod(0o500)
-    refused(capsys, ["ckpt", "export", str(checkpoint[0]), "--to", str(locked / "out")], "cannot write next to it")
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real filesystem of 16 KiB (tmpfs; mounting needs root, else the test is skipped): `mount(options)`."""
+    import subprocess
+
+    mounted = []
+
+    def mount(options: str) -> Path:
+        point = tmp_path / f"disk{len(mounted)}"
+        point.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=16k,{options}", "tmpfs", str(point)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a small filesystem here: {done.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", str(point)], capture_output=True)
+
+
+def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(capsys, checkpoint, small_disk):
+    disk = small_disk("rw")
+    refused(capsys, ["ckpt", "export", str(checkpoint[0]), "--to", str(disk / "out")], "No space left on device")
+    assert os.listdir(disk) == []  # neither the export nor its hidden partial sibling
+
+
+def test_export_onto_a_read_only_disk_is_one_line(capsys, checkpoint, small_disk):
+    disk = small_disk("ro")
+    refused(capsys, ["ckpt", "export", str(checkpoint[0]), "--to", str(disk / "out")], "cannot write next to it",
+            "Read-only file system")
 
 
 def test_a_manifest_without_model_tensors_exports_nothing(tmp_path, capsys, checkpoint):
@@ -570,3 +611,21 @@ def test_http_data_urls_are_read(tmp_path, capsys, model_dirs):
         assert code == 0, capsys.readouterr().err
     finally:
         server.shutdown()
+
+
+def test_export_copies_a_tokenizer_only_from_the_model_the_checkpoint_holds(tmp_path, capsys, model_dirs):
+    """The manifest names the directory the run started from; a tampered one could name any directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    own = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dirs.llama_tied)))
+    step = write_checkpoint(tmp_path / "ckpt" / layout.step_dir(3), own)
+    edit_manifest(step, lambda m: m.update(config={"model": {"name": str(model_dirs.llama_tied)}}))
+    assert main(["ckpt", "export", str(step), "--to", str(tmp_path / "own")]) == 0
+    assert "copied tokenizer.json" in capsys.readouterr().out and (tmp_path / "own" / "tokenizer.json").exists()
+
+    other = write_checkpoint(tmp_path / "other" / layout.step_dir(3), tiny_llama())  # another vocabulary
+    edit_manifest(other, lambda m: m.update(config={"model": {"name": str(model_dirs.llama_tied)}}))
+    assert main(["ckpt", "export", str(other), "--to", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "is not the model this checkpoint holds (vocab_size 320, the checkpoint's 64)" in out
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]

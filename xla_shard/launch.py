@@ -18,7 +18,7 @@ from pathlib import Path
 PREEMPTED_EXIT = 143
 # Exit status of a user error (bad config, damaged input): one line, and a restart would only repeat it.
 USER_ERROR_EXIT = 2
-# Set by the torchrun launcher before it execs (torchrun keeps its PID): the parent its workers must outlive.
+# Set by the torchrun launcher (whose process runs the elastic agent): the parent its workers must outlive.
 LAUNCHER_PID = "XLA_SHARD_LAUNCHER_PID"
 # Set by the torchrun launcher: the directory where its workers leave their user error's one line.
 WORKER_ERRORS = "XLA_SHARD_WORKER_ERRORS"

@@ -52,6 +52,7 @@ def parse_size(text: str) -> int:
 def export(url: str, to: str, max_shard_bytes: int = 2 * 10**9, overwrite: bool = False) -> ExportReport:
     """Write the checkpoint at `url` as a Hugging Face model directory at `to` (a path or any fsspec URL). The
     result appears whole or not at all: see `Destination`."""
+    destination = Destination(to, overwrite)  # refused before the checkpoint is even opened
     with peak_growth() as growth:
         storage, manifest = open_checkpoint(url)
         hf = manifest.data.get("hf_config")
@@ -62,7 +63,7 @@ def export(url: str, to: str, max_shard_bytes: int = 2 * 10**9, overwrite: bool 
             raise CheckpointError(f"{manifest.url} holds no model tensors (model/...): nothing to export")
         sizes = {n: math.prod(manifest.tensors[n]["shape"])
                  * layout.TORCH_DTYPES[manifest.tensors[n]["dtype"]].itemsize for n in names}
-        with Destination(to, overwrite) as out:
+        with destination as out:
             files = _write_weights(ChunkReader(storage, manifest), manifest, names, sizes, out, max_shard_bytes)
             copied, note = _copy_companions(manifest, out)
             out.write("config.json", json.dumps(hf, indent=2).encode())  # last: what loaders look for first
@@ -81,24 +82,24 @@ class Destination:
 
     def __init__(self, to: str, overwrite: bool):
         self.to, self.overwrite = to.rstrip("/") or to, overwrite
-        self.final = Storage(self.to)
-        self.storage: Storage | None = None
-
-    def __enter__(self) -> Storage:
-        final = self.final
+        self.final = final = Storage(self.to)
+        self.staging: Path | None = None
         if final.local:
             blocker = file_in_the_way(Path(final.root))
             if blocker:
                 raise CheckpointError(f"--to {self.to}: {blocker} is a file, not a directory")
-        elif final.fs.isfile(final.root):
-            raise CheckpointError(f"--to {self.to} is a file, not a directory")
-        if final.local:
-            held = sorted(os.listdir(final.root)) if os.path.isdir(final.root) else []
+            held = sorted(os.listdir(final.root)) if os.path.isdir(final.root) else []  # dotfiles too
         else:
+            if final.fs.isfile(final.root):
+                raise CheckpointError(f"--to {self.to} is a file, not a directory")
             held = final.glob("*") if final.exists("") else []
         if held and not self.overwrite:
             raise CheckpointError(f"--to {self.to} already holds {len(held)} file(s) ({held[0]}, ...); choose an empty "
                                   "directory or pass --overwrite to replace it entirely")
+        self.held = bool(held)
+
+    def __enter__(self) -> Storage:
+        final = self.final
         if final.local:
             root = Path(final.root)
             self.staging = root.with_name(f".{root.name}.partial-{os.getpid()}")
@@ -106,12 +107,10 @@ class Destination:
                 self.staging.mkdir(parents=True)
             except OSError as exc:
                 raise CheckpointError(f"--to {self.to}: cannot write next to it ({one_line(exc)})") from None
-            self.storage = Storage(str(self.staging))
-        else:
-            if held:
-                final.remove_tree("")
-            self.storage = final
-        return self.storage
+            return Storage(str(self.staging))
+        if self.held:
+            final.remove_tree("")
+        return final
 
     def __exit__(self, kind, exc, tb) -> None:
         if kind is not None:
@@ -171,15 +170,38 @@ def _write_weights(reader: ChunkReader, manifest, names: list[str], sizes: dict[
 
 def _copy_companions(manifest, out: Storage) -> tuple[list[str], str | None]:
     """The tokenizer and generation config of the model directory the run started from, when it had them:
-    what `from_pretrained` users load next to the weights. Returns (files copied, why none could be)."""
+    what `from_pretrained` users load next to the weights. Returns (files copied, why none could be).
+
+    The manifest names that directory, and a manifest is untrusted: its files are copied only if the
+    directory's config.json describes the model the checkpoint holds (never from an arbitrary directory)."""
     from xla_shard.config.presets import PRESETS
     from xla_shard.models import copy_companions
 
-    source = ((manifest.data.get("config") or {}).get("model") or {}).get("name")
+    model = (manifest.data.get("config") or {}).get("model")
+    source = model.get("name") if isinstance(model, dict) else None
     if not isinstance(source, str) or source in PRESETS or source.endswith(".json"):
         return [], None  # nothing beside it
     try:
+        differs = _differs(Storage(source), manifest.data["hf_config"])
+        if differs:
+            return [], f"{source} is not the model this checkpoint holds ({differs}): no tokenizer copied"
         present = copy_companions(source, out)
-    except (UserError, OSError) as exc:
+    except (UserError, OSError, FileNotFoundError) as exc:
         return [], f"the model directory {source} could not be copied from here ({one_line(exc)}): no tokenizer copied"
     return present, None
+
+
+def _differs(source: Storage, hf_config: dict) -> str | None:
+    """Which architecture field a model directory's config.json has otherwise than the checkpoint's, if any."""
+    from xla_shard.checkpoint.schema import SchemaError, parse_json
+
+    try:
+        fields = parse_json(source.read_bytes("config.json"))
+    except (FileNotFoundError, SchemaError):
+        return "it has no readable config.json"
+    if not isinstance(fields, dict):
+        return "its config.json is not an object"
+    for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers"):
+        if key in hf_config and fields.get(key) != hf_config[key]:
+            return f"{key} {fields.get(key)!r}, the checkpoint's {hf_config[key]!r}"
+    return None
