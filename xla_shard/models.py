@@ -60,15 +60,14 @@ def refuse_link_out(storage, name: str, key: str) -> None:
                                "refusing to read it")
 
 
-def refuse_untrusted(directory: str, key: str, shown: str | None = None) -> None:
-    """Check what transformers will read from a model directory before it reads it: a file that a link takes
-    outside the directory is refused, and so is a directory whose files ask transformers to import Python code
-    from it (`auto_map`): xla_shard never runs code that came with a model (its loaders are called with
-    trust_remote_code=False, which would refuse it less clearly)."""
+def refuse_untrusted(storage, key: str, shown: str | None = None) -> None:
+    """Check what transformers will read from a model directory (a `Storage`) before it reads it: a file that
+    a link takes outside the directory is refused, and so is a directory whose files ask transformers to import
+    Python code from it (`auto_map`): xla_shard never runs code that came with a model (its loaders are called
+    with trust_remote_code=False, which would refuse it less clearly)."""
     from xla_shard.checkpoint.schema import SchemaError, parse_json
-    from xla_shard.checkpoint.storage import Storage
 
-    storage = Storage(directory)
+    shown = (shown or storage.url).rstrip("/")
     present = {name for name in set(COMPANION_FILES + CODE_MAPS) if storage.exists(name)}
     for name in sorted(present):
         refuse_link_out(storage, name, key)
@@ -78,11 +77,11 @@ def refuse_untrusted(directory: str, key: str, shown: str | None = None) -> None
         try:
             fields = parse_json(storage.read_bytes(name))
         except SchemaError as exc:
-            raise ConfigError(key, f"{(shown or directory).rstrip('/')}/{name}: {exc}") from None
+            raise ConfigError(key, f"{shown}/{name}: {exc}") from None
         if isinstance(fields, dict) and "auto_map" in fields:
-            raise ConfigError(key, f"{(shown or directory).rstrip('/')}/{name} has 'auto_map': it needs Python code "
-                                   "from the model directory, which xla_shard never runs (trust_remote_code is "
-                                   "off); use a model and tokenizer that transformers implements itself")
+            raise ConfigError(key, f"{shown}/{name} has 'auto_map': it needs Python code from the model directory, "
+                                   "which xla_shard never runs (trust_remote_code is off); use a model and "
+                                   "tokenizer that transformers implements itself")
 
 
 @dataclass(frozen=True)
@@ -126,7 +125,7 @@ def resolve_source(section: ModelSection, retry_deadline_s: float = 120.0) -> Mo
     if not isinstance(fields, dict) or "model_type" not in fields:
         raise ConfigError("model.name", f"{where} has no model_type: not a transformers config")
     if file == CONFIG:
-        refuse_untrusted(directory, "model.name")
+        refuse_untrusted(storage, "model.name", shown=directory)
     elif "auto_map" in fields:
         raise ConfigError("model.name", f"{where} has 'auto_map': it needs Python code, which xla_shard never runs")
     return ModelSource(name, fields, directory=None if file != CONFIG else directory)

@@ -199,6 +199,9 @@ def check_manifest(data: Any, verified: bool = True) -> dict:
     for key in ("run", "hf_config", "plan"):
         if data.get(key) is not None:
             _mapping(data[key], key)
+    if isinstance(data.get("hf_config"), dict) and "auto_map" in data["hf_config"]:
+        raise SchemaError("hf_config.auto_map", "a model config that imports Python code: xla_shard never writes or "
+                                                "exports one")
     if data.get("run") is not None and not isinstance(data["run"].get("id", ""), str):
         raise SchemaError("run.id", f"expected a string, got {_kind(data['run']['id'])}")
     for rank, state in _mapping(data["rng"], "rng").items():

@@ -137,6 +137,7 @@ def load_tokenizer(location: str | None, model_config, explicit: bool, model_nam
     from them runs, and whatever fails to parse in them is one error naming the key."""
     from transformers import AutoTokenizer
 
+    from xla_shard.checkpoint.storage import Storage
     from xla_shard.models import refuse_untrusted
 
     key = "data.tokenizer" if explicit else "model.name"
@@ -147,7 +148,7 @@ def load_tokenizer(location: str | None, model_config, explicit: bool, model_nam
         raise ConfigError(key, f"{location} is not a directory holding a tokenizer (nothing is downloaded: name a "
                                "directory save_pretrained wrote, local or at a URL)")
     local = _local_copy(location, key) if "://" in location else location
-    refuse_untrusted(local, key, shown=location)
+    refuse_untrusted(Storage(local), key, shown=location)
     try:
         tokenizer = AutoTokenizer.from_pretrained(local, trust_remote_code=False)
     except Exception as exc:  # noqa: BLE001 - a damaged tokenizer file fails in many ways, all the user's to fix
@@ -162,9 +163,8 @@ def load_tokenizer(location: str | None, model_config, explicit: bool, model_nam
 
 
 def _local_copy(url: str, key: str) -> str:
-    from xla_shard.models import copy_companions
-
     from xla_shard.checkpoint.storage import Storage
+    from xla_shard.models import copy_companions
 
     target = tempfile.mkdtemp(prefix="xla_shard_tokenizer_")
     if not copy_companions(url, Storage(target), extra=("config.json",)):
