@@ -74,3 +74,26 @@ def test_sigkill_of_the_launcher_takes_its_workers_with_it(tmp_path, backend, se
     finally:
         for pid in _alive(workers | {launcher.pid}):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_sigterm_to_the_torchrun_launcher_stops_its_workers_with_a_checkpoint_and_exits_143(tmp_path):
+    """The launcher runs torchrun's agent in its own process: a SIGTERM reaches the agent, which forwards it; the
+    workers commit a checkpoint and stop, and the launcher reports the stop as 143 (train_loop.sh resumes)."""
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    launcher = start_cli("train", "scripts/configs/tiny_llama_cpu.yaml", "--nproc-per-node", "2", "--set",
+                         "backend=torch_fsdp", "--set", "train.steps=100000", "--set", f"output_dir={run}", "--set",
+                         f"checkpoint.dir={ckpt}", "--set", "checkpoint.every_steps=1000", log=tmp_path / "log")
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "metrics.jsonl").exists() or len((run / "metrics.jsonl").read_text().splitlines()) < 2:
+            assert launcher.poll() is None, (tmp_path / "log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "training never logged two steps"
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=120) == 143, (tmp_path / "log").read_text()[-3000:]
+        log = (tmp_path / "log").read_text()
+        assert "checkpoint committed" in log and "Traceback" not in log, log[-3000:]
+        assert list(ckpt.glob("step-*/manifest.json"))
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()

@@ -484,10 +484,12 @@ def test_export_to_a_bucket_writes_there_and_loads(tmp_path, capsys, checkpoint,
 
 # ---- 6. a user error in a worker is one line and exit 2 ------------------------------------------------
 @pytest.mark.slow
-def test_a_worker_error_under_torchrun_is_one_line_and_exit_2(tmp_path, checkpoint):
+@pytest.mark.parametrize("sets", [["backend=torch_fsdp", "cpu_devices=2"],   # torchrun, 2 workers
+                                  ["backend=xla_fsdp", "cpu_devices=1"]])    # xmp.spawn
+def test_a_worker_error_under_each_launcher_is_one_line_and_exit_2(tmp_path, checkpoint, sets):
     step, _ = checkpoint
     edit_manifest(step, lambda m: _emb(m).update(shape="32"))
-    done = run_cli("train", CONFIG, "--set", "backend=torch_fsdp", "--set", "cpu_devices=2", "--set",
+    done = run_cli("train", CONFIG, *[a for s in sets for a in ("--set", s)], "--set",
                    f"output_dir={tmp_path / 'run'}", "--set", f"checkpoint.dir={tmp_path / 'c2'}",
                    "--set", f"checkpoint.resume={step}", "--set", "train.steps=2")
     errors = [line for line in done.stderr.splitlines() if line.startswith("xla-shard: error:")]
