@@ -40,6 +40,17 @@ def reference(tmp_path_factory):
     return root / "ckpt", losses(root / "run")
 
 
+def test_a_rerun_with_nothing_to_train_says_so(cli, tmp_path, reference):
+    import shutil
+
+    ref, _ = reference
+    shutil.copytree(ref, tmp_path / "ckpt")
+    done = train(cli, tmp_path / "run", f"checkpoint.dir={tmp_path / 'ckpt'}")
+    assert f"the checkpoint at step {STEPS} already reaches train.steps={STEPS} ({STEPS} steps); nothing to train" \
+        in done.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
 def test_retention_keeps_the_last_k_and_every_nth(reference):
     ckpt, _ = reference
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000004", "step-00000005", "step-00000006"]

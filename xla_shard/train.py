@@ -130,10 +130,14 @@ class Trainer:
         if cfg.checkpoint.dir:
             self.checkpointer = Checkpointer(cfg.checkpoint, backend, log=self._log)
             self.start_step = self.checkpointer.restore(self.model, self.optimizer)
+            key = "train.epochs" if cfg.train.epochs else "train.steps"
             if self.start_step > self.total_steps:
-                key = "train.epochs" if cfg.train.epochs else "train.steps"
                 raise ConfigError(key, f"{self.total_steps} steps are behind the checkpoint's step {self.start_step} "
                                        f"(under {cfg.checkpoint.dir})")
+            if self.start_step == self.total_steps:  # a rerun of a finished run: exit 0, but not silently
+                self._log(f"the checkpoint at step {self.start_step} already reaches {key}="
+                          f"{getattr(cfg.train, key.split('.')[1]):g} ({self.total_steps} steps); nothing to train "
+                          f"(raise {key} to continue)")
         self._log(f"model: attention {model.config._attn_implementation}"
                   + (" (model.attn_implementation=auto)" if cfg.model.attn_implementation == "auto" else ""))
         if weights is None:
