@@ -129,12 +129,16 @@ def check_tiling(shape: list[int], boxes: list[tuple[list[int], list[int]]], fie
     stored = sum(math.prod(sizes) for _, sizes in boxes)
     if stored != total:
         raise SchemaError(field, f"the chunks hold {stored} elements, the shape {shape} has {total}")
-    # With the volumes adding up, disjoint boxes cover the tensor. A sweep along dimension 0 pairs only the
-    # boxes whose first rows overlap: near-linear for row shards, the usual layout.
-    live = sorted((b for b in boxes if math.prod(b[1])), key=lambda b: b[0][:1])
+    # With the volumes adding up, disjoint boxes cover the tensor. A sweep along the dimension the boxes split
+    # most pairs only boxes that overlap along it: near-linear for shards along any one dimension (FSDP2's
+    # rows, SPMD's largest dimension), where a pairwise check of a pod's shards would take seconds per resume.
+    live = [b for b in boxes if math.prod(b[1])]
+    dim = max(range(len(shape)), key=lambda d: len({offsets[d] for offsets, _ in live}), default=None)
+    if dim is not None:
+        live.sort(key=lambda b: b[0][dim])
     for i, (offsets, sizes) in enumerate(live):
         for other_offsets, other_sizes in live[i + 1:]:
-            if offsets and other_offsets[0] >= offsets[0] + sizes[0]:
+            if dim is not None and other_offsets[dim] >= offsets[dim] + sizes[dim]:
                 break
             if all(max(a, c) < min(a + b, c + d) for a, b, c, d in zip(offsets, sizes, other_offsets, other_sizes)):
                 raise SchemaError(field, f"the chunks at {offsets} and {other_offsets} overlap")
