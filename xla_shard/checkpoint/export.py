@@ -186,7 +186,7 @@ def _copy_companions(manifest, out: Storage) -> tuple[list[str], str | None]:
         if differs:
             return [], f"{source} is not the model this checkpoint holds ({differs}): no tokenizer copied"
         present = copy_companions(source, out)
-    except (UserError, OSError, FileNotFoundError) as exc:
+    except (UserError, OSError) as exc:
         return [], f"the model directory {source} could not be copied from here ({one_line(exc)}): no tokenizer copied"
     return present, None
 

@@ -76,6 +76,12 @@ def _ints(value: Any, field: str, length: int | None = None) -> list[int]:
     return [_int(v, f"{field}[{i}]") for i, v in enumerate(value)]
 
 
+def _crc32(value: Any, field: str, why: str = "") -> str:
+    if not (isinstance(value, str) and _CRC32.match(value)):
+        raise SchemaError(field, f"expected 8 hex digits, got {_kind(value)}{why}")
+    return value
+
+
 def _dtype(value: Any, field: str) -> str:
     if value not in layout.TORCH_DTYPES:
         shown = repr(value) if isinstance(value, str) else _kind(value)
@@ -219,9 +225,8 @@ def check_manifest(data: Any, verified: bool = True) -> dict:
         header = _int(meta.get("header_bytes", MISSING), f"{field}.header_bytes", least=8)
         if header > size:
             raise SchemaError(f"{field}.header_bytes", f"{header} is more than the file's {size} bytes")
-        if verified and not (isinstance(meta.get("header_crc32"), str) and _CRC32.match(meta["header_crc32"])):
-            got = _kind(meta.get("header_crc32", MISSING))
-            raise SchemaError(f"{field}.header_crc32", f"expected 8 hex digits, got {got}")
+        if verified:
+            _crc32(meta.get("header_crc32", MISSING), f"{field}.header_crc32")
         files[name] = (header, size)
     spans: dict[str, list[tuple[int, int, str]]] = {name: [] for name in files}
     for name, meta in _mapping(data.get("tensors", MISSING), "tensors").items():
@@ -253,9 +258,8 @@ def _check_chunk(chunk: dict, where: str, shape: list[int], dtype: str, files: d
     if chunk.get("dtype") != dtype:
         raise SchemaError(f"{where}.dtype", f"{_kind(chunk.get('dtype', MISSING))}, the tensor is {dtype}")
     crc = chunk.get("crc32", MISSING)
-    if (verified or crc not in (None, MISSING)) and not (isinstance(crc, str) and _CRC32.match(crc)):
-        raise SchemaError(f"{where}.crc32", f"expected 8 hex digits, got {_kind(crc)}: every chunk of a committed "
-                                            "checkpoint carries its checksum")
+    if verified or crc not in (None, MISSING):
+        _crc32(crc, f"{where}.crc32", why=": every chunk of a committed checkpoint carries its checksum")
     if end - start != nbytes(sizes, dtype):
         raise SchemaError(where, f"bytes {start}-{end} are {end - start}; a {dtype} chunk of {sizes} is "
                                  f"{nbytes(sizes, dtype)}")
