@@ -95,6 +95,24 @@ def test_a_checkpoint_resumes_under_parameters_gradients_and_optimizer_state_sha
     assert sorted(losses(tmp_path / "back")) == [STEPS + 1]
 
 
+def test_scanned_layers_train_exactly_and_share_checkpoints_with_the_unrolled_model(cli, tmp_path, reference):
+    """fsdp.scan_layers (one XLA loop over the decoder layers), with activation checkpointing inside the scan:
+    the same losses as the unrolled reference from step 1; its checkpoint continues unrolled, and the
+    reference's continues scanned (without checkpointing), with the reference's losses."""
+    ckpt, expected = reference
+    scanned = ["fsdp.scan_layers=true", "fsdp.activation_checkpointing=true"]
+    train(cli, tmp_path / "scan", *scanned, f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.every_steps=2")
+    got = losses(tmp_path / "scan")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert all(got[s] == pytest.approx(expected[s], rel=1e-5) for s in got), (got, expected)
+    for name, sets, start in (("unrolled", [], tmp_path / "ckpt" / "step-00000004"),
+                              ("scanned", [scanned[0], "fsdp.activation_checkpointing=false"],
+                               ckpt / "step-00000004")):
+        train(cli, tmp_path / name, *sets, f"checkpoint.dir={tmp_path / name / 'ckpt'}", f"checkpoint.resume={start}")
+        resumed = losses(tmp_path / name)
+        assert sorted(resumed) == [5, 6] and all(resumed[s] == pytest.approx(expected[s], rel=1e-5) for s in (5, 6))
+
+
 def test_sigkill_at_random_points_loses_nothing_and_resumes_bitwise(cli, tmp_path, gcs, reference):
     """Kill -9 while training (and, saving every step, usually while a save is in flight) to gs://;
     each restart resumes from the newest committed step and the losses equal the uninterrupted run's."""

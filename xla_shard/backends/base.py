@@ -42,6 +42,8 @@ class Backend(abc.ABC):
     uniform_only: ClassVar[str | None] = "it keeps gradients and optimizer state in the parameters' layout"
     # Why it cannot keep parameters split over a smaller group between forward and backward (None: it can).
     no_group_after_forward: ClassVar[str | None] = "its reshard_after_forward is a bool"
+    # Why it cannot scan the decoder layers as one compiled loop (None: it can).
+    no_scan_layers: ClassVar[str | None] = "it runs no compiled loop over layers (torch_xla's scan runs under SPMD)"
 
     def __init__(self, cfg: ShardConfig):
         self.cfg = cfg
@@ -64,6 +66,8 @@ class Backend(abc.ABC):
             self.reject("fsdp.offload_params", f"{self.no_offload_reason}; set it to false")
         if fsdp.mixed_precision == "fp16":
             self.reject("fsdp.mixed_precision", "fp16 needs loss scaling, which xla_shard does not do; use bf16")
+        if fsdp.scan_layers and self.no_scan_layers:
+            self.reject("fsdp.scan_layers", f"{self.no_scan_layers}; use backend xla_spmd or set it to false")
         if fsdp.xla_settings and not self.takes_xla_settings:
             self.reject("fsdp.xla_settings", "these are XlaFullyShardedDataParallel arguments; use backend xla_fsdp")
         launch_section = self.cfg.launch

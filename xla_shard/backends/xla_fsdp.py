@@ -30,6 +30,8 @@ class XlaFsdpBackend(xla_common.XlaBackend):
     takes_xla_settings = True
     uniform_only = "XlaFullyShardedDataParallel's gradients and optimizer state live in its flat parameter shards"
     no_group_after_forward = "XlaFullyShardedDataParallel's reshard_after_forward is a bool"
+    no_scan_layers = ("XlaFullyShardedDataParallel gathers each layer's flat parameters in hooks, which a scanned "
+                      "layer does not run")
     unsupported_strategies = {
         ShardingStrategy.NO_SHARD: "is data parallelism; use backend xla_spmd with NO_SHARD, which runs it without FSDP",
         ShardingStrategy.HYBRID_SHARD: _HYBRID, ShardingStrategy.HYBRID_SHARD_ZERO2: _HYBRID}

@@ -20,12 +20,13 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
-from xla_shard.backends import xla_common
+from xla_shard.backends import xla_common, xla_scan
 from xla_shard.checkpoint.contract import Box, Chunk
 from xla_shard.config.schema import ShardingStrategy
 
@@ -42,6 +43,19 @@ def slices_outermost(shape: tuple[int, ...], slices: int) -> tuple[int, ...] | N
         dcn.append(math.gcd(size, left))
         left //= dcn[-1]
     return tuple(dcn) if left == 1 else None
+
+
+def annotator(mesh, spec: tuple) -> Callable[[torch.Tensor], None]:
+    """`xs.mark_sharding(tensor, mesh, spec)` with the spec resolved once, for annotations made every step.
+
+    torch_xla 2.9's `mark_sharding` tries to import jax and torchax on every call (about 0.4 ms together on a
+    2-core host: failed imports are not cached) and wraps its result in an XLAShardedTensor; the C++ annotation
+    it ends in takes 6 us. Made per gradient per step, that overhead was FULL_SHARD's 7% over raw FSDPv2
+    (bench/step_overhead.py); the compiled program is the same either way."""
+    import torch_xla
+
+    op_sharding, mark = mesh.get_op_sharding(spec), torch_xla._XLAC._xla_mark_sharding
+    return lambda tensor: mark(tensor, op_sharding)
 
 
 @dataclass(frozen=True)
@@ -72,8 +86,14 @@ class XlaSpmdBackend(xla_common.XlaBackend):
     wrapper_prefixes = ("_orig_module",)
     uniform_only = None  # per-tensor annotations: any nested triple
     no_group_after_forward = "XLA's partitioner decides what it keeps from forward for backward"
+    no_scan_layers = None
     unsupported_strategies = {ShardingStrategy.SHARD_GRAD_OP: _NOT_UNDER_SPMD,
                               ShardingStrategy.HYBRID_SHARD_ZERO2: _NOT_UNDER_SPMD}
+
+    def check(self) -> None:
+        super().check()
+        if self.cfg.fsdp.scan_layers:
+            xla_scan.check_available()
 
     def setup(self) -> None:
         self.configure()
@@ -93,6 +113,7 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         self.device_kind = xla_common.device_kind()
         self.host_index, self.hosts = xr.process_index(), xr.process_count()
         self._layouts: dict[torch.Tensor, Layouts] = {}
+        self._row_marks: dict[int, Callable[[torch.Tensor], None]] = {}  # by tensor rank
         # Every host builds the same global batch from (seed, step); mark_sharding sends each device its rows.
         self.rank, self.world = 0, 1
         self._batch_axes = MESH_AXES
@@ -128,7 +149,13 @@ class XlaSpmdBackend(xla_common.XlaBackend):
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
 
-        policy = self.prepare_wrap(model)
+        if self.cfg.fsdp.scan_layers:
+            # Activation checkpointing happens inside the scan; the root wrapper marks every parameter with
+            # FSDPv2's rule, as each layer's own wrapper would have.
+            xla_scan.scan_stack(model, self.cfg.fsdp, checkpoint=self.cfg.fsdp.activation_checkpointing)
+            policy = None
+        else:
+            policy = self.prepare_wrap(model)
         if self.plan.params == 1:
             wrapped = self.to_device(model)  # replicated parameters; the sharded batch makes it data-parallel
         else:
@@ -150,9 +177,8 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         import torch_xla.distributed.spmd as xs
 
         def shard(spec):
-            def hook(param: torch.Tensor) -> None:
-                xs.mark_sharding(param.grad, self.mesh, spec)
-            return hook
+            mark = annotator(self.mesh, spec)
+            return lambda param: mark(param.grad)
 
         for param in model.parameters():
             layouts = self._layouts[param] = Layouts.of(param)
@@ -187,22 +213,23 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         optimizer.register_step_post_hook(shard_state)
         return optimizer
 
+    def _by_rows(self, tensor: torch.Tensor) -> None:
+        """Shard a tensor by its first dimension (rows of the batch) over every mesh axis."""
+        if tensor.dim() not in self._row_marks:
+            self._row_marks[tensor.dim()] = annotator(self.mesh, (self._batch_axes,) + (None,) * (tensor.dim() - 1))
+        self._row_marks[tensor.dim()](tensor)
+
     def _shard_output(self, output, mesh) -> None:
         """Inner layers return hidden states, the root a ModelOutput: shard whichever tensor leads, by batch."""
-        import torch_xla.distributed.spmd as xs
-
-        tensor = output if isinstance(output, torch.Tensor) else (
-            output[0] if isinstance(output, tuple) else output.logits)
-        xs.mark_sharding(tensor, mesh, (self._batch_axes,) + (None,) * (tensor.dim() - 1))
+        self._by_rows(output if isinstance(output, torch.Tensor) else (
+            output[0] if isinstance(output, tuple) else output.logits))
 
     def place(self, rows):
         """The host's rows (one host: the whole global batch), sharded by rows over every device of the mesh."""
-        import torch_xla.distributed.spmd as xs
-
         if isinstance(rows, dict):
             return {key: self.place(value) for key, value in rows.items()}
         batch = rows.to(self.device)
-        xs.mark_sharding(batch, self.mesh, (self._batch_axes,) + (None,) * (batch.dim() - 1))
+        self._by_rows(batch)
         return batch
 
     def forward_context(self):

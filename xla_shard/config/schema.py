@@ -114,6 +114,8 @@ class FsdpSection(_Section):
     transformer_layer_cls_to_wrap: list[str] = Field(default_factory=list)
     min_num_params: int = Field(default=100_000_000, ge=1)
     activation_checkpointing: bool = False
+    # Run the repeated decoder layers as one XLA loop (torch_xla's scan): compile time flat in depth (xla_spmd).
+    scan_layers: bool = False
     offload_params: bool = False
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     state_dict_type: Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"] = "SHARDED_STATE_DICT"
