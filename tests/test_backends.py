@@ -71,12 +71,13 @@ def test_loss_curve_matches_unsharded_eager(sgd_runs, backend):
 def test_metrics_lines(sgd_runs, backend):
     records = sgd_runs[backend]
     assert [r["step"] for r in records] == list(range(1, SGD_STEPS + 1))
-    assert records[0]["mfu_basis"].startswith("cpu: measured fp32 matmul")
+    # A CPU has no peak FLOP/s to measure against: no MFU (a matmul timed at start-up once gave 19), tokens/s kept.
+    assert records[0]["mfu_basis"] == ("no MFU: cpu has no known peak FLOP/s (set train.peak_flops_per_device to "
+                                       "report one)")
     tokens = 8 * 32
     for r in records:
-        assert r["backend"] == backend
+        assert r["backend"] == backend and "mfu" not in r
         assert r["tokens_per_s"] == pytest.approx(tokens / r["step_time_s"])
-        assert 0 < r["mfu"] < 1
     if backend.startswith("xla"):
         # The steady state compiles nothing new: the step graph is static after warm-up.
         after_warmup = [r["compilations"] for r in records[1:]]

@@ -27,6 +27,7 @@ RENDERINGS = {
     "gpu-1node": (GPU, "gpu-vm", ["deploy.gpu_nodes=1"]),
     "gpu-2node": (GPU, "gpu-vm", []),
 }
+OWN = ["deploy.project=acme-train-1", "checkpoint.dir=gs://acme-ckpts/run"]  # a user's own, not the placeholders
 SHELLCHECK = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
 needs_gcloud = pytest.mark.skipif(shutil.which("gcloud") is None, reason="the gcloud CLI is not installed")
 
@@ -177,7 +178,7 @@ def test_rendered_scripts_never_execute_a_value_even_unvalidated(tmp_path, targe
     """Quoting holds on its own: values forced past validation are rendered, deploy.sh runs (dry and for real,
     with the remote --command strings run by a shell) and startup.sh runs as root would; nothing executes and
     each value arrives intact."""
-    cfg = config.load(GPU if target == "gpu-vm" else TPU, ["deploy.gpu_nodes=2"] if target == "gpu-vm" else [])
+    cfg = config.load(GPU if target == "gpu-vm" else TPU, [*OWN, *(["deploy.gpu_nodes=2"] if target == "gpu-vm" else [])])
     for key in ("name", "project", "zone", "remote_user", "remote_dir", "network", "service_account"):
         cfg.deploy.__dict__[key] = payload  # bypasses the schema on purpose
     cfg.deploy.__dict__["allow_unlisted_zone"] = True
@@ -207,18 +208,41 @@ def test_rendered_scripts_never_execute_a_value_even_unvalidated(tmp_path, targe
     assert f"setsid nohup scripts/train_loop.sh {home}/config.yaml" in calls.read_text()
 
 
-def test_dry_run_works_outside_a_git_checkout(tmp_path):
+def _run_deploy(rendering, tmp_path, **env):
     out = tmp_path / "out"
-    out.mkdir()
-    for file, text in _render("tpu-vm").files.items():
+    out.mkdir(exist_ok=True)
+    for file, text in rendering.files.items():
         (out / file).write_text(text)
-    env = {k: v for k, v in os.environ.items() if k != "REPO"}
-    done = subprocess.run(["bash", str(out / "deploy.sh")], capture_output=True, text=True, cwd=tmp_path,
-                          env=dict(env, DRY_RUN="1", GCLOUD="/nonexistent/gcloud"))
+    clean = {k: v for k, v in os.environ.items() if k not in ("REPO", "DRY_RUN")}
+    return subprocess.run(["bash", str(out / "deploy.sh")], capture_output=True, text=True, cwd=tmp_path,
+                          env=dict(clean, GCLOUD="/nonexistent/gcloud", **env))
+
+
+def test_dry_run_works_outside_a_git_checkout_and_says_the_real_run_needs_repo(tmp_path):
+    rendering = render(config.load(TPU, OWN), "tpu-vm")
+    done = _run_deploy(rendering, tmp_path, DRY_RUN="1")
     assert done.returncode == 0, done.stderr
-    real = subprocess.run(["bash", str(out / "deploy.sh")], capture_output=True, text=True, cwd=tmp_path,
-                          env=dict(env, GCLOUD="/nonexistent/gcloud"))
+    assert "not inside an xla_shard checkout; the real run will need REPO=" in done.stderr
+    real = _run_deploy(rendering, tmp_path)
     assert real.returncode == 2 and "set REPO=" in real.stderr
+
+
+@pytest.mark.parametrize("target", ["tpu-vm", "gpu-vm"])
+def test_the_examples_placeholders_are_flagged_in_a_dry_run_and_refused_for_real(tmp_path, cli, target):
+    """The example configs name project my-project and bucket gs://my-bucket: render warns, a dry run flags
+    each key, the real deploy.sh stops before any gcloud command; with the user's own values neither."""
+    path = TPU if target == "tpu-vm" else GPU
+    rendered = cli("gcp", "render", path, "--target", target, "--out", str(tmp_path / "out"))
+    assert rendered.returncode == 0, rendered.stderr
+    assert "deploy.project=my-project" in rendered.stderr and "checkpoint.dir=gs://my-bucket/" in rendered.stderr
+    rendering = render(config.load(path), target)
+    dry = _run_deploy(rendering, tmp_path, DRY_RUN="1", REPO=str(REPO))
+    assert dry.returncode == 0 and "WARNING: deploy.project=my-project, checkpoint.dir=gs://my-bucket/" in dry.stderr
+    real = _run_deploy(rendering, tmp_path, REPO=str(REPO))
+    assert real.returncode == 2 and "still hold the example's placeholders: set your own" in real.stderr
+    assert "+ /nonexistent/gcloud" not in real.stderr  # refused before any command
+    own = cli("gcp", "render", path, "--target", target, *[a for s in OWN for a in ("--set", s)])
+    assert own.returncode == 0 and "placeholder" not in own.stderr and "\nPLACEHOLDERS=''\n" in own.stdout
 
 
 def test_train_loop_does_not_restart_after_a_user_error(tmp_path):

@@ -150,8 +150,10 @@ def test_the_tutorial_job_bert_on_premise_hypothesis_pairs(model_dirs, tmp_path,
                                        "train.eval_every=2", "train.lr=1e-3", "train.max_grad_norm=1.0", *sets], extra)
     evals = [r for r in records if "eval_loss" in r]
     assert [r["step"] for r in evals] == [2, 4]
-    assert all(0.0 <= r["eval_accuracy"] <= 1.0 and r["eval_accuracy"] * 8 == round(r["eval_accuracy"] * 8)
-               for r in evals)  # whole rows of a batch of 8 (9 held out: one full batch)
+    # All 9 held-out rows (a batch of 8 and one of 1 plus filler): whole rows of 9.
+    assert all(r["eval_rows"] == 9 and r["eval_batches"] == 2 for r in evals)
+    assert all(0.0 <= r["eval_accuracy"] <= 1.0 and r["eval_accuracy"] * 9 == pytest.approx(round(r["eval_accuracy"] * 9))
+               for r in evals)
     assert all(math.isfinite(r["eval_loss"]) for r in evals)
     if backend.startswith("xla"):
         assert evals[0]["eval_compilations"] > 0 and evals[1]["eval_compilations"] == 0
@@ -174,6 +176,59 @@ def test_a_causal_lm_fine_tune_on_jsonl_with_packing_and_eval_resumes_exactly(mo
     assert [{k: v for k, v in r.items() if k not in timing} for r in resumed] == same
     assert [r["eval_perplexity"] for r in whole if "eval_loss" in r] == pytest.approx(
         [math.exp(r["eval_loss"]) for r in whole if "eval_loss" in r])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["xla_spmd", "torch_fsdp"])
+def test_evaluation_covers_every_row_and_counts_only_real_labels(model_dirs, tmp_path, backend):
+    """11 held-out documents of different lengths, one padded row each, in batches of 8: the second batch is 3
+    rows and 5 of filler (under torch_fsdp one process gets only filler). With lr 1e-30 the weights stay the
+    pretrained ones, so eval_loss must be plain transformers' loss over all 11 rows at once (the mean over every
+    real token): not a mean of batch means, not 8 rows."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    texts = [" ".join(["the river runs south"] * (i + 1)) for i in range(11)]
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    sets, extra = BACKENDS[backend]
+    records = train(tmp_path / "run", [f"model.name={model_dirs.llama}", f"data.path={FIXTURES / 'corpus.jsonl'}",
+                                       f"data.eval_path={held_out}", "data.packing=false", "train.seq_len=32",
+                                       "train.global_batch_size=8", "train.optimizer=sgd", "train.lr=1e-30",
+                                       "train.steps=1", "train.eval_every=1", *sets], extra)
+    (evaluation,) = [r for r in records if "eval_loss" in r]
+    assert evaluation["eval_rows"] == 11 and evaluation["eval_batches"] == 2
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs.llama)
+    encoded = tokenizer(texts, truncation=True, max_length=32, padding="max_length", return_tensors="pt")
+    labels = encoded["input_ids"].masked_fill(encoded["attention_mask"] == 0, -100)
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(model_dirs.llama)(**encoded, labels=labels).loss.item()
+    assert evaluation["eval_loss"] == pytest.approx(want, rel=1e-5)
+
+
+def test_more_virtual_xla_devices_than_cores_is_warned_about():
+    from xla_shard.backends.xla_common import oversubscribed
+
+    assert oversubscribed(2, 2) is None and oversubscribed(1, 4) is None
+    warning = oversubscribed(4, 2)
+    assert "cpu_devices=4" in warning and "2 CPU core(s)" in warning and "set cpu_devices to 2 or fewer" in warning
+
+
+@pytest.mark.slow
+def test_mfu_is_never_above_one(tmp_path):
+    """Against a stated peak the run beats (1 kFLOP/s), MFU stops with one warning naming the basis, instead of
+    logging a utilisation above 100%; against a peak it cannot reach, it is reported and below 1."""
+    sets = [*TINY, "backend=xla_spmd", "cpu_devices=2", "train.steps=3"]
+    done = run_cli("train", *[a for s in [*sets, "train.peak_flops_per_device=1000", f"output_dir={tmp_path / 'low'}"]
+                              for a in ("--set", s)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    low = [json.loads(line) for line in (tmp_path / "low" / "metrics.jsonl").read_text().splitlines()]
+    assert len(low) == 3 and not any("mfu" in r for r in low)
+    assert done.stderr.count("> 1 against train.peak_flops_per_device=1e+03") == 1, done.stderr[-2000:]
+    import os
+
+    assert ("more than the" in done.stderr) == (len(os.sched_getaffinity(0)) < 2)  # cpu_devices=2
+    high = train(tmp_path / "high", [*sets, "train.peak_flops_per_device=1e18"])
+    assert all(0 < r["mfu"] < 1e-3 for r in high)
 
 
 def test_one_metrics_series_per_run(tmp_path):

@@ -512,7 +512,7 @@ def test_data_files_without_usable_rows_are_one_line(tmp_path, capsys, model_dir
                      "--set", f"data.path={path}"], *words)
 
 
-@pytest.mark.parametrize("fraction, words", [(0.001, "fewer than one batch"), (0.9999, "leaves no training rows")])
+@pytest.mark.parametrize("fraction, words", [(0.9999, "leaves no training rows")])  # an eval set < 1 batch is fine
 def test_an_eval_fraction_that_leaves_nothing_is_one_line(tmp_path, capsys, model_dirs, fraction, words):
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps({"text": f"row {i} " * 20}) + "\n" for i in range(40)))

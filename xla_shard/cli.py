@@ -164,11 +164,16 @@ def _plan(args) -> int:
 def _gcp_render(args) -> int:
     from pathlib import Path
 
-    from xla_shard.deploy.render import render
+    from xla_shard.deploy.render import placeholders, render
 
     from xla_shard.errors import file_in_the_way
 
-    rendering = render(cfglib.load(args.config, args.set), args.target)
+    cfg = cfglib.load(args.config, args.set)
+    rendering = render(cfg, args.target)
+    found = placeholders(cfg)
+    if found:
+        print(f"xla-shard: WARNING: {', '.join(found)} still hold the example's placeholders: deploy.sh will "
+              "refuse to start until they are yours (a DRY_RUN=1 preview works)", file=sys.stderr)
     if not args.out:
         print(rendering.files["deploy.sh"], end="")
         return 0

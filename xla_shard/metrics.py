@@ -45,16 +45,6 @@ def peak_for(device_kind: str) -> float | None:
     return None
 
 
-def measure_cpu_matmul_flops(size: int = 512, repeats: int = 8) -> float:
-    """fp32 matmul FLOP/s of this host: the stated MFU basis on CPU, where no spec-sheet peak applies."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    return 2.0 * size**3 * repeats / (time.perf_counter() - start)
-
-
 def require_tensorboard() -> None:
     try:
         import tensorboard  # noqa: F401
@@ -118,8 +108,10 @@ class StepLogger:
         if self.enabled:
             self.bar.update(1)
             if record:
-                self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                                     mfu=f"{record['mfu']:.2%}")
+                shown = {"loss": f"{record['loss']:.4f}", "tok_s": f"{record['tokens_per_s']:.0f}"}
+                if "mfu" in record:
+                    shown["mfu"] = f"{record['mfu']:.2%}"
+                self.bar.set_postfix(shown)
 
     def warn(self, message: str) -> None:
         if self.enabled:

@@ -22,8 +22,9 @@ from xla_shard.checkpoint import CheckpointError, Checkpointer, layout
 from xla_shard.config.schema import ShardConfig, TrainSection
 from xla_shard import data as datalib
 from xla_shard.data import Batch, micro_rows
+from xla_shard.data.tokenize import IGNORE
 from xla_shard import metrics
-from xla_shard.metrics import StepLogger, measure_cpu_matmul_flops, peak_for, train_flops_per_token
+from xla_shard.metrics import StepLogger, peak_for, train_flops_per_token
 from xla_shard.errors import ConfigError, UserError, file_in_the_way, redact
 from xla_shard.models import check_sequence_length
 from xla_shard.pretrained import PretrainedWeights, build_for
@@ -176,18 +177,30 @@ class Trainer:
         if self.backend.is_main:
             print(f"xla-shard: {redact(message)}", file=sys.stderr, flush=True)
 
-    def _mfu_basis(self) -> tuple[float, str]:
+    def _mfu_basis(self) -> tuple[float | None, str]:
+        """The peak FLOP/s per device MFU is taken against, and where it comes from; no peak, no MFU. A CPU has
+        no spec-sheet peak, and a matmul timed on a busy machine is no ceiling (it once gave MFU 19)."""
         configured = self.cfg.train.peak_flops_per_device
         if configured:
             return configured, f"train.peak_flops_per_device={configured:.3g}"
         peak = peak_for(self.backend.device_kind)
         if peak:
             return peak, f"{self.backend.device_kind} dense bf16 peak {peak:.3g} FLOP/s"
-        # CPU: no spec sheet applies; use what this process's threads measurably do, split over its devices.
-        measured = measure_cpu_matmul_flops()
-        per_device = measured / self.backend.local_devices
-        return per_device, (f"cpu: measured fp32 matmul {measured:.3g} FLOP/s in this process, "
-                            f"over {self.backend.local_devices} device(s)")
+        return None, (f"no MFU: {self.backend.device_kind} has no known peak FLOP/s "
+                      "(set train.peak_flops_per_device to report one)")
+
+    def _mfu(self, tokens_per_s: float, logger: StepLogger) -> float | None:
+        """Model FLOPs utilisation, never above 1: a peak this run exceeds is not a peak, so MFU stops (once,
+        with a warning naming the basis) rather than report a number that cannot be true."""
+        if self.peak_per_device is None:
+            return None
+        mfu = self.flops_per_token * tokens_per_s / (self.peak_per_device * self.backend.num_devices)
+        if mfu <= 1.0:
+            return mfu
+        logger.warn(f"MFU {mfu:.2f} > 1 against {self.mfu_basis}: that peak is below what this run does, so MFU "
+                    "is no longer reported (tokens_per_s is)")
+        self.peak_per_device = None
+        return None
 
     def micro_batches(self, step: int) -> list[Batch]:
         """This process's rows of each micro-batch of `step`, read from the source (not yet on the device)."""
@@ -221,37 +234,49 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Loss (and perplexity or accuracy) over the evaluation batches, with the model in eval mode."""
+        """Loss (and perplexity or accuracy) over every evaluation row (`train.eval_steps` batches if set), with
+        the model in eval mode: summed over the tokens (causal LM) or rows (classification) that have a label,
+        then divided by their count, so a batch's filler rows and padding count for nothing."""
         backend, train, source = self.backend, self.cfg.train, self.eval_source
         batches = min(source.batches, train.eval_steps or source.batches)
         rows = micro_rows(train.global_batch_size, 0, 1, backend.rank, backend.world)
+        classify = self.cfg.model.task == "sequence_classification"
         self.model.eval()
-        loss_sum, correct = None, None
+        loss_sum = counted = correct = None
         try:
             for index in range(batches):
                 batch = backend.place(source.rows(index, rows))
                 with backend.forward_context():
                     out = self.model(**batch)
-                loss = out.loss.detach().float()
-                loss_sum = loss if loss_sum is None else loss_sum + loss
-                if self.cfg.model.task == "sequence_classification":
-                    hits = (out.logits.argmax(-1) == batch["labels"]).float().mean()
+                labels = batch["labels"]
+                # The model's own loss is a mean over the labels it counts (causal LM: shifted by one).
+                scored = (labels if classify else labels[:, 1:]) != IGNORE
+                n = scored.sum().float()
+                # A process whose rows are all filler gets a NaN mean (0/0): it contributes 0, not NaN.
+                loss = torch.where(n > 0, out.loss.detach().float() * n, torch.zeros_like(n))
+                loss_sum, counted = (loss, n) if loss_sum is None else (loss_sum + loss, counted + n)
+                if classify:
+                    hits = ((out.logits.argmax(-1) == labels) & scored).sum().float()
                     correct = hits if correct is None else correct + hits
                 backend.after_step()
         finally:
             self.model.train()
-        result = {"eval_loss": backend.mean_loss(loss_sum / batches)}
-        if correct is not None:
-            result["eval_accuracy"] = backend.mean_loss(correct / batches)
+        total = backend.mean_loss(counted)  # means over processes: their ratio is the ratio of the sums
+        result = {"eval_loss": backend.mean_loss(loss_sum) / total}
+        if classify:
+            result["eval_accuracy"] = backend.mean_loss(correct) / total
         else:
             result["eval_perplexity"] = math.exp(min(result["eval_loss"], 700.0))
         result["eval_batches"] = batches
+        result["eval_rows"] = source.rows_covered(batches)
         return result
 
     def run(self) -> list[dict[str, Any]]:
         cfg, ckpt, train = self.cfg, self.checkpointer, self.cfg.train
         logger = StepLogger(cfg.output_dir, self.total_steps, enabled=self.backend.is_main,
                             start_step=self.start_step, tensorboard=train.tensorboard, log=self._log)
+        for advisory in self.backend.advisories():
+            logger.warn(advisory)
         self._compiled_after_warmup = None
         self._interval = (time.perf_counter(), 0)
         prefetch = datalib.Prefetcher(self.micro_batches, range(self.start_step, self.total_steps))
@@ -331,11 +356,11 @@ class Trainer:
             return None
         elapsed = (time.perf_counter() - start) / steps
         tokens_per_s = cfg.train.global_batch_size * cfg.train.seq_len / elapsed
-        record = {
-            "step": done, "loss": backend.mean_loss(loss), "step_time_s": elapsed, "tokens_per_s": tokens_per_s,
-            "mfu": self.flops_per_token * tokens_per_s / (self.peak_per_device * backend.num_devices),
-            "backend": backend.name, "devices": backend.num_devices, "lr": self.lr,
-        }
+        record = {"step": done, "loss": backend.mean_loss(loss), "step_time_s": elapsed, "tokens_per_s": tokens_per_s}
+        mfu = self._mfu(tokens_per_s, logger)
+        if mfu is not None:
+            record["mfu"] = mfu
+        record.update(backend=backend.name, devices=backend.num_devices, lr=self.lr)
         if self.grad_norm is not None:
             record["grad_norm"] = float(self.grad_norm)
         if self.source.rows_per_epoch:

@@ -75,6 +75,10 @@ class Backend(abc.ABC):
             self.reject("launch", "sets torchrun's process counts (backend torch_fsdp); this backend drives every "
                                   "local device from one process per host: remove it")
 
+    def advisories(self) -> list[str]:
+        """Warnings about how this run is set up (not errors), printed once it has started."""
+        return []
+
     def reject(self, key: str, message: str) -> None:
         raise ConfigError(key, message, backend=self.name)
 

@@ -62,8 +62,7 @@ def build(cfg, model_config=None, model_directory: str | None = None) -> DataSou
         evaluation = EvalSource(eval_rows, train.global_batch_size)
         if evaluation.batches == 0:
             raise ConfigError("data.eval_path" if data.eval_path else "data.eval_fraction",
-                              f"{len(eval_rows)} evaluation rows, fewer than one batch of "
-                              f"train.global_batch_size={train.global_batch_size}")
+                              f"gives no evaluation rows of train.seq_len={train.seq_len} tokens")
     rows = len(train_rows)
     if rows < train.global_batch_size:
         raise ConfigError("data.path", f"{data.path} gives {rows} training rows of {train.seq_len} tokens, fewer "

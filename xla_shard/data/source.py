@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from xla_shard.data.batches import Batch
+from xla_shard.data.tokenize import IGNORE
 
 
 class DatasetSource:
@@ -53,16 +54,32 @@ class DatasetSource:
 
 
 class EvalSource:
-    """The evaluation rows, in file order, as full batches of `batch` rows (static shapes)."""
+    """The evaluation rows, in file order, as batches of `batch` rows. Every row is evaluated: the last batch
+    is filled up with copies of the first row whose labels are all ignored, so shapes stay static (XLA compiles
+    one evaluation graph) and the filler counts for nothing in the loss or the accuracy."""
 
     def __init__(self, rows, batch: int):
         self.table = rows.with_format("numpy")
         self.batch = batch
-        self.batches = len(rows) // batch
+        self.rows_total = len(rows)
+        self.batches = -(-len(rows) // batch)
+
+    def rows_covered(self, batches: int) -> int:
+        return min(batches * self.batch, self.rows_total)
 
     def rows(self, index: int, rows: range) -> Batch:
         start = index * self.batch
-        return _as_batch(self.table[start + rows.start:start + rows.stop])
+        lo, hi = (min(start + r, self.rows_total) for r in (rows.start, rows.stop))
+        filler = len(rows) - (hi - lo)
+        if not filler:
+            return _as_batch(self.table[lo:hi])
+        template = _as_batch(self.table[0:1])
+        padding = {key: value.expand(filler, *value.shape[1:]).clone() for key, value in template.items()}
+        padding["labels"].fill_(IGNORE)
+        if hi == lo:
+            return padding
+        real = _as_batch(self.table[lo:hi])
+        return {key: torch.cat([real[key], padding[key]]) for key in real}
 
 
 def _as_batch(picked: dict) -> Batch:

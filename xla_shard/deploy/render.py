@@ -75,6 +75,28 @@ def _startup(target: str, user: str, remote_dir: str, launch_env: dict[str, str]
         target=target, user=shlex.quote(user), remote_dir=shlex.quote(remote_dir), command=shlex.quote(command))
 
 
+# What the example configs in scripts/configs/ hold where a user's own project and bucket go.
+PLACEHOLDER_PROJECT, PLACEHOLDER_BUCKET = "my-project", "my-bucket"
+
+
+def placeholders(cfg: ShardConfig) -> list[str]:
+    """The config keys that still hold an example's placeholder project or bucket."""
+    found = [f"deploy.project={cfg.deploy.project}"] if cfg.deploy.project == PLACEHOLDER_PROJECT else []
+    for key, value in (("checkpoint.dir", cfg.checkpoint.dir), ("model.name", cfg.model.name),
+                       ("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path),
+                       ("data.tokenizer", cfg.data.tokenizer)):
+        if value and value.split("://", 1)[-1].split("/", 1)[0] == PLACEHOLDER_BUCKET and "://" in value:
+            found.append(f"{key}={value}")
+    return found
+
+
+def _common(cfg: ShardConfig, target: str, config_name: str) -> str:
+    found = placeholders(cfg)
+    message = f"{', '.join(found)} still hold the example's placeholders" if found else ""
+    return _template("common.sh.tmpl").substitute(target=target, config_name=config_name,
+                                                  placeholders=shlex.quote(message))
+
+
 def _template(name: str) -> string.Template:
     path = TEMPLATES / name
     if not path.is_file():
@@ -151,7 +173,7 @@ def _render_tpu(cfg: ShardConfig, target: str, config_name: str) -> Rendering:
     launch = ssh + [f"--command={_remote(d.remote_dir, _launch(launch_env, config_name, '> ~/train.log'))}"]
     follow = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", node, *where, "--worker=0", "--command=tail -F ~/train.log"]
     rendering.commands = [create, *( [poll] if poll else []), copy, setup, launch, follow, *delete]
-    common = _template("common.sh.tmpl").substitute(target=target, config_name=config_name)
+    common = _common(cfg, target, config_name)
     values = dict(common=common, create=_shell(create), copy=_shell(copy), setup=_shell(setup),
                   launch=_shell(launch), poll=_shell(poll)[4:] if poll else "", **_messages(d.name, follow))
     script = "tpu_vm.sh.tmpl" if target == "tpu-vm" else "queued_resource.sh.tmpl"
@@ -201,7 +223,7 @@ def _render_gpu(cfg: ShardConfig, config_name: str) -> Rendering:
     follow = ["gcloud", "compute", "ssh", f"{d.remote_user}@{names[0]}", *where, "--command=tail -F ~/train.log"]
     delete = ["gcloud", "compute", "instances", "delete", *names, *where, "--quiet"]
     rendering = Rendering("gpu-vm", [create, *copies, *setups, *launches, follow, delete])
-    common = _template("common.sh.tmpl").substitute(target="gpu-vm", config_name=config_name)
+    common = _common(cfg, "gpu-vm", config_name)
     rendering.files["deploy.sh"] = _template("gpu_vm.sh.tmpl").substitute(
         common=common, create=_shell(create), copy="\n".join(map(_shell, copies)),
         setup="\n".join(map(_shell, setups)), launch="\n".join(map(_shell, launches)), **_messages(d.name, follow))

@@ -13,12 +13,25 @@ run() {
   if [[ "$DRY_RUN" != 1 ]]; then "$@"; fi
 }
 
+# Values still set to the example configs' placeholders: a dry run flags them, a real run refuses to start.
+PLACEHOLDERS='deploy.project=my-project, checkpoint.dir=gs://my-bucket/xla-shard/small-llama-gpu still hold the example'"'"'s placeholders'
+if [[ -n "$PLACEHOLDERS" ]]; then
+  if [[ "$DRY_RUN" == 1 ]]; then
+    echo "deploy: WARNING: $PLACEHOLDERS; the real run will refuse to start" >&2
+  else
+    echo "deploy: $PLACEHOLDERS: set your own and render again" >&2
+    exit 2
+  fi
+fi
+
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # The code at HEAD of the xla_shard checkout (REPO, default: the one this is run from) goes to every worker.
 REPO="${REPO:-$(git rev-parse --show-toplevel 2>/dev/null || true)}"
 if [[ -z "$REPO" && "$DRY_RUN" != 1 ]]; then
   echo "deploy.sh: run it from inside the xla_shard checkout, or set REPO=/path/to/xla_shard" >&2
   exit 2
+elif [[ -z "$REPO" ]]; then
+  echo "deploy.sh: WARNING: not inside an xla_shard checkout; the real run will need REPO=/path/to/xla_shard" >&2
 fi
 run git -C "${REPO:-.}" archive --format=tar.gz -o "$HERE/xla_shard.tar.gz" HEAD
 

@@ -13,5 +13,16 @@ run() {
   if [[ "$DRY_RUN" != 1 ]]; then "$@"; fi
 }
 
+# Values still set to the example configs' placeholders: a dry run flags them, a real run refuses to start.
+PLACEHOLDERS='deploy.project=my-project, checkpoint.dir=gs://my-bucket/xla-shard/small-llama-gpu still hold the example'"'"'s placeholders'
+if [[ -n "$PLACEHOLDERS" ]]; then
+  if [[ "$DRY_RUN" == 1 ]]; then
+    echo "deploy: WARNING: $PLACEHOLDERS; the real run will refuse to start" >&2
+  else
+    echo "deploy: $PLACEHOLDERS: set your own and render again" >&2
+    exit 2
+  fi
+fi
+
 # Deletes what the deploy script created. Checkpoints in the bucket stay.
 run "$GCLOUD" compute instances delete xla-shard-a3-0 xla-shard-a3-1 --zone=us-central1-a --project=my-project --quiet
