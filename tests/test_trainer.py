@@ -224,11 +224,23 @@ def test_mfu_is_never_above_one(tmp_path):
     low = [json.loads(line) for line in (tmp_path / "low" / "metrics.jsonl").read_text().splitlines()]
     assert len(low) == 3 and not any("mfu" in r for r in low)
     assert done.stderr.count("> 1 against train.peak_flops_per_device=1e+03") == 1, done.stderr[-2000:]
+    assert "GSPMD sharding propagation is going to be deprecated" not in done.stderr  # XLA's per-compile warning
     import os
 
     assert ("more than the" in done.stderr) == (len(os.sched_getaffinity(0)) < 2)  # cpu_devices=2
     high = train(tmp_path / "high", [*sets, "train.peak_flops_per_device=1e18"])
     assert all(0 < r["mfu"] < 1e-3 for r in high)
+
+
+def test_without_a_terminal_each_record_is_one_line_with_the_time_left(tmp_path, capsys):
+    from xla_shard.metrics import StepLogger
+
+    logger = StepLogger(str(tmp_path), total_steps=1000, enabled=True)
+    logger.log({"step": 40, "loss": 2.5, "step_time_s": 4.0, "tokens_per_s": 100.0})
+    logger.log({"step": 40, "eval_loss": 2.0})
+    logger.close()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["step=40 loss=2.5 step_time_s=4 tokens_per_s=100 eta=1:04:00", "step=40 eval_loss=2"]
 
 
 def test_one_metrics_series_per_run(tmp_path):

@@ -33,8 +33,11 @@ def on_tpu() -> bool:
 
 def declare_xla_device() -> None:
     """torch_xla reads PJRT_DEVICE when it is first imported, and transformers imports it (through accelerate)
-    long before a backend configures the runtime; without it torch_xla logs a warning on every command."""
+    long before a backend configures the runtime; without it torch_xla logs a warning on every command. XLA's
+    C++ log level is read then too: at 2 it drops the GSPMD deprecation warning XLA prints at every compile
+    (TF_CPP_MIN_LOG_LEVEL=0 in the environment shows everything again)."""
     os.environ.setdefault("PJRT_DEVICE", "TPU" if on_tpu() else "CPU")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 def train_here(cfg, backend=None) -> int:

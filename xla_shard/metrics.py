@@ -65,6 +65,7 @@ class StepLogger:
     def __init__(self, output_dir: str, total_steps: int, enabled: bool, start_step: int = 0,
                  tensorboard: bool = False, log=print):
         self.enabled = enabled
+        self.total_steps = total_steps
         self.file = None
         self.bar = None
         self.board = None
@@ -101,8 +102,12 @@ class StepLogger:
                     self.board.add_scalar(key if key.startswith("eval_") else f"train/{key}", value, record["step"])
         if "eval_loss" in record and not self.bar.disable:
             self.bar.write(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()), file=sys.stderr)
-        if self.bar.disable:
-            print(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()), file=sys.stderr, flush=True)
+        if self.bar.disable:  # no terminal (a log file): one line per record, with the time left
+            line = " ".join(f"{k}={_fmt(v)}" for k, v in record.items())
+            if "step_time_s" in record:
+                left = round(max(0, self.total_steps - record["step"]) * record["step_time_s"])
+                line += f" eta={left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}"
+            print(line, file=sys.stderr, flush=True)
 
     def advance(self, record: dict[str, Any] | None) -> None:
         if self.enabled:
