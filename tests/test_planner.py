@@ -175,9 +175,14 @@ def test_plan_prints_candidates_that_fit_best_first():
     result = json.loads(done.stdout)
     rows = result["candidates"]
     assert len(rows) == len(candidates(128, domain=8)) and result["fast_domain"] == 8
-    fitting = [r for r in rows if r["fits"]]
-    assert fitting and rows[:len(fitting)] == fitting  # those that fit come first
+    assert result["backend"] == "torch_fsdp"  # backend auto on GPUs
+    runnable = [r for r in rows if r["runs"]]
+    assert runnable and rows[:len(runnable)] == runnable  # what the backend runs comes first
+    assert all(result["backend"] in r["backends"] for r in runnable)
+    fitting = [r for r in runnable if r["fits"]]
+    assert fitting and runnable[:len(fitting)] == fitting  # then those that fit, fastest first
     assert [r["step_s"] for r in fitting] == sorted(r["step_s"] for r in fitting)
+    assert result["best"]["triple"] == fitting[0]["triple"]
     assert all(r["memory"]["total"] <= 80e9 for r in fitting)
     for r in rows:  # xla_spmd runs every triple resharded after forward; FSDP2 only those sharding the three alike
         params, grads, optimizer = r["triple"].split("/")
@@ -185,9 +190,47 @@ def test_plan_prints_candidates_that_fit_best_first():
         assert ("xla_spmd" in r["backends"]) == ("(" not in params) and ("torch_fsdp" in r["backends"]) == uniform, r
     assert not any(r["fits"] for r in rows if r["triple"] == "1/1/1")  # 7B unsharded, with AdamW: 112 GB
     small = run_cli("plan", "--set", "model=llama-70b", "--devices", "8", "--accelerator", "h100", "--hbm-gib", "8")
-    assert small.returncode == 0 and "nothing fits in 8 GiB per device" in small.stdout
+    assert small.returncode == 0 and "nothing that torch_fsdp runs fits in 8 GiB per device" in small.stdout
     bad = run_cli("plan", "--devices", "8", "--accelerator", "a100")
     assert bad.returncode == 2 and "--accelerator 'a100'" in bad.stderr
+
+
+@pytest.mark.parametrize("backend, devices, accelerator", [("torch_fsdp", 64, "h100"), ("xla_spmd", 64, "v5p"),
+                                                            ("xla_fsdp", 64, "v4")])
+def test_plan_prints_the_yaml_that_runs_its_pick_on_the_backend_asked_for(tmp_path, backend, devices, accelerator):
+    """`--backend` ranks for that backend; the printed fsdp: YAML, pasted into the config, is that row's plan
+    and the backend accepts it; ties share a rank."""
+    from xla_shard import backends, plan as planlib
+
+    sets = ["--set", "model=llama-7b", "--set", "fsdp.mixed_precision=bf16", "--set",
+            "fsdp.activation_checkpointing=true", "--set", "train.seq_len=2048", "--set", "train.global_batch_size=1024"]
+    done = run_cli("plan", *sets, "--devices", str(devices), "--accelerator", accelerator, "--backend", backend, "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert result["backend"] == backend and result["batch_splits"]
+    pasted = tmp_path / "config.yaml"
+    pasted.write_text(f"model: llama-7b\nbackend: {backend}\n" + result["best"]["yaml"])
+    cfg = config.load(pasted)
+    resolved = planlib.resolve(cfg.fsdp, cfg.mesh, devices)
+    assert resolved.triple == result["best"]["triple"]
+    assert backends.BACKENDS[backend].triple_refusal(resolved) is None
+    rows = result["candidates"]
+    for a, b in zip(rows, rows[1:]):
+        same = (a["runs"], a["fits"], round(a["step_s"] * 1e3)) == (b["runs"], b["fits"], round(b["step_s"] * 1e3))
+        assert (b["rank"] == a["rank"]) == same
+    text = run_cli("plan", *sets, "--devices", str(devices), "--accelerator", accelerator, "--backend", backend,
+                   "--show", "1/1/1")
+    assert text.returncode == 0 and f"the pick for {backend}, {result['best']['triple']}" in text.stdout
+    assert result["best"]["yaml"] in text.stdout and "\n1/1/1" in text.stdout
+
+
+def test_plan_warns_when_the_batch_does_not_split_over_the_devices():
+    done = run_cli("plan", "--set", "model=llama-7b", "--set", "train.global_batch_size=1020", "--devices", "64",
+                   "--accelerator", "h100")
+    assert done.returncode == 0 and "train.global_batch_size=1020" in done.stderr and "does not split over 64" \
+        in done.stderr
+    bad = run_cli("plan", "--set", "model=llama-7b", "--devices", "8", "--accelerator", "h100", "--show", "3/3/3")
+    assert bad.returncode == 2 and "--show 3/3/3" in bad.stderr
 
 
 # FSDP2 on 4 gloo processes: FULL_SHARD with parameters split 4-way (default), 2-way or kept whole between
