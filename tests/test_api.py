@@ -18,24 +18,58 @@ def _readme_program() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
-def test_the_readme_program_trains_checkpoints_and_resumes(tmp_path: Path):
-    program = tmp_path / "my_loop.py"
-    program.write_text(_readme_program())
+def test_the_readme_program_trains_evaluates_and_resumes_exactly(tmp_path: Path, model_dirs):
+    """The README's own loop, with its model directory and data file: run whole in one directory; in another,
+    stopped after step 2 and run again. The resumed run continues at step 3 (extra state included) and prints
+    the whole run's losses, learning rates, gradient norms and evaluations."""
+    import shutil
 
-    def run() -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(program)], cwd=tmp_path, env=_env(), capture_output=True,
+    program = _readme_program()
+    stop_after_two = program.replace("for step in range(start, train.steps):", "for step in range(start, 2):")
+    assert stop_after_two != program
+
+    def run(folder: Path, text: str) -> subprocess.CompletedProcess:
+        folder.mkdir(exist_ok=True)
+        if not (folder / "my-llama").exists():
+            shutil.copytree(model_dirs.llama, folder / "my-llama")
+            shutil.copy(REPO / "tests/fixtures/corpus.jsonl", folder / "corpus.jsonl")
+        (folder / "my_loop.py").write_text(text)
+        done = subprocess.run([sys.executable, "my_loop.py"], cwd=folder, env=_env(), capture_output=True,
                               text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
 
-    first = run()
-    assert first.returncode == 0, first.stderr[-3000:]
-    losses = [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", first.stdout, re.M)]
-    assert re.findall(r"^step (\d+) loss", first.stdout, re.M) == ["1", "2", "3", "4"]
-    assert all(loss == loss and 0 < loss < 10 for loss in losses)
-    assert (tmp_path / "runs/my_loop/ckpt/step-00000004/manifest.json").exists()
-    second = run()
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from runs/my_loop/ckpt/step-00000004 at step 4" in second.stdout
-    assert "step 1 loss" not in second.stdout
+    def lines(out: str) -> list[str]:
+        return [line for line in out.splitlines() if line.startswith(("step ", "best "))]
+
+    whole = lines(run(tmp_path / "whole", program).stdout)
+    assert [line.split()[1] for line in whole if line.startswith("step")] == ["1", "2", "2", "3", "4", "4"]
+    rates = [float(line.split()[5]) for line in whole if " lr " in line]
+    assert len(rates) == 4 and rates[-1] < rates[1] and len(set(rates)) == 3  # warm-up, then cosine decay
+    assert "over" in whole[2] and whole[2].endswith(" rows")
+    first = run(tmp_path / "resumed", stop_after_two)
+    assert lines(first.stdout)[:3] == whole[:3]
+    second = run(tmp_path / "resumed", program)
+    assert "resumed from runs/my_loop/ckpt/step-00000002 at step 2" in second.stdout + second.stderr
+    assert lines(second.stdout) == whole[3:]  # steps 3 and 4, the evaluation and the best over all four steps
+    assert (tmp_path / "resumed/runs/my_loop/ckpt/step-00000004/manifest.json").exists()
+
+
+def test_restore_refuses_a_checkpoint_without_the_extra_state_it_asks_for(tmp_path: Path, model_dirs):
+    program = _readme_program().replace("for step in range(start, train.steps):", "for step in range(start, 1):")
+    without = program.replace('extra={"best": best})  # sharded', 'extra=None)  # sharded')
+    assert without != program
+    import shutil
+
+    shutil.copytree(model_dirs.llama, tmp_path / "my-llama")
+    shutil.copy(REPO / "tests/fixtures/corpus.jsonl", tmp_path / "corpus.jsonl")
+    for text, code in ((without, 0), (program, 2)):
+        (tmp_path / "my_loop.py").write_text(text)
+        done = subprocess.run([sys.executable, "my_loop.py"], cwd=tmp_path, env=_env(), capture_output=True,
+                              text=True, timeout=600)
+        if code == 0:
+            assert done.returncode == 0, done.stderr[-3000:]
+    assert "holds no extra state 'best' (it has: none)" in done.stderr, done.stderr[-2000:]
 
 
 def test_import_xla_shard_is_light_and_lazy():

@@ -154,6 +154,7 @@ def _emb(m):
     (lambda m: m.update(writers=0), ["writers", "below 1"]),
     (lambda m: m.update(created="yesterday"), ["created", "a time in seconds"]),
     (lambda m: m["hf_config"].update(auto_map={"AutoConfig": "evil.Config"}), ["hf_config.auto_map"]),
+    (lambda m: m.update(extra={"best": [1, 2]}), ["extra['best']: expected a JSON object, got a list"]),
 ])
 def test_a_manifest_that_fails_the_schema_is_one_line(tmp_path, capsys, checkpoint, edit, words):
     step, _ = checkpoint

@@ -10,6 +10,7 @@ The public API, for your own training loop (see the README's "Use from Python"):
     build_data                     the config's data: training (and evaluation) batches for any step and process
     Checkpointer                   sharded, atomic, async checkpoints on any fsspec URL, with `restore`
     Trainer                        the whole job for a config, with a `loss_fn` hook
+    evaluate                       loss (perplexity, accuracy) over every row of an evaluation source
     ConfigError, CheckpointError   what user mistakes raise (one line each)
 
 Names are imported on first use, so `import xla_shard` stays light (and torch_xla is imported only by the
@@ -31,6 +32,7 @@ _EXPORTS = {
     "build_data": ("xla_shard.data", "build"),
     "Checkpointer": ("xla_shard.checkpoint", "Checkpointer"),
     "Trainer": ("xla_shard.train", "Trainer"),
+    "evaluate": ("xla_shard.train", "evaluate"),
     "make_optimizer": ("xla_shard.train", "make_optimizer"),
     "ConfigError": ("xla_shard.errors", "ConfigError"),
     "UserError": ("xla_shard.errors", "UserError"),

@@ -232,44 +232,8 @@ class Trainer:
         backend.after_step()
         return total / k if k > 1 else total
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Loss (and perplexity or accuracy) over every evaluation row (`train.eval_steps` batches if set), with
-        the model in eval mode: summed over the tokens (causal LM) or rows (classification) that have a label,
-        then divided by their count, so a batch's filler rows and padding count for nothing."""
-        backend, train, source = self.backend, self.cfg.train, self.eval_source
-        batches = min(source.batches, train.eval_steps or source.batches)
-        rows = micro_rows(train.global_batch_size, 0, 1, backend.rank, backend.world)
-        classify = self.cfg.model.task == "sequence_classification"
-        self.model.eval()
-        loss_sum = counted = correct = None
-        try:
-            for index in range(batches):
-                batch = backend.place(source.rows(index, rows))
-                with backend.forward_context():
-                    out = self.model(**batch)
-                labels = batch["labels"]
-                # The model's own loss is a mean over the labels it counts (causal LM: shifted by one).
-                scored = (labels if classify else labels[:, 1:]) != IGNORE
-                n = scored.sum().float()
-                # A process whose rows are all filler gets a NaN mean (0/0): it contributes 0, not NaN.
-                loss = torch.where(n > 0, out.loss.detach().float() * n, torch.zeros_like(n))
-                loss_sum, counted = (loss, n) if loss_sum is None else (loss_sum + loss, counted + n)
-                if classify:
-                    hits = ((out.logits.argmax(-1) == labels) & scored).sum().float()
-                    correct = hits if correct is None else correct + hits
-                backend.after_step()
-        finally:
-            self.model.train()
-        total = backend.mean_loss(counted)  # means over processes: their ratio is the ratio of the sums
-        result = {"eval_loss": backend.mean_loss(loss_sum) / total}
-        if classify:
-            result["eval_accuracy"] = backend.mean_loss(correct) / total
-        else:
-            result["eval_perplexity"] = math.exp(min(result["eval_loss"], 700.0))
-        result["eval_batches"] = batches
-        result["eval_rows"] = source.rows_covered(batches)
-        return result
+        return evaluate(self.model, self.backend, self.eval_source, self.cfg)
 
     def run(self) -> list[dict[str, Any]]:
         cfg, ckpt, train = self.cfg, self.checkpointer, self.cfg.train
@@ -401,3 +365,43 @@ class Trainer:
 
         return MemoryReport(sum(local(params)), sum(local(grads)), sum(local(states)),
                             full(params), full(grads), full(states))
+
+
+@torch.no_grad()
+def evaluate(model, backend, source, cfg) -> dict[str, float]:
+    """Loss (and perplexity or accuracy) over every row of an evaluation source (`train.eval_steps` batches if
+    set), with the model in eval mode: summed over the tokens (causal LM) or rows (classification) that have a
+    label, then divided by their count, so filler rows and padding count for nothing. Every process calls it."""
+    train = cfg.train
+    batches = min(source.batches, train.eval_steps or source.batches)
+    rows = micro_rows(train.global_batch_size, 0, 1, backend.rank, backend.world)
+    classify = cfg.model.task == "sequence_classification"
+    model.eval()
+    loss_sum = counted = correct = None
+    try:
+        for index in range(batches):
+            batch = backend.place(source.rows(index, rows))
+            with backend.forward_context():
+                out = model(**batch)
+            labels = batch["labels"]
+            # The model's own loss is a mean over the labels it counts (causal LM: shifted by one).
+            scored = (labels if classify else labels[:, 1:]) != IGNORE
+            n = scored.sum().float()
+            # A process whose rows are all filler gets a NaN mean (0/0): it contributes 0, not NaN.
+            loss = torch.where(n > 0, out.loss.detach().float() * n, torch.zeros_like(n))
+            loss_sum, counted = (loss, n) if loss_sum is None else (loss_sum + loss, counted + n)
+            if classify:
+                hits = ((out.logits.argmax(-1) == labels) & scored).sum().float()
+                correct = hits if correct is None else correct + hits
+            backend.after_step()
+    finally:
+        model.train()
+    total = backend.mean_loss(counted)  # means over processes: their ratio is the ratio of the sums
+    result = {"eval_loss": backend.mean_loss(loss_sum) / total}
+    if classify:
+        result["eval_accuracy"] = backend.mean_loss(correct) / total
+    else:
+        result["eval_perplexity"] = math.exp(min(result["eval_loss"], 700.0))
+    result["eval_batches"] = batches
+    result["eval_rows"] = source.rows_covered(batches)
+    return result

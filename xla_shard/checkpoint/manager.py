@@ -46,6 +46,42 @@ def versions() -> dict[str, str]:
     return found
 
 
+Extra = dict[str, Any]  # name -> an object with state_dict()/load_state_dict(), or a dict
+
+
+def _snapshot(extra: Extra) -> dict[str, Any]:
+    """The extra state as JSON values, taken now (the save may finish in the background)."""
+    found = {}
+    for name, value in extra.items():
+        state = value.state_dict() if hasattr(value, "state_dict") else value
+        if not isinstance(state, dict):
+            raise UserError(f"checkpoint extra state {name!r}: expected a dict or an object with state_dict(), got "
+                            f"{type(value).__name__}")
+        try:
+            found[name] = json.loads(json.dumps(state))  # Python's JSON: inf and nan round-trip
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"checkpoint extra state {name!r} is not JSON data ({exc})") from None
+    return found
+
+
+def _check_extra(manifest: Manifest, wanted: Extra) -> None:
+    stored = manifest.data.get("extra") or {}
+    missing = [name for name in wanted if name not in stored]
+    if missing:
+        raise CheckpointError(f"{manifest.url} holds no extra state {missing[0]!r} (it has: "
+                              f"{', '.join(sorted(stored)) or 'none'}); it was saved without it")
+
+
+def _load_extra(manifest: Manifest, wanted: Extra) -> None:
+    stored = manifest.data.get("extra") or {}
+    for name, target in wanted.items():
+        if hasattr(target, "load_state_dict"):
+            target.load_state_dict(stored[name])
+        else:
+            target.clear()
+            target.update(stored[name])
+
+
 # ---- writing ------------------------------------------------------------------------------------------
 class Checkpointer:
     """One per training process. `restore` picks up where `checkpoint.resume` says; `save` returns once the
@@ -66,18 +102,25 @@ class Checkpointer:
         self.run: dict[str, Any] = _new_run()
         self._thread: threading.Thread | None = None
         self._hf_config: dict[str, Any] | None = None
+        self._extra: dict[str, Any] | None = None  # what the save in flight stores as extra state
+        self._wanted_extra: Extra = {}  # what restore puts it back into
         self._error: BaseException | None = None
         self.saving_step: int | None = None
         self.last_saved: int | None = None  # newest step this process saved (committed or in flight)
         self.last_committed: int | None = None
 
     # ---- save ---------------------------------------------------------------------------------------
-    def save(self, step: int, model, optimizer, block: bool = False) -> None:
+    def save(self, step: int, model, optimizer, block: bool = False, extra: Extra | None = None) -> None:
         """Snapshot now, upload and commit (in the background with `checkpoint.async`). A step already saved
-        by this process is not saved again: its directory is committed and is never rewritten."""
+        by this process is not saved again: its directory is committed and is never rewritten.
+
+        `extra`: more state of your loop, by name: objects with `state_dict()` / `load_state_dict()` (torch's
+        Stateful: an LR scheduler, a data loader) or plain dicts; the main process's is stored, as JSON, in the
+        manifest, and `restore(..., extra=)` puts it back."""
         if step == self.last_saved:
             return
         self.wait()  # at most one save in flight; an earlier failure surfaces here
+        self._extra = _snapshot(extra) if extra else None
         self._hf_config = hf_config(model)
         entries = [layout.Entry(t.name, t.shape, t.dtype, t.chunks()) for t in self.backend.state(model, optimizer)]
         rng = self.backend.rng_state()
@@ -145,6 +188,8 @@ class Checkpointer:
         manifest = {"format": layout.FORMAT, "step": step, "writers": world, "created": time.time(),
                     "run": self.run, **self.backend.describe(), "hf_config": self._hf_config, "versions": versions(),
                     "files": files, "rng": rng, "tensors": tensors}
+        if self._extra is not None:
+            manifest["extra"] = self._extra
         self.storage.write(f"{directory}/{layout.MANIFEST}", json.dumps(manifest, indent=1).encode())
         self.last_committed = step
         self.log(f"checkpoint step {step} committed: {self.storage.url_of(directory)}")
@@ -181,13 +226,15 @@ class Checkpointer:
                 self.runs.forget(step)
 
     # ---- restore --------------------------------------------------------------------------------------
-    def restore(self, model, optimizer) -> int:
-        """Load what `checkpoint.resume` asks for into `model` and `optimizer` (and this process's RNGs);
-        return the step to continue from, 0 for a fresh start."""
+    def restore(self, model, optimizer, extra: Extra | None = None) -> int:
+        """Load what `checkpoint.resume` asks for into `model` and `optimizer` (and this process's RNGs, and
+        each object of `extra` that `save` stored under its name); return the step to continue from, 0 for a
+        fresh start (`extra` then stays as it is)."""
         resume = self.section.resume
         if resume == "never":
             self._claim(0, "checkpoint.resume=never starts a new run")
             return 0
+        self._wanted_extra = extra or {}
         if resume == "auto":
             return self._restore_newest(model, optimizer)
         return self._restore_url(resume, model, optimizer)
@@ -275,7 +322,9 @@ class Checkpointer:
                   for name, meta in manifest.tensors.items()}
         targets = self.backend.state(model, optimizer, stored=stored)
         _match(manifest, stored, targets)
+        _check_extra(manifest, self._wanted_extra)
         fill(ChunkReader(storage, manifest), targets)
+        _load_extra(manifest, self._wanted_extra)
         rank, world = self.backend.writer
         if manifest.data["writers"] == world and str(rank) in manifest.data["rng"]:
             try:

@@ -206,9 +206,11 @@ def check_manifest(data: Any, verified: bool = True) -> dict:
     created = data.get("created", 0)
     if isinstance(created, bool) or not isinstance(created, (int, float)) or not 0 <= created < 1e11:
         raise SchemaError("created", f"expected a time in seconds, got {_kind(created)}")
-    for key in ("run", "hf_config", "plan"):
+    for key in ("run", "hf_config", "plan", "extra"):
         if data.get(key) is not None:
             _mapping(data[key], key)
+    for name, state in (data.get("extra") or {}).items():
+        _mapping(state, f"extra[{name!r}]")
     if isinstance(data.get("hf_config"), dict) and "auto_map" in data["hf_config"]:
         raise SchemaError("hf_config.auto_map", "a model config that imports Python code: xla_shard never writes or "
                                                 "exports one")
