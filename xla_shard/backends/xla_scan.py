@@ -1,17 +1,19 @@
 """`fsdp.scan_layers`: run a model's stack of identical decoder layers as one XLA loop (torch_xla's `scan`).
 
-Unrolled, XLA compiles every layer's forward and backward again, so the first step's compile time grows with
-depth; scanned, it compiles one layer's body once. The layers stay separate modules with their own parameters
-(so state dicts, checkpoints and exports are unchanged): only iterating the stack, as the model's forward does
+Unrolled, XLA compiles every layer's forward and backward again; scanned, it compiles one layer's body once.
+What stays per parameter outside the loop (stacking the parameters, the optimizer's update) still grows with
+depth: measured in the README. The layers stay separate modules with their own parameters (so state dicts,
+checkpoints and exports are unchanged): only iterating the stack, as the model's forward does
 (`for layer in self.layers[:n]`), yields one callable that stacks their parameters and scans over them.
 
-Under SPMD torch_xla's scan shards its backward with jax's `shard_alike`, so jax and torchax must be installed
-(`pip install 'xla_shard[scan]'`).
+Under SPMD torch_xla's scan shards its backward with jax's `shard_alike`, through the torchax copy inside
+torch_xla's wheel, which needs jax and flax (`pip install 'xla_shard[scan]'`).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any, Callable
 
 import torch
@@ -37,12 +39,17 @@ def recompute_all(joint, inputs, **kwargs):
 
 
 def check_available() -> None:
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # flax's import warns that TensorFlow is absent, which scan does not need
     try:
         import jax  # noqa: F401
         import torchax  # noqa: F401
     except ImportError as exc:
-        raise ConfigError(KEY, f"torch_xla's scan needs jax and torchax under SPMD ({exc.name} is not installed): "
+        raise ConfigError(KEY, f"torch_xla's scan needs jax and flax under SPMD ({exc.name} is not installed): "
                                "pip install 'xla_shard[scan]', or set it to false") from None
+    finally:
+        absl.setLevel(level)
 
 
 def scan_stack(model: nn.Module, fsdp: FsdpSection, checkpoint: bool) -> int:
