@@ -203,23 +203,23 @@ def _gcp_render(args) -> int:
 
     cfg = cfglib.load(args.config, args.set)
     rendering = render(cfg, args.target)
-    found = placeholders(cfg)
+    if not args.out:
+        print(rendering.files["deploy.sh"], end="")
+    else:
+        out = Path(args.out)
+        blocker = file_in_the_way(out)
+        if blocker:
+            raise UserError(f"--out {args.out}: {blocker} is a file, not a directory")
+        out.mkdir(parents=True, exist_ok=True)
+        for name, text in rendering.files.items():
+            (out / name).write_text(text)
+            if name.endswith(".sh"):
+                (out / name).chmod(0o755)
+        print(f"wrote {', '.join(rendering.files)} to {out}; run {out / 'deploy.sh'} (DRY_RUN=1 to preview)")
+    found = placeholders(cfg)  # after the rendering is written: an error above stays the one line printed
     if found:
         print(f"xla-shard: WARNING: {', '.join(found)} still hold the example's placeholders: deploy.sh will "
               "refuse to start until they are yours (a DRY_RUN=1 preview works)", file=sys.stderr)
-    if not args.out:
-        print(rendering.files["deploy.sh"], end="")
-        return 0
-    out = Path(args.out)
-    blocker = file_in_the_way(out)
-    if blocker:
-        raise UserError(f"--out {args.out}: {blocker} is a file, not a directory")
-    out.mkdir(parents=True, exist_ok=True)
-    for name, text in rendering.files.items():
-        (out / name).write_text(text)
-        if name.endswith(".sh"):
-            (out / name).chmod(0o755)
-    print(f"wrote {', '.join(rendering.files)} to {out}; run {out / 'deploy.sh'} (DRY_RUN=1 to preview)")
     return 0
 
 
