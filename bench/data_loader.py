@@ -85,7 +85,8 @@ def main() -> None:
         data.build(cfg, mconfig, str(model_dir))
         cached = time.perf_counter() - start
         mib = corpus.stat().st_size / 2**20
-        print(f"corpus: {args.docs} documents, {mib:.1f} MiB -> {source.rows_per_epoch} blocks of {args.seq_len} tokens")
+        print(f"corpus: {args.docs} documents, {mib:.1f} MiB -> {source.rows_per_epoch} blocks of "
+              f"{args.seq_len} tokens")
         print(f"tokenize + pack (first run): {first:.2f} s; from the cache (a restart): {cached:.2f} s "
               f"(ratio {cached / first:.3f})")
 

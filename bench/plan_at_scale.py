@@ -41,21 +41,24 @@ def main() -> None:
             for n in sizes:
                 per_device = max(1, args.global_batch // n)
                 micro = max(1, per_device // 4)
-                cfg = config.load(None, [f"model={model}", "fsdp.mixed_precision=bf16", "fsdp.activation_checkpointing=true",
+                cfg = config.load(None, [f"model={model}", "fsdp.mixed_precision=bf16",
+                                         "fsdp.activation_checkpointing=true",
                                          "train.seq_len=2048", f"train.global_batch_size={per_device * n}",
                                          f"train.grad_accum_steps={micro}"])
                 ranked = planner.plan(planner.workload(cfg, n, backend), n, acc, efficiency=args.efficiency,
                                       **layout(n))
                 base, best = ranked.baseline, ranked.best
                 runnable = ranked.best_where(lambda t: backend in backends.running(t, n))
-                where = f"{n} x {acc.name}" + (f" ({layout(n)['slices']} slices)" if layout(n).get("slices", 1) > 1 else "")
+                slices = layout(n).get("slices", 1)
+                where = f"{n} x {acc.name}" + (f" ({slices} slices)" if slices > 1 else "")
 
                 def gb(e):
                     return f"{e.traffic[acc.fast_name] / 1e9:.1f} / {e.traffic[acc.slow_name] / 1e9:.1f}"
 
                 fits = "" if base.fits else " (does not fit)"
                 row = [model, where, gb(base), f"{base.step_s:.2f} ({base.mfu:.2f}){fits}"]
-                row += [str(best.triple), gb(best), f"{best.step_s:.2f} ({best.mfu:.2f})"] if best else ["none fits", "", ""]
+                row += ([str(best.triple), gb(best), f"{best.step_s:.2f} ({best.mfu:.2f})"] if best
+                        else ["none fits", "", ""])
                 row += [f"{backend}: {runnable.triple} ({runnable.mfu:.2f})" if runnable else f"{backend}: none"]
                 print("| " + " | ".join(row) + " |")
 

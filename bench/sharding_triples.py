@@ -49,7 +49,7 @@ def _default_triples(n: int) -> list[tuple[int, int, int]]:
 
 def _accumulation(args, overrides: list[str], dump: str) -> None:
     """FULL_SHARD's gradient reductions per step for each micro-batch count."""
-    from xla_shard.planner.measure import compare
+    from measure import compare
 
     n, mib = args.devices, 2 ** 20
     batch = n * max(args.accum)  # every micro-batch splits over the devices
@@ -72,7 +72,7 @@ def main() -> None:
     args = _parse()
     dump = tempfile.mkdtemp(prefix="xla_shard_hlo_")
     os.environ["XLA_FLAGS"] = f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$"
-    from xla_shard.planner.measure import compare
+    from measure import compare
 
     overrides = [f"model={args.model}", "backend=xla_spmd", f"cpu_devices={args.devices}",
                  f"train.seq_len={args.seq_len}", f"train.optimizer={args.optimizer}",

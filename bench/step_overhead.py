@@ -4,7 +4,8 @@
 
 Part 1 (this process): torch_xla SPMD FSDPv2 on CPU_NUM_DEVICES virtual devices, raw loop vs xla_shard's
 xla_spmd backend. Part 2 (torchrun, 2 gloo processes): raw FSDP2 `fully_shard` loop vs the torch_fsdp backend.
-Steps alternate raw / xla_shard. Prints step time (median of the timed steps), the ratio xla_shard / raw (target <= 1.03), XLA compilations after
+Steps alternate raw / xla_shard. Prints step time (median of the timed steps), the ratio xla_shard / raw
+(target <= 1.03), XLA compilations after
 warm-up (target 0) and per-device bytes against unsharded. Both sides sync every step (loss.item()).
 """
 

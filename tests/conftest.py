@@ -8,6 +8,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 WORKERS = Path(__file__).resolve().parent / "workers"
+sys.path.insert(0, str(REPO))  # bench/'s harnesses (measure.py, gcs_emulator.py) import as `bench.*`
 
 # Nothing may reach the Hugging Face hub; XLA's CPU client stays quiet.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -58,7 +59,7 @@ def probe(tmp_path):
 @pytest.fixture
 def gcs(tmp_path, monkeypatch):
     """A real GCS JSON API on loopback; gs:// URLs in this process and in `run_cli` children reach it."""
-    from xla_shard.testing import GcsEmulator
+    from bench.gcs_emulator import GcsEmulator
 
     emulator = GcsEmulator(tmp_path).start()
     for key, value in emulator.env().items():
@@ -84,7 +85,6 @@ def model_dirs(tmp_path_factory):
     import types
 
     import torch
-
     from model_dirs import bert_classifier_dir, llama_dir
 
     root = tmp_path_factory.mktemp("pretrained")

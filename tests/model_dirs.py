@@ -9,8 +9,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-from transformers import (BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM,
-                          PreTrainedTokenizerFast)
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 CORPUS = Path(__file__).resolve().parent / "fixtures" / "corpus.txt"
 VOCAB = 320

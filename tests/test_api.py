@@ -74,6 +74,7 @@ def test_restore_refuses_a_checkpoint_without_the_extra_state_it_asks_for(tmp_pa
 
 def test_import_xla_shard_is_light_and_lazy():
     done = subprocess.run([sys.executable, "-c", "import sys, xla_shard; xla_shard.load_config; "
-                                                 "print(sorted(m for m in ('torch', 'torch_xla') if m in sys.modules))"],
+                                                 "print(sorted(m for m in ('torch', 'torch_xla') "
+                                                 "if m in sys.modules))"],
                           env=_env(), capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "[]", done.stderr

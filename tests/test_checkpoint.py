@@ -214,8 +214,8 @@ def test_a_checkpoint_of_another_model_or_config_is_refused(cli, tmp_path, refer
 def test_export_gives_a_model_transformers_loads_with_identical_weights(cli, tmp_path, reference):
     from transformers import AutoModelForCausalLM
 
-    from xla_shard.checkpoint.inspect import open_checkpoint
     from xla_shard.checkpoint import ChunkReader
+    from xla_shard.checkpoint.inspect import open_checkpoint
 
     ckpt, _ = reference
     out = tmp_path / "hf"

@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from xla_shard.checkpoint import layout
-from xla_shard.checkpoint import ChunkReader, Manifest
+from xla_shard.checkpoint import ChunkReader, Manifest, layout
 from xla_shard.checkpoint.storage import Storage, StorageError, is_transient
 
 

@@ -5,8 +5,8 @@ import subprocess
 
 import pytest
 import yaml
-
 from conftest import FIXTURES
+
 from xla_shard import config
 from xla_shard.cli import main
 from xla_shard.config.schema import ShardingStrategy

@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-
 from conftest import run_cli, run_load_probe
 from model_dirs import assemble, stored_tensors
 

@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import FIXTURES, run_cli
+
 from xla_shard import config
 from xla_shard.data import build, micro_rows
 from xla_shard.errors import ConfigError
@@ -39,7 +39,8 @@ def test_packing_joins_documents_with_eos_into_full_blocks(model_dirs):
 
 
 def test_padding_masks_the_padding_and_leaves_it_out_of_the_loss(model_dirs):
-    batch = sources(model_dirs.llama, f"data.path={CORPUS}", "data.packing=false", "train.seq_len=128").train.global_batch(0)
+    found = sources(model_dirs.llama, f"data.path={CORPUS}", "data.packing=false", "train.seq_len=128")
+    batch = found.train.global_batch(0)
     assert set(batch) == {"input_ids", "attention_mask", "labels"}
     pads = batch["attention_mask"] == 0
     assert pads.any() and (batch["labels"][pads] == -100).all()
@@ -120,7 +121,8 @@ def test_the_order_is_a_seeded_shuffle_per_epoch_and_ranks_tile_the_batch(model_
     again = sources(model_dirs.llama, f"data.path={CORPUS}", "train.global_batch_size=8").train
     assert again.indices(5, range(8)) == source.indices(5, range(8))  # the same on every process and run
     for micros, world in ((1, 2), (2, 2), (4, 1), (2, 4)):
-        parts = [i for micro in range(micros) for rank in range(world) for i in micro_rows(8, micro, micros, rank, world)]
+        parts = [i for micro in range(micros) for rank in range(world)
+                 for i in micro_rows(8, micro, micros, rank, world)]
         assert parts == list(range(8)), (micros, world)
 
 

@@ -23,7 +23,8 @@ RENDERINGS = {
     "queued-resource": (TPU, "queued-resource", []),
     "v5e-multihost": (TPU, "tpu-vm", ["deploy.accelerator_type=v5litepod-16", "deploy.zone=us-west4-a",
                                       "deploy.provisioning=reserved", "deploy.network=train-net",
-                                      "deploy.subnetwork=train-subnet", "deploy.service_account=sa@p.iam.gserviceaccount.com"]),
+                                      "deploy.subnetwork=train-subnet",
+                                      "deploy.service_account=sa@p.iam.gserviceaccount.com"]),
     "gpu-1node": (GPU, "gpu-vm", ["deploy.gpu_nodes=1"]),
     "gpu-2node": (GPU, "gpu-vm", []),
 }
@@ -178,7 +179,8 @@ def test_rendered_scripts_never_execute_a_value_even_unvalidated(tmp_path, targe
     """Quoting holds on its own: values forced past validation are rendered, deploy.sh runs (dry and for real,
     with the remote --command strings run by a shell) and startup.sh runs as root would; nothing executes and
     each value arrives intact."""
-    cfg = config.load(GPU if target == "gpu-vm" else TPU, [*OWN, *(["deploy.gpu_nodes=2"] if target == "gpu-vm" else [])])
+    gpu = target == "gpu-vm"
+    cfg = config.load(GPU if gpu else TPU, [*OWN, *(["deploy.gpu_nodes=2"] if gpu else [])])
     for key in ("name", "project", "zone", "remote_user", "remote_dir", "network", "service_account"):
         cfg.deploy.__dict__[key] = payload  # bypasses the schema on purpose
     cfg.deploy.__dict__["allow_unlisted_zone"] = True
@@ -253,3 +255,30 @@ def test_train_loop_does_not_restart_after_a_user_error(tmp_path):
     done = subprocess.run(["bash", str(REPO / "scripts/train_loop.sh"), "cfg.yaml"], capture_output=True, text=True,
                           timeout=60, env=dict(os.environ, XLA_SHARD_LAUNCHER=str(launcher), RESTART_DELAY_S="0"))
     assert done.returncode == 2 and count.read_text() == "x\n" and "not restarting" in done.stderr
+
+
+@pytest.mark.slow
+def test_an_installed_wheel_renders_without_the_checkout(tmp_path):
+    """The templates ship inside the wheel: installed (not editable) and run away from the repository, `gcp
+    render` writes the same scripts as the checkout does."""
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(REPO), "-w", str(wheels)],
+                           capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-2000:]
+    (wheel,) = wheels.glob("xla_shard-*.whl")
+    installed = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
+                                str(wheel)], capture_output=True, text=True, timeout=600)
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    config_file = tmp_path / "tpu.yaml"
+    shutil.copy(TPU, config_file)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    program = "import sys, xla_shard.cli; print(xla_shard.__file__, file=sys.stderr); sys.exit(xla_shard.cli.main())"
+    done = subprocess.run([sys.executable, "-c", program, "gcp", "render", str(config_file), "--target", "tpu-vm",
+                           "--out", str(tmp_path / "out"), *[a for s in OWN for a in ("--set", s)]],
+                          cwd=tmp_path, env=dict(env, PYTHONPATH=str(site)), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.startswith(str(site / "xla_shard")), done.stderr  # the wheel's copy, not the checkout
+    checkout = render(config.load(TPU, OWN), "tpu-vm")
+    for name, text in checkout.files.items():
+        assert (tmp_path / "out" / name).read_text() == text, name

@@ -92,7 +92,8 @@ def test_a_jsonl_data_file_that_is_not_utf8(tmp_path, capsys, model_dirs):
 def test_output_dir_or_export_target_that_is_a_file(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    _one_line_exit_2(["config", "check", CONFIG, "--set", f"output_dir={blocker}/run"], capsys, "output_dir", "is a file")
+    _one_line_exit_2(["config", "check", CONFIG, "--set", f"output_dir={blocker}/run"], capsys, "output_dir",
+                     "is a file")
     _one_line_exit_2(["ckpt", "export", str(tmp_path / "nothing"), "--to", str(blocker)], capsys, "--to", "is a file")
 
 

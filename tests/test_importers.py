@@ -163,7 +163,8 @@ def test_the_trainer_settings_of_training_arguments_come_along(tmp_path):
     path.write_text(json.dumps(saved))
     cfg, _, notes = config.load_with_notes(path)
     train = cfg.train
-    assert (train.lr_schedule, train.lr_warmup_steps, train.max_grad_norm, train.grad_accum_steps) == ("cosine", 2, 0.5, 2)
+    assert (train.lr_schedule, train.lr_warmup_steps, train.max_grad_norm, train.grad_accum_steps) == \
+        ("cosine", 2, 0.5, 2)
     assert any("warmup_steps 0.1 x max_steps 20" in n for n in notes)
     assert any("train.eval_every=5" in n for n in notes) and train.eval_every is None
     epochs = _training_arguments(tmp_path, "full_shard", {}, num_train_epochs=2.5, warmup_steps=0.1)
@@ -200,7 +201,8 @@ def test_an_imported_config_trains(tmp_path, family):
         backend = "xla_spmd"
     elif family == "training-args":
         path = tmp_path / "c.json"
-        path.write_text(json.dumps(_training_arguments(tmp_path, "full_shard auto_wrap", {}, max_steps=2, logging_steps=1)))
+        arguments = _training_arguments(tmp_path, "full_shard auto_wrap", {}, max_steps=2, logging_steps=1)
+        path.write_text(json.dumps(arguments))
         backend = "torch_fsdp"
     else:
         path = tmp_path / "c.json"

@@ -51,13 +51,15 @@ def test_sdpa_trains_on_the_backends_like_eager(tmp_path, backend, sets, extra):
 def test_auto_attention_is_the_fast_kernel_of_each_device():
     from xla_shard.attention import choose
 
-    assert [choose("auto", device) for device in ("tpu", "cuda", "cpu", None)] == ["xla_pallas", "sdpa", "eager", "eager"]
+    chosen = [choose("auto", device) for device in ("tpu", "cuda", "cpu", None)]
+    assert chosen == ["xla_pallas", "sdpa", "eager", "eager"]
     assert choose("sdpa", "tpu") == "sdpa"  # what the user names is used as named
     section = config.load(None, ["model=tiny-llama"]).model
     assert build_model(section, 0, accelerator="cpu").config._attn_implementation == "eager"
 
 
-@pytest.mark.parametrize("kernel, device", [("xla_pallas", "cpu"), ("xla_pallas", "cuda"), ("flash_attention_2", "cpu")])
+@pytest.mark.parametrize("kernel, device",
+                         [("xla_pallas", "cpu"), ("xla_pallas", "cuda"), ("flash_attention_2", "cpu")])
 def test_a_kernel_the_device_lacks_is_refused_naming_the_key(kernel, device):
     section = config.load(None, ["model=tiny-llama", f"model.attn_implementation={kernel}"]).model
     with pytest.raises(ConfigError) as raised:

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, _env, run_cli
+
 from xla_shard import config, plan
 from xla_shard.errors import ConfigError
 from xla_shard.planner import Triple, Workload, accelerator, candidates, estimate, for_device_kind, workload
@@ -54,7 +54,8 @@ def test_a_triple_is_the_plan_of_its_named_strategy():
     cfg = config.load(None, ["fsdp.sharding={params: 2, grads: 2, optimizer: 2}"])
     named = config.load(None, ["fsdp.sharding_strategy=HYBRID_SHARD", "mesh.replica=4"])
     got, want = plan.resolve(cfg.fsdp, cfg.mesh, 8), plan.resolve(named.fsdp, named.mesh, 8)
-    assert (got.strategy, got.replicas, got.shard, got.params) == (want.strategy, want.replicas, want.shard, want.params)
+    fields = ("strategy", "replicas", "shard", "params")
+    assert [getattr(got, f) for f in fields] == [getattr(want, f) for f in fields]
     full = config.load(None, ["fsdp.sharding={params: all, grads: all, optimizer: all}"])
     assert plan.resolve(full.fsdp, full.mesh, 8).strategy.value == "FULL_SHARD"
     none = config.load(None, ["fsdp.sharding={params: none, grads: none, optimizer: none}"])
@@ -149,10 +150,13 @@ def test_hlo_collectives_are_keyed_by_group_size_and_stride_in_both_spellings_of
     from xla_shard.planner.hlo import collectives
 
     text = "\n".join([
-        "%a = f32[8,4]{1,0} all-gather(f32[4,4]{1,0} %p), channel_id=1, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}",
+        "%a = f32[8,4]{1,0} all-gather(f32[4,4]{1,0} %p), channel_id=1, replica_groups=[4,2]<=[2,4]T(1,0), "
+        "dimensions={0}",
         "%b = f32[8,4]{1,0} all-gather(f32[2,4]{1,0} %q), channel_id=2, replica_groups=[2,4]<=[8], dimensions={0}",
-        "%c = bf16[16]{0} all-reduce(bf16[16]{0} %r), channel_id=3, replica_groups={{0,2,1,3},{4,6,5,7}}, to_apply=%add",
-        "%d = f32[2]{0} reduce-scatter(f32[8]{0} %s), channel_id=4, replica_groups={{0,4},{1,5},{2,6},{3,7}}, dimensions={0}",
+        "%c = bf16[16]{0} all-reduce(bf16[16]{0} %r), channel_id=3, replica_groups={{0,2,1,3},{4,6,5,7}}, "
+        "to_apply=%add",
+        "%d = f32[2]{0} reduce-scatter(f32[8]{0} %s), channel_id=4, replica_groups={{0,4},{1,5},{2,6},{3,7}}, "
+        "dimensions={0}",
     ])
     assert collectives(text) == {("all-gather", 2, 4): {"count": 1, "bytes": 128},
                                  ("all-gather", 4, 1): {"count": 1, "bytes": 128},
@@ -200,11 +204,14 @@ def test_plan_prints_candidates_that_fit_best_first():
 def test_plan_prints_the_yaml_that_runs_its_pick_on_the_backend_asked_for(tmp_path, backend, devices, accelerator):
     """`--backend` ranks for that backend; the printed fsdp: YAML, pasted into the config, is that row's plan
     and the backend accepts it; ties share a rank."""
-    from xla_shard import backends, plan as planlib
+    from xla_shard import backends
+    from xla_shard import plan as planlib
 
     sets = ["--set", "model=llama-7b", "--set", "fsdp.mixed_precision=bf16", "--set",
-            "fsdp.activation_checkpointing=true", "--set", "train.seq_len=2048", "--set", "train.global_batch_size=1024"]
-    done = run_cli("plan", *sets, "--devices", str(devices), "--accelerator", accelerator, "--backend", backend, "--json")
+            "fsdp.activation_checkpointing=true", "--set", "train.seq_len=2048", "--set",
+            "train.global_batch_size=1024"]
+    done = run_cli("plan", *sets, "--devices", str(devices), "--accelerator", accelerator, "--backend", backend,
+                   "--json")
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
     assert result["backend"] == backend and result["batch_splits"]
@@ -257,7 +264,7 @@ def fsdp2_runs(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", FSDP2_RUNS, ids=lambda r: "{}({})/{}/{}".format(r[0], r[3], r[1], r[2]))
+@pytest.mark.parametrize("run", FSDP2_RUNS, ids=lambda r: f"{r[0]}({r[3]})/{r[1]}/{r[2]}")
 def test_fsdp2_allocates_and_communicates_as_the_plan_predicts(fsdp2_runs, run):
     """Each FSDP2 layout on 4 gloo processes, AdamW: bytes of parameters, gradients and optimizer state on one
     process are 4/P, 4/G and 8/OS per parameter (FSDP2 pads each tensor's first dimension to a multiple of the
@@ -265,8 +272,8 @@ def test_fsdp2_allocates_and_communicates_as_the_plan_predicts(fsdp2_runs, run):
     within 5% (forward gathers over P; backward over P, over the k neighbours, or none; gradient reduce-scatter
     over G; HSDP's all-reduce across replicas), besides the loss's own 4-byte all-reduce (DDP's bucketed
     all-reduce runs inside its C++ reducer, out of sight); and the losses are FULL_SHARD's."""
+    from bench.measure import attribute
     from xla_shard.planner import collectives
-    from xla_shard.planner.measure import attribute
 
     p, g, o, kept = run
     result = fsdp2_runs[run]

@@ -10,13 +10,13 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
 from conftest import run_cli, run_load_probe
 from model_dirs import assemble, stored_tensors
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
 from xla_shard import config
-from xla_shard.errors import ConfigError
 from xla_shard.data import build as build_data
+from xla_shard.errors import ConfigError
 from xla_shard.train import preflight
 
 BACKENDS = {  # the three backends at the sizes that run on a CPU

@@ -3,8 +3,14 @@ they were. Exactness of scanned training and checkpoint interchange: tests/test_
 
 import pytest
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, \
-    Qwen2MoeForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+)
 
 from xla_shard.backends import xla_scan
 from xla_shard.config.schema import FsdpSection

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 import torch
-
 from conftest import FIXTURES, WORKERS, _env, run_cli
+
 from xla_shard import config
-from xla_shard.errors import ConfigError
 from xla_shard.data import SyntheticSource
+from xla_shard.errors import ConfigError
 from xla_shard.models import build_model
 from xla_shard.schedule import lr_factor
 
@@ -82,7 +82,8 @@ def test_micro_batches_that_do_not_split_over_the_devices_are_refused(sets):
     with pytest.raises(ConfigError) as raised:
         backends.create(cfg).check_launch(8)
     assert raised.value.key == "train.grad_accum_steps" and "4 rows" in str(raised.value), str(raised.value)
-    backends.create(config.load(None, [*sets, "train.global_batch_size=16", "train.grad_accum_steps=2"])).check_launch(8)
+    cfg = config.load(None, [*sets, "train.global_batch_size=16", "train.grad_accum_steps=2"])
+    backends.create(cfg).check_launch(8)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +153,8 @@ def test_the_tutorial_job_bert_on_premise_hypothesis_pairs(model_dirs, tmp_path,
     assert [r["step"] for r in evals] == [2, 4]
     # All 9 held-out rows (a batch of 8 and one of 1 plus filler): whole rows of 9.
     assert all(r["eval_rows"] == 9 and r["eval_batches"] == 2 for r in evals)
-    assert all(0.0 <= r["eval_accuracy"] <= 1.0 and r["eval_accuracy"] * 9 == pytest.approx(round(r["eval_accuracy"] * 9))
+    assert all(0.0 <= r["eval_accuracy"] <= 1.0
+               and r["eval_accuracy"] * 9 == pytest.approx(round(r["eval_accuracy"] * 9))
                for r in evals)
     assert all(math.isfinite(r["eval_loss"]) for r in evals)
     if backend.startswith("xla"):

@@ -160,7 +160,8 @@ def _plan(args) -> int:
     if args.json:
         print(json.dumps({"devices": args.devices, "accelerator": hardware.name, "fast_domain": ranked.domain,
                           "backend": backend, "batch_splits": split is None,
-                          "best": {"triple": str(best.triple), "yaml": report.sharding_yaml(best.triple)} if best else None,
+                          "best": ({"triple": str(best.triple), "yaml": report.sharding_yaml(best.triple)}
+                                   if best else None),
                           "candidates": [dict(e.as_dict(), backends=running(e), runs=runs(e), rank=rank)
                                          for e, rank in zip(ordered, report.ranks(ordered, runs))]}, indent=1))
         return 0
@@ -198,7 +199,6 @@ def _gcp_render(args) -> int:
     from pathlib import Path
 
     from xla_shard.deploy.render import placeholders, render
-
     from xla_shard.errors import file_in_the_way
 
     cfg = cfglib.load(args.config, args.set)

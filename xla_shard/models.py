@@ -12,13 +12,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 try:  # transformers validates config fields with huggingface_hub's strict dataclasses (newer hubs)
     from huggingface_hub.errors import StrictDataclassError
 except ImportError:  # pragma: no cover - older huggingface_hub
     class StrictDataclassError(Exception):
         """Stands in where huggingface_hub has no strict dataclasses: nothing raises it."""
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, PretrainedConfig,
-                          PreTrainedModel)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from xla_shard import attention
 from xla_shard.config.presets import PRESETS

@@ -17,7 +17,7 @@ class PreemptionGuard:
         self.received_at: float | None = None
         self._previous = None
 
-    def __enter__(self) -> "PreemptionGuard":
+    def __enter__(self) -> PreemptionGuard:
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
             self._previous = signal.signal(signal.SIGTERM, self._handle)
         return self

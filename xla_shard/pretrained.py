@@ -15,8 +15,8 @@ import copy
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
@@ -52,7 +52,8 @@ class LoadReport:
         text = (f"read {_mib(self.bytes_read)} of the {_mib(self.bytes_stored)} stored ({self.tensors} tensors), "
                 f"peak host memory +{_mib(self.peak_host_growth)}")
         if self.converted:
-            text += "; converted " + ", ".join(f"{len(names)} tensor(s) {kind}" for kind, names in self.converted.items())
+            text += "; converted " + ", ".join(f"{len(names)} tensor(s) {kind}"
+                                               for kind, names in self.converted.items())
         return text
 
 
@@ -69,7 +70,7 @@ class PretrainedWeights:
         self.skipped: list[str] = []
 
     @classmethod
-    def find(cls, source: ModelSource, init: str, retry_deadline_s: float = 120.0) -> "PretrainedWeights | None":
+    def find(cls, source: ModelSource, init: str, retry_deadline_s: float = 120.0) -> PretrainedWeights | None:
         """The weights `model.init` asks for: None for random init; an error where pretrained ones are wanted
         and missing."""
         if init == "random":

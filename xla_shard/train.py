@@ -9,26 +9,26 @@ from __future__ import annotations
 import math
 import sys
 import time
-from pathlib import Path
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from xla_shard import backends
-from xla_shard.backends.base import Backend
-from xla_shard.checkpoint import CheckpointError, Checkpointer, layout
-from xla_shard.config.schema import ShardConfig, TrainSection
+from xla_shard import backends, metrics
 from xla_shard import data as datalib
+from xla_shard.backends.base import Backend
+from xla_shard.checkpoint import Checkpointer, CheckpointError, layout
+from xla_shard.config.schema import ShardConfig, TrainSection
 from xla_shard.data import Batch, micro_rows
 from xla_shard.data.tokenize import IGNORE
-from xla_shard import metrics
-from xla_shard.metrics import StepLogger, peak_for, train_flops_per_token
 from xla_shard.errors import ConfigError, UserError, file_in_the_way, redact
+from xla_shard.metrics import StepLogger, peak_for, train_flops_per_token
 from xla_shard.models import check_sequence_length
-from xla_shard.pretrained import PretrainedWeights, build_for
 from xla_shard.preemption import PreemptionGuard
+from xla_shard.pretrained import PretrainedWeights, build_for
 from xla_shard.schedule import lr_factor
 from xla_shard.wrap import checkpoint_targets, wrap_targets
 
@@ -107,7 +107,7 @@ class Trainer:
         self.eval_source = None
         self.lr, self.grad_norm = cfg.train.lr, None
 
-    def setup(self) -> "Trainer":
+    def setup(self) -> Trainer:
         cfg, backend = self.cfg, self.backend
         backend.setup()
         self._log(f"{backend.name} on {backend.num_devices} {backend.device_kind} device(s): {backend.plan}")
@@ -142,8 +142,9 @@ class Trainer:
         self._log(f"model: attention {model.config._attn_implementation}"
                   + (" (model.attn_implementation=auto)" if cfg.model.attn_implementation == "auto" else ""))
         if weights is None:
-            self._log(f"model: {model_class}, " + (f"weights from the step-{self.start_step} checkpoint" if self.start_step
-                                                   else f"random init from train.seed={cfg.train.seed}")
+            origin = (f"weights from the step-{self.start_step} checkpoint" if self.start_step
+                      else f"random init from train.seed={cfg.train.seed}")
+            self._log(f"model: {model_class}, " + origin
                       + ("" if source.directory is None else f" (model.init={cfg.model.init})"))
         elif self.start_step:
             weights.load_buffers(backend, self.model)  # checkpoints hold parameters; stored buffers come from here

@@ -19,8 +19,6 @@ from xla_shard.train import Trainer
 
 def main(out: str, *overrides: str) -> None:
     counts: dict[str, list[int]] = {"python_marks": [], "state_marks": [], "grad_marks": []}
-    state_ids: set[int] = set()
-    grad_ids: set[int] = set()
     python_mark, native_mark = xs.mark_sharding, torch_xla._XLAC._xla_mark_sharding
 
     def counting_python(tensor, *args, **kwargs):

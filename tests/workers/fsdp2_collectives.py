@@ -12,8 +12,8 @@ from collections import defaultdict
 
 import torch.distributed as dist
 
+from bench.measure import bytes_after_backward
 from xla_shard import config
-from xla_shard.planner.measure import bytes_after_backward
 from xla_shard.train import Trainer
 
 # torch.distributed function: (op, the result tensor's parameter name and position)

@@ -1,5 +1,5 @@
 """Train a few steps under each of several (P, G, OS) triples in one xla_spmd process and save, per triple,
-what the cost model predicts next to what was measured (xla_shard.planner.measure.compare).
+what the cost model predicts next to what was measured (bench/measure.py: compare).
 
 Usage: triples.py OUT.pt DUMP_DIR P/G/OS [P/G/OS ...] -- KEY=VALUE ...
 XLA_FLAGS must point XLA's HLO dump at DUMP_DIR (set by the caller, before XLA starts).
@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from xla_shard.planner.measure import compare
+from bench.measure import compare
 
 
 def main(out: str, dump: str, *args: str) -> None:

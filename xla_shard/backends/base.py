@@ -11,7 +11,8 @@ import base64
 import contextlib
 import random
 import types
-from typing import Any, Callable, ClassVar, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -296,7 +297,7 @@ class Backend(abc.ABC):
             if optimizer is None:
                 continue
             for key, value in optimizer_state(optimizer.state[param], name, stored, tuple(param.shape),
-                                              lambda: self.zeros_like(param)):
+                                              lambda param=param: self.zeros_like(param)):
                 tensors.append(self._state_tensor(f"optim/{name}/{key}", value))
         return tensors
 

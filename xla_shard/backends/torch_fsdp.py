@@ -86,7 +86,8 @@ class TorchFsdpBackend(Backend):
         if not empty or self.data_parallel:
             model = self.to_device(model)
         if self.data_parallel:
-            return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            return DistributedDataParallel(model, device_ids=device_ids,
                                            bucket_cap_mb=fsdp.bucket_cap_mb)
         kwargs = dict(mesh=self._mesh(), reshard_after_forward=self.plan.reshard_after_forward)
         if fsdp.mixed_precision == "bf16":

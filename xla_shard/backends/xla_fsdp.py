@@ -33,14 +33,16 @@ class XlaFsdpBackend(xla_common.XlaBackend):
     no_scan_layers = ("XlaFullyShardedDataParallel gathers each layer's flat parameters in hooks, which a scanned "
                       "layer does not run")
     unsupported_strategies = {
-        ShardingStrategy.NO_SHARD: "is data parallelism; use backend xla_spmd with NO_SHARD, which runs it without FSDP",
+        ShardingStrategy.NO_SHARD: "is data parallelism; use backend xla_spmd with NO_SHARD, which runs it without "
+                                   "FSDP",
         ShardingStrategy.HYBRID_SHARD: _HYBRID, ShardingStrategy.HYBRID_SHARD_ZERO2: _HYBRID}
 
     def check(self) -> None:
         super().check()
         self._check_xla_settings()
         if not xla_common.on_tpu() and self.cfg.cpu_devices != 1:
-            self.reject("cpu_devices", f"FSDPv1 runs on XLA's CPU client at 1 device only (got {self.cfg.cpu_devices}): "
+            self.reject("cpu_devices", "FSDPv1 runs on XLA's CPU client at 1 device only "
+                                       f"(got {self.cfg.cpu_devices}): "
                                        "its multi-replica collectives fail there. Use xla_spmd for CPU sharding")
 
     def _check_xla_settings(self) -> None:

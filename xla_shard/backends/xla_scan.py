@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -90,7 +91,8 @@ def _signature(layer: nn.Module) -> dict[str, Any]:
         where = f"{prefix}." if prefix else ""
         found[f"{where}class"] = type(module).__name__
         for key, value in vars(module).items():
-            if key not in _PER_LAYER and not key.startswith("_") and isinstance(value, (bool, int, float, str, type(None))):
+            plain = isinstance(value, (bool, int, float, str, type(None)))
+            if key not in _PER_LAYER and not key.startswith("_") and plain:
                 found[where + key] = value
     found.update({f"{n} shape": tuple(p.shape) for n, p in layer.named_parameters()})
     found.update({f"{n} shape": tuple(b.shape) for n, b in layer.named_buffers()})

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -67,7 +67,7 @@ class Layouts:
     optimizer: tuple
 
     @classmethod
-    def of(cls, param: torch.Tensor) -> "Layouts":
+    def of(cls, param: torch.Tensor) -> Layouts:
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
 
         spec = _prepare_spmd_partition_spec(param, shard_maximal=True)  # FSDPv2's own rule: the largest dim

@@ -5,8 +5,13 @@ resume, `inspect` and `export` the tools built on the reader.
 """
 
 from xla_shard.checkpoint.manager import Checkpointer
-from xla_shard.checkpoint.manifest import (CheckpointError, CorruptCheckpointError, Manifest, committed_steps,
-                                           read_manifest)
+from xla_shard.checkpoint.manifest import (
+                                           CheckpointError,
+                                           CorruptCheckpointError,
+                                           Manifest,
+                                           committed_steps,
+                                           read_manifest,
+)
 from xla_shard.checkpoint.reader import ChunkReader
 from xla_shard.checkpoint.storage import Storage, StorageError
 

@@ -10,8 +10,9 @@ hands its state out and takes it back as `StateTensor`s, through the `ShardedSta
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 

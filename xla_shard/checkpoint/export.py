@@ -18,10 +18,10 @@ from pathlib import Path
 from xla_shard.checkpoint import layout
 from xla_shard.checkpoint.inspect import open_checkpoint
 from xla_shard.checkpoint.manifest import CheckpointError
+from xla_shard.checkpoint.reader import ChunkReader
 from xla_shard.checkpoint.storage import Storage
 from xla_shard.errors import UserError, file_in_the_way, one_line
 from xla_shard.hostmem import peak_growth
-from xla_shard.checkpoint.reader import ChunkReader
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

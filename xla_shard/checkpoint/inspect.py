@@ -5,8 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xla_shard.checkpoint import layout
-from xla_shard.checkpoint.manifest import (CheckpointError, CorruptCheckpointError, Manifest, all_steps,
-                                           committed_steps, read_manifest)
+from xla_shard.checkpoint.manifest import (
+    CheckpointError,
+    CorruptCheckpointError,
+    Manifest,
+    all_steps,
+    committed_steps,
+    read_manifest,
+)
 from xla_shard.checkpoint.reader import ChunkReader
 from xla_shard.checkpoint.storage import Storage
 

@@ -22,13 +22,22 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 from xla_shard.checkpoint import layout
 from xla_shard.checkpoint.contract import ShardedState
-from xla_shard.checkpoint.manifest import (UNRECORDED_RUN, CheckpointError, CorruptCheckpointError, Manifest,
-                                           Runs, all_steps, committed_steps, read_manifest)
+from xla_shard.checkpoint.manifest import (
+    UNRECORDED_RUN,
+    CheckpointError,
+    CorruptCheckpointError,
+    Manifest,
+    Runs,
+    all_steps,
+    committed_steps,
+    read_manifest,
+)
 from xla_shard.checkpoint.reader import ChunkReader, fill
 from xla_shard.checkpoint.storage import Storage
 from xla_shard.errors import ConfigError, UserError
@@ -352,7 +361,8 @@ class Checkpointer:
                 first = changed[0]
                 raise ConfigError("model.name", f"the model's config differs from the one {manifest.url} was written "
                                                 f"with: {first} is {now.get(first)!r}, was {saved.get(first)!r}"
-                                                + (f" (and {len(changed) - 1} more field(s))" if len(changed) > 1 else "")
+                                                + (f" (and {len(changed) - 1} more field(s))"
+                                                   if len(changed) > 1 else "")
                                                 + "; resuming would not continue that run")
 
 
@@ -382,7 +392,8 @@ def hf_config(model) -> dict[str, Any] | None:
     if inner is None:
         return None
     # FSDP2 swaps in a subclass it makes on the fly (FSDPLlamaForCausalLM): name the model's own class.
-    cls = next(c for c in type(inner).__mro__ if issubclass(c, PreTrainedModel) and not c.__module__.startswith("torch."))
+    cls = next(c for c in type(inner).__mro__
+               if issubclass(c, PreTrainedModel) and not c.__module__.startswith("torch."))
     from xla_shard.models import inference_config
 
     return {**inference_config(inner), "architectures": [cls.__name__]}
@@ -417,5 +428,6 @@ def _match(manifest: Manifest, stored: dict, targets) -> None:
             raise CheckpointError(f"{manifest.url} is from another model: {name} is {list(stored[name][0])} in the "
                                   f"checkpoint, {list(target.shape)} here")
         if stored[name][1] != target.dtype:
-            raise CheckpointError(f"{manifest.url} stores {name} as {layout.DTYPES[stored[name][1]]}, this run holds it "
-                                  f"as {layout.DTYPES.get(target.dtype, target.dtype)}; not converting it silently")
+            raise CheckpointError(f"{manifest.url} stores {name} as {layout.DTYPES[stored[name][1]]}, this run "
+                                  f"holds it as {layout.DTYPES.get(target.dtype, target.dtype)}; not converting it "
+                                  "silently")

@@ -7,7 +7,6 @@ retention deletes only its own run's, and `resume: auto` says which run it conti
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import torch
 
@@ -128,8 +128,9 @@ class ChunkReader:
                 dtype = layout.TORCH_DTYPES[chunk["dtype"]]
                 if hi - lo != math.prod(chunk["sizes"]) * dtype.itemsize:
                     raise CorruptCheckpointError(f"{self.manifest.url}: the manifest's {chunk['dtype']} chunk of "
-                                                 f"{chunk['sizes']} does not span bytes {chunk['start']}-{chunk['end']} "
-                                                 f"of {file}; the manifest was edited or is damaged")
+                                                 f"{chunk['sizes']} does not span bytes "
+                                                 f"{chunk['start']}-{chunk['end']} of {file}; the manifest was edited "
+                                                 "or is damaged")
                 if chunk["crc32"] is not None and layout.crc32_hex(view[lo:hi]) != chunk["crc32"]:
                     raise CorruptCheckpointError(f"{self.manifest.url}/{file} is corrupt: bytes {chunk['start']}-"
                                                  f"{chunk['end']} fail their crc32 (run `xla-shard ckpt verify`)")

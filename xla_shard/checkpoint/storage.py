@@ -13,7 +13,8 @@ import contextlib
 import errno
 import logging
 import os
-from typing import Callable, Iterable, TypeVar
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import tenacity
 from fsspec.core import url_to_fs

@@ -15,8 +15,8 @@ only for being unfamiliar to an older xla_shard unless it really has no counterp
 from __future__ import annotations
 
 import math
-
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from xla_shard.errors import ConfigError
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import difflib
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -13,7 +14,6 @@ from pydantic import BaseModel, ValidationError
 from xla_shard.config import importers
 from xla_shard.config.schema import ShardConfig
 from xla_shard.errors import ConfigError, one_line
-
 
 MAX_CONFIG_BYTES = 1 << 20  # a config is a few KiB; anything near this is not one
 
@@ -129,7 +129,8 @@ def to_native(raw: dict[str, Any]) -> tuple[dict[str, Any], str, list[str]]:
     if set(raw) <= set(ShardConfig.model_fields):
         return raw, "xla_shard", []
     for looks_like, convert, kind in (
-            (importers.looks_like_training_arguments, importers.from_training_arguments, "transformers TrainingArguments"),
+            (importers.looks_like_training_arguments, importers.from_training_arguments,
+             "transformers TrainingArguments"),
             (importers.looks_like_accelerate, importers.from_accelerate, "accelerate"),
             (importers.looks_like_transformers, importers.from_transformers, "transformers fsdp_config"),
             (lambda r: any(k.startswith("fsdp_") for k in r), importers.from_accelerate, "accelerate")):

@@ -39,7 +39,7 @@ class ShardingStrategy(str, enum.Enum):
     HYBRID_SHARD_ZERO2 = "HYBRID_SHARD_ZERO2"
 
     @classmethod
-    def parse(cls, value: Any) -> "ShardingStrategy":
+    def parse(cls, value: Any) -> ShardingStrategy:
         if isinstance(value, cls):
             return value
         members = list(cls)
@@ -200,7 +200,7 @@ class ModelSection(_Section):
     attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2", "xla_pallas"] = "auto"
 
     @model_validator(mode="after")
-    def _labels_need_a_classifier(self) -> "ModelSection":
+    def _labels_need_a_classifier(self) -> ModelSection:
         if self.num_labels is not None and self.task != "sequence_classification":
             raise ValueError("model.num_labels sizes a classifier head: set model.task: sequence_classification")
         return self
@@ -238,7 +238,8 @@ class TrainSection(_Section):
     eval_every: int | None = Field(default=None, ge=1)
     # Batches per evaluation (null: the whole evaluation set, in full batches).
     eval_steps: int | None = Field(default=None, ge=1)
-    # Also write TensorBoard event files to output_dir (needs the `tensorboard` package: pip install xla_shard[tensorboard]).
+    # Also write TensorBoard event files to output_dir (needs the `tensorboard` package:
+    # pip install xla_shard[tensorboard]).
     tensorboard: bool = False
     # Denominator of MFU in FLOP/s per device; null uses the device table (`xla_shard.metrics.PEAK_FLOPS`).
     peak_flops_per_device: float | None = Field(default=None, gt=0)
@@ -263,7 +264,7 @@ class TrainSection(_Section):
         return value
 
     @model_validator(mode="after")
-    def _steps_or_epochs(self) -> "TrainSection":
+    def _steps_or_epochs(self) -> TrainSection:
         if self.epochs is not None and "steps" in self.model_fields_set:
             raise ValueError("set train.steps or train.epochs, not both")
         if self.global_batch_size % self.grad_accum_steps:
@@ -300,7 +301,7 @@ class DataSection(_Section):
     shuffle_buffer: int = Field(default=10_000, ge=1)
 
     @model_validator(mode="after")
-    def _one_eval_source(self) -> "DataSection":
+    def _one_eval_source(self) -> DataSection:
         if self.eval_path and self.eval_fraction:
             raise ValueError("set data.eval_path or data.eval_fraction, not both")
         if self.path == "synthetic" and (self.eval_path or self.eval_fraction):
@@ -404,7 +405,7 @@ class DeploySection(_Section):
         return value
 
     @model_validator(mode="after")
-    def _node_names_fit(self) -> "DeploySection":
+    def _node_names_fit(self) -> DeploySection:
         if self.gpu_nodes > 1 and len(f"{self.name}-{self.gpu_nodes - 1}") > 63:
             raise ValueError(f"deploy.name {self.name!r} is too long for {self.gpu_nodes} GPU nodes "
                              f"('{self.name}-{self.gpu_nodes - 1}' exceeds GCP's 63 characters)")
@@ -441,7 +442,7 @@ class ShardConfig(_Section):
         return {"path": value} if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _eval_needs_data(self) -> "ShardConfig":
+    def _eval_needs_data(self) -> ShardConfig:
         if self.data.path == "synthetic" and self.train.eval_every is not None:
             raise ValueError("train.eval_every is set but data.path is synthetic: nothing to evaluate on")
         return self
@@ -457,7 +458,7 @@ class ShardConfig(_Section):
         return value.strip().lower() if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _consistent(self) -> "ShardConfig":
+    def _consistent(self) -> ShardConfig:
         fsdp = self.fsdp
         if fsdp.auto_wrap_policy is not WrapPolicy.TRANSFORMER_BASED_WRAP and fsdp.transformer_layer_cls_to_wrap:
             raise ValueError(

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 import tempfile
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from xla_shard.data.batches import Batch, local_rows, micro_rows
@@ -33,7 +33,8 @@ def build(cfg, model_config=None, model_directory: str | None = None) -> DataSou
     from the config's model section when not given). Processes of one host call it one after the other
     (`Backend.main_first`): the first tokenizes and fills the `datasets` cache, the others read it."""
     if model_config is None:
-        from xla_shard.models import model_config as config_of, resolve_source
+        from xla_shard.models import model_config as config_of
+        from xla_shard.models import resolve_source
 
         source = resolve_source(cfg.model, cfg.checkpoint.retry_deadline_s)
         model_config, model_directory = config_of(cfg.model, source), source.directory

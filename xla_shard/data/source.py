@@ -49,9 +49,6 @@ class DatasetSource:
     def global_batch(self, step: int) -> Batch:
         return self.rows(step, range(self.batch))
 
-    def epoch_of(self, step: int) -> float:
-        return step * self.batch / self.rows_per_epoch
-
 
 class EvalSource:
     """The evaluation rows, in file order, as batches of `batch` rows. Every row is evaluated: the last batch

@@ -10,7 +10,7 @@ whole stream and keeps its own rows of each batch. Nothing is cached: a restart 
 from __future__ import annotations
 
 import itertools
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -61,7 +61,8 @@ class StreamSource:
             if not all(isinstance(text, str) for text in texts):
                 bad = next(t for t in texts if not isinstance(t, str))
                 raise ConfigError("data.text_field", f"{self.path}: a row's {self.text_field!r} is "
-                                                     f"{type(bad).__name__}, not text (its keys: {', '.join(group[0])})")
+                                                     f"{type(bad).__name__}, not text "
+                                                     f"(its keys: {', '.join(group[0])})")
             if self.packing:
                 for doc in self.tokenizer(texts)["input_ids"]:
                     carry += with_eos(doc, eos)

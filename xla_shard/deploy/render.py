@@ -24,7 +24,8 @@ from xla_shard.config.schema import ShardConfig
 from xla_shard.deploy import tpu
 from xla_shard.errors import ConfigError, UserError
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "gcp"
+# The repository's gcp/ folder, linked into the package (and copied into the wheel by package-data).
+TEMPLATES = Path(__file__).resolve().parent / "templates"
 TARGETS = ("tpu-vm", "queued-resource", "gpu-vm")
 CLOUD_PLATFORM = "https://www.googleapis.com/auth/cloud-platform"
 # GPUs per VM for the machine types whose GPUs come built in.
@@ -100,7 +101,7 @@ def _common(cfg: ShardConfig, target: str, config_name: str) -> str:
 def _template(name: str) -> string.Template:
     path = TEMPLATES / name
     if not path.is_file():
-        raise UserError(f"template {path} not found: `xla-shard gcp render` needs the repository's gcp/ folder")
+        raise UserError(f"template {path} not found: this xla_shard install lacks its gcp templates (reinstall it)")
     return string.Template(path.read_text())
 
 
@@ -203,7 +204,8 @@ def _render_gpu(cfg: ShardConfig, config_name: str) -> Rendering:
     create = ["gcloud", "compute", "instances", "create", *names, *where, f"--machine-type={d.gpu_machine_type}",
               f"--image-family={d.gpu_image_family}", f"--image-project={d.gpu_image_project}",
               "--boot-disk-size=200GB", "--maintenance-policy=TERMINATE", *provisioning,
-              *([f"--network={d.network}"] if d.network else []), *([f"--subnet={d.subnetwork}"] if d.subnetwork else []),
+              *([f"--network={d.network}"] if d.network else []),
+              *([f"--subnet={d.subnetwork}"] if d.subnetwork else []),
               *account, f"--metadata-from-file=startup-script={HERE}/startup.sh"]
     if d.gpu_nodes == 1:
         torchrun = ["torchrun", "--standalone", f"--nproc-per-node={gpus}"]
@@ -250,4 +252,5 @@ def _duration(text: str) -> str:
         raise ConfigError("deploy.valid_until", f"{text!r}: use a number with s, min, h or d (e.g. 6h, 90min, 2d); "
                                                 "gcloud reads a bare 'm' as months")
     number, unit = int(match.group(1)), match.group(2)
-    return {"s": f"{number}s", "sec": f"{number}s", "min": f"{number * 60}s", "h": f"{number}h", "d": f"{number}d"}[unit]
+    seconds = {"s": f"{number}s", "sec": f"{number}s", "min": f"{number * 60}s"}
+    return {**seconds, "h": f"{number}h", "d": f"{number}d"}[unit]

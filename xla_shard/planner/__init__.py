@@ -7,11 +7,10 @@ backend runs is the backend's to say (`Backend.triple_refusal`): xla_spmd any, t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from xla_shard.planner.cost import (Collective, Estimate, Triple, Workload, collectives, estimate, memory,
-                                    update_degree)
+from xla_shard.planner.cost import Collective, Estimate, Triple, Workload, collectives, estimate, memory, update_degree
 from xla_shard.planner.hardware import ACCELERATORS, Accelerator, accelerator, for_device_kind
 
 __all__ = ["ACCELERATORS", "Accelerator", "Collective", "Estimate", "Plan", "Triple", "Workload", "accelerator",

@@ -132,7 +132,8 @@ def compare(overrides: list[str], triples: list[tuple[int, int, int]], steps: in
     """Train `steps` steps of the config `overrides` under each triple, side by side in this process, and set
     the cost model's predictions beside the measurements."""
     from xla_shard import config
-    from xla_shard.planner import Triple, collectives as predicted_collectives, memory, update_degree, workload
+    from xla_shard.planner import Triple, memory, update_degree, workload
+    from xla_shard.planner import collectives as predicted_collectives
     from xla_shard.train import Trainer
 
     configs = [config.load(None, [*overrides, f"train.steps={steps}",

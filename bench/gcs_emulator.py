@@ -25,7 +25,7 @@ class GcsEmulator:
         self.host = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 30.0) -> "GcsEmulator":
+    def start(self, timeout_s: float = 30.0) -> GcsEmulator:
         exe = Path(sys.executable).parent / "gcp-storage-emulator"
         self.process = subprocess.Popen([str(exe), "start", "--host", "127.0.0.1", "--port", str(self.port),
                                          "--default-bucket", self.bucket, "-q"], cwd=self.workdir,
