@@ -26,9 +26,9 @@ from gcs_emulator import GcsEmulator
 
 from xla_shard.checkpoint import Checkpointer, ChunkReader, layout, read_manifest
 from xla_shard.checkpoint.contract import StateTensor
-from xla_shard.checkpoint.storage import Storage
 from xla_shard.config.schema import CheckpointSection
-from xla_shard.launch import declare_xla_device
+from xla_shard.io.device import declare_xla_device
+from xla_shard.io.storage import Storage
 
 
 class HostState:

@@ -142,7 +142,7 @@ def compare(overrides: list[str], triples: list[tuple[int, int, int]], steps: in
     rows, seen = [], {}
     for (p, g, o), cfg, trainer, measured in zip(triples, configs, trainers, measure_all(trainers, steps, hlo_dump)):
         devices = trainer.backend.num_devices
-        work, triple = workload(cfg, devices, trainer.backend.name), Triple(p, g, o)
+        work, triple = workload(cfg, devices, trainer.backend.capabilities), Triple(p, g, o)
         held = memory(work, triple)
         predicted = {x.name: x.tensor_bytes for x in predicted_collectives(work, triple, devices)}
         update = update_degree(cfg.train.optimizer, triple)

@@ -45,8 +45,8 @@ def main() -> None:
                                          "fsdp.activation_checkpointing=true",
                                          "train.seq_len=2048", f"train.global_batch_size={per_device * n}",
                                          f"train.grad_accum_steps={micro}"])
-                ranked = planner.plan(planner.workload(cfg, n, backend), n, acc, efficiency=args.efficiency,
-                                      **layout(n))
+                work = planner.workload(cfg, n, backends.capabilities(backend))
+                ranked = planner.plan(work, n, acc, efficiency=args.efficiency, **layout(n))
                 base, best = ranked.baseline, ranked.best
                 runnable = ranked.best_where(lambda t: backend in backends.running(t, n))
                 slices = layout(n).get("slices", 1)

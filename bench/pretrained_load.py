@@ -46,8 +46,7 @@ def worker(mode: str, directory: str, backend: str) -> None:
                              "train.global_batch_size=64"])
     from xla_shard import backends
 
-    backend_obj = backends.create(cfg)
-    backend_obj.setup()
+    backend_obj = backends.start(cfg)
     start = time.perf_counter()
     if mode == "xla_shard":
         from xla_shard.models import build_model, resolve_source

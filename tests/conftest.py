@@ -13,6 +13,9 @@ sys.path.insert(0, str(REPO))  # bench/'s harnesses (measure.py, gcs_emulator.py
 # Nothing may reach the Hugging Face hub; XLA's CPU client stays quiet.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Read by gcsfs when first imported: its experimental client probes buckets over gRPC, which the GCS emulator
+# never answers (xla_shard's Storage avoids it anyway; `datasets` opens gs:// files through fsspec itself).
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
 def _env() -> dict:

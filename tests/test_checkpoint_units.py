@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from xla_shard.checkpoint import ChunkReader, Manifest, layout
-from xla_shard.checkpoint.storage import Storage, StorageError, is_transient
+from xla_shard.io.storage import Storage, StorageError, is_transient
 
 
 @pytest.mark.parametrize("shape", [(7,), (4, 5), (3, 4, 5), (2, 1, 3, 2)])

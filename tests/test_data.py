@@ -146,7 +146,7 @@ def test_epochs_set_the_number_of_steps(model_dirs, tmp_path):
 
 
 def test_a_bucket_serves_the_data(model_dirs, gcs):
-    from xla_shard.checkpoint.storage import Storage
+    from xla_shard.io.storage import Storage
 
     url = gcs.url("data")
     Storage(url).write("corpus.jsonl", CORPUS.read_bytes())

@@ -99,7 +99,7 @@ def test_xla_pallas_feeds_the_pallas_kernel_what_it_expects(monkeypatch):
 def test_xla_pallas_matches_eager_on_a_tpu():
     import torch_xla
 
-    from xla_shard.launch import on_tpu
+    from xla_shard.io.device import on_tpu
 
     if not on_tpu():
         pytest.skip("needs a Cloud TPU")

@@ -33,7 +33,7 @@ def test_the_readme_strategy_table_says_what_the_backends_do():
     for strategy, cells in table.items():
         assert set(cells) == set(BACKENDS)
         for backend, cell in cells.items():
-            refused = ShardingStrategy(strategy) in BACKENDS[backend].unsupported_strategies
+            refused = ShardingStrategy(strategy) in BACKENDS[backend].capabilities.strategies
             assert cell.startswith("rejected") == refused, (strategy, backend, cell)
 
 
@@ -41,7 +41,7 @@ def test_the_readme_strategy_table_says_what_the_backends_do():
 def test_every_unsupported_strategy_is_refused_naming_key_and_backend(name):
     for strategy in ShardingStrategy:
         cfg = config.load(None, [f"backend={name}", f"fsdp.sharding_strategy={strategy.value}", "cpu_devices=1"])
-        if strategy in BACKENDS[name].unsupported_strategies:
+        if strategy in BACKENDS[name].capabilities.strategies:
             with pytest.raises(ConfigError) as raised:
                 BACKENDS[name](cfg).check()
             assert raised.value.key == "fsdp.sharding_strategy" and raised.value.backend == name

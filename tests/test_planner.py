@@ -10,9 +10,11 @@ import pytest
 from conftest import REPO, _env, run_cli
 
 from xla_shard import config, plan
+from xla_shard.backends.torch_fsdp import TorchFsdpBackend
 from xla_shard.errors import ConfigError
 from xla_shard.planner import Triple, Workload, accelerator, candidates, estimate, for_device_kind, workload
 from xla_shard.planner import memory as planner_memory
+from xla_shard.planner.settle import auto, settle
 
 PSI = 1_000_000
 
@@ -81,7 +83,7 @@ def test_triples_the_backends_cannot_run_are_refused_naming_the_key(sets, key, w
 
     with pytest.raises(ConfigError) as raised:
         cfg = config.load(None, ["backend=xla_spmd", "cpu_devices=4", *sets])
-        backends.create(cfg).check_launch(4)
+        settle(cfg, 4, backends.create(cfg).capabilities, "cpu")
     assert raised.value.key == key and all(w in str(raised.value) for w in words), str(raised.value)
 
 
@@ -95,7 +97,7 @@ def test_xla_fsdp_refuses_what_it_cannot_run_naming_the_triple(triple, words):
     cfg = config.load(None, ["backend=xla_fsdp", "cpu_devices=1",
                              f"fsdp.sharding={{params: {p}, grads: {g}, optimizer: {o}}}"])
     with pytest.raises(ConfigError) as raised:
-        backends.create(cfg).resolve_plan(8)  # as on an 8-chip TPU
+        settle(cfg, 8, backends.create(cfg).capabilities, "cpu")  # as on an 8-chip TPU
     assert raised.value.key == "fsdp.sharding" and all(w in str(raised.value) for w in words), str(raised.value)
 
 
@@ -108,31 +110,29 @@ def _auto(backend_name: str, device_kind: str, devices: int):
     from xla_shard import backends
 
     cfg = config.load(None, [f"backend={backend_name}", *LLAMA_7B_AT_SCALE])
-    backend = backends.create(cfg)
-    backend.device_kind = device_kind
-    return cfg, backend, backend.auto_plan(devices)
+    return cfg, backends.create(cfg).capabilities, auto(cfg, devices, backends.capabilities(backend_name), device_kind)
 
 
 def test_auto_picks_the_fastest_triple_the_backend_runs_and_says_why():
     from xla_shard import backends, planner
 
-    cfg, backend, chosen = _auto("torch_fsdp", "NVIDIA H100 80GB HBM3", 1024)
-    ranked = planner.plan(workload(cfg, 1024), 1024, accelerator("h100"), hosts=128)
+    cfg, caps, chosen = _auto("torch_fsdp", "NVIDIA H100 80GB HBM3", 1024)
+    ranked = planner.plan(workload(cfg, 1024, caps), 1024, accelerator("h100"), hosts=128)
     runnable = [e for e in ranked.ranked if e.fits and "torch_fsdp" in backends.running(e.triple, 1024)]
     assert runnable[0].triple != ranked.best.triple  # the model's best shards the three apart: not FSDP2's
     assert chosen.triple == str(runnable[0].triple) and chosen.uniform
     assert chosen.params < 1024
     assert runnable[0].step_s < 0.9 * ranked.baseline.step_s and "vs FULL_SHARD" in chosen.reason
     assert f"the model's best, {ranked.best.triple}, is not run by torch_fsdp" in chosen.reason
-    backend.device_kind = "cpu"
-    assert backend.auto_plan(4).strategy.value == "FULL_SHARD" and "no hardware model" in backend.auto_plan(4).reason
+    on_cpu = auto(cfg, 4, caps, "cpu")
+    assert on_cpu.strategy.value == "FULL_SHARD" and "no hardware model" in on_cpu.reason
 
 
 def test_auto_on_xla_spmd_takes_a_triple_whose_degrees_differ():
     from xla_shard import backends, planner
 
-    cfg, _, chosen = _auto("xla_spmd", "tpu v5p-1024", 512)
-    ranked = planner.plan(workload(cfg, 512), 512, accelerator("v5p"))
+    cfg, caps, chosen = _auto("xla_spmd", "tpu v5p-1024", 512)
+    ranked = planner.plan(workload(cfg, 512, caps), 512, accelerator("v5p"))
     best = ranked.best_where(lambda t: "xla_spmd" in backends.running(t, 512))
     assert chosen.triple == str(best.triple) and not chosen.uniform, chosen
 
@@ -220,7 +220,7 @@ def test_plan_prints_the_yaml_that_runs_its_pick_on_the_backend_asked_for(tmp_pa
     cfg = config.load(pasted)
     resolved = planlib.resolve(cfg.fsdp, cfg.mesh, devices)
     assert resolved.triple == result["best"]["triple"]
-    assert backends.BACKENDS[backend].triple_refusal(resolved) is None
+    assert backends.capabilities(backend).triple_refusal(resolved) is None
     rows = result["candidates"]
     for a, b in zip(rows, rows[1:]):
         same = (a["runs"], a["fits"], round(a["step_s"] * 1e3)) == (b["runs"], b["fits"], round(b["step_s"] * 1e3))
@@ -277,7 +277,7 @@ def test_fsdp2_allocates_and_communicates_as_the_plan_predicts(fsdp2_runs, run):
 
     p, g, o, kept = run
     result = fsdp2_runs[run]
-    work, triple = workload(config.load(None, FSDP2_SETS), 4), Triple(p, g, o, kept)
+    work, triple = workload(config.load(None, FSDP2_SETS), 4, TorchFsdpBackend.capabilities), Triple(p, g, o, kept)
     memory = planner_memory(work, triple)
     for kind in ("params", "grads", "optimizer"):
         slack = (2 if kind == "optimizer" else 1) * 21 * 64 * 4  # one row of the widest tensor, per tensor

@@ -87,7 +87,7 @@ def test_no_process_ever_holds_a_full_copy(tmp_path):
 
 def test_weights_from_a_bucket_are_read_by_range(model_dirs, gcs, tmp_path):
     """The split Llama served by the GCS emulator: the same parameters as from disk, each byte read once."""
-    from xla_shard.checkpoint.storage import Storage
+    from xla_shard.io.storage import Storage
 
     url = gcs.url("models/llama")
     bucket = Storage(url)
@@ -241,8 +241,7 @@ def test_load_model_gives_your_own_loop_the_pretrained_weights(model_dirs, tmp_p
     program.write_text(f"""
 import torch, xla_shard
 cfg = xla_shard.load_config(None, ["model.name={model_dirs.llama}", "backend=xla_spmd", "cpu_devices=2"])
-backend = xla_shard.create_backend(cfg)
-backend.setup()
+backend = xla_shard.start_backend(cfg)
 model = xla_shard.load_model(cfg, backend)
 chunks = {{t.name[len("model/"):]: (t.shape, t.chunks()) for t in backend.state(model)}}
 torch.save(chunks, "{tmp_path}/chunks.pt")

@@ -13,6 +13,7 @@ from conftest import FIXTURES, WORKERS, _env, run_cli
 from xla_shard import config
 from xla_shard.data import SyntheticSource
 from xla_shard.errors import ConfigError
+from xla_shard.planner.settle import settle
 from xla_shard.models import build_model
 from xla_shard.schedule import lr_factor
 
@@ -80,10 +81,10 @@ def test_micro_batches_that_do_not_split_over_the_devices_are_refused(sets):
 
     cfg = config.load(None, [*sets, "train.global_batch_size=8", "train.grad_accum_steps=2"])
     with pytest.raises(ConfigError) as raised:
-        backends.create(cfg).check_launch(8)
+        settle(cfg, 8, backends.create(cfg).capabilities, "cpu")
     assert raised.value.key == "train.grad_accum_steps" and "4 rows" in str(raised.value), str(raised.value)
     cfg = config.load(None, [*sets, "train.global_batch_size=16", "train.grad_accum_steps=2"])
-    backends.create(cfg).check_launch(8)
+    settle(cfg, 8, backends.create(cfg).capabilities, "cpu")
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,10 @@
 The public API, for your own training loop (see the README's "Use from Python"):
 
     load_config / ShardConfig      the one config schema (also reads accelerate and transformers FSDP configs)
-    create_backend                 the backend the config asks for: xla_spmd, xla_fsdp or torch_fsdp
-    ShardingPlan                   how the backend shards, resolved in `backend.setup()` (`backend.plan`)
+    start_backend                  the backend the config asks for (xla_spmd, xla_fsdp or torch_fsdp), started,
+                                   its plan settled for the devices it has (`backend.plan`)
+    create_backend                 the same, checked but not started
+    ShardingPlan                   how the backend shards
     load_model                     the config's model wrapped by a backend, with its pretrained weights if any
     build_model                    a transformers model from the config's `model` section (architecture only)
     build_data                     the config's data: training (and evaluation) batches for any step and process
@@ -25,11 +27,12 @@ _EXPORTS = {
     "load_config": ("xla_shard.config", "load"),
     "ShardConfig": ("xla_shard.config", "ShardConfig"),
     "create_backend": ("xla_shard.backends", "create"),
+    "start_backend": ("xla_shard.backends", "start"),
     "Backend": ("xla_shard.backends", "Backend"),
     "ShardingPlan": ("xla_shard.plan", "ShardingPlan"),
     "build_model": ("xla_shard.models", "build_model"),
     "load_model": ("xla_shard.pretrained", "load_model"),
-    "build_data": ("xla_shard.data", "build"),
+    "build_data": ("xla_shard.train", "build_data"),
     "Checkpointer": ("xla_shard.checkpoint", "Checkpointer"),
     "Trainer": ("xla_shard.train", "Trainer"),
     "evaluate": ("xla_shard.train", "evaluate"),
@@ -47,7 +50,7 @@ def __getattr__(name: str):
     module, attribute = _EXPORTS[name]
     if module.startswith("xla_shard.backends") or module in ("xla_shard.train", "xla_shard.models",
                                                              "xla_shard.pretrained", "xla_shard.data"):
-        from xla_shard.launch import declare_xla_device
+        from xla_shard.io.device import declare_xla_device
 
         declare_xla_device()  # before transformers imports torch_xla (through accelerate)
     value = getattr(import_module(module), attribute)

@@ -7,12 +7,14 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 
 from xla_shard import config as cfglib
 from xla_shard import launch
 from xla_shard.errors import UserError, one_line, redact
+from xla_shard.io import device
 
 
 def _count(text: str) -> int:
@@ -134,9 +136,8 @@ def _plan(args) -> int:
                         "(use --slices for several slices)")
     if cfg.train.global_batch_size * cfg.train.seq_len < args.devices:
         raise UserError(f"train.global_batch_size x seq_len is fewer tokens than --devices {args.devices}")
-    auto = "torch_fsdp" if hardware.domain_max else "xla_spmd"
-    backend = args.backend or (cfg.backend.value if cfg.backend.value != "auto" else auto)
-    ranked = planner.plan(planner.workload(cfg, args.devices, backend), args.devices, hardware,
+    backend = args.backend or backends.resolve_name(cfg, on="cuda" if hardware.domain_max else "tpu")
+    ranked = planner.plan(planner.workload(cfg, args.devices, backends.capabilities(backend)), args.devices, hardware,
                           hosts=args.hosts, slices=args.slices,
                           hbm_bytes=args.hbm_gib * 2**30 if args.hbm_gib else None, efficiency=args.efficiency)
 
@@ -277,7 +278,7 @@ def _config_check(args) -> int:
 
     cfg = cfglib.load(args.config, args.set)
     backend = backends.create(cfg)  # the backend's own checks, without starting it
-    backend.check_launch()  # ... and the plan against the devices it will have, where that is known already
+    backends.check_devices(backend)  # ... and the plan against the devices it will have, where known already
     preflight(cfg)
     print(cfglib.dump(cfg), end="")
     return 0
@@ -302,21 +303,23 @@ def _config_import(args) -> int:
 
 
 def _train(args) -> int:
-    from xla_shard import backends
-    from xla_shard.train import preflight
+    from xla_shard import backends, train
 
     cfg, kind, notes = cfglib.load_with_notes(args.config, args.set)
     if notes and not launch.torchrun_worker():  # said once, by the launcher
         print(f"xla-shard: {args.config} imported from {kind} ({len(notes)} note(s); `xla-shard config import "
               f"{args.config}` lists them)", file=sys.stderr)
     backend = backends.create(cfg)  # refuses what this backend cannot honour, before anything starts
-    backend.check_launch(args.nproc_per_node)
-    preflight(cfg)
-    return backend.launch(args.argv, args.nproc_per_node)
+    launcher = launch.pick(backend.capabilities.launcher, argv=args.argv, nproc_per_node=args.nproc_per_node,
+                           nproc=backend.expected_devices(args.nproc_per_node), nnodes=cfg.launch.nnodes,
+                           prepare=backend.configure, backend=backend.name)
+    backends.check_devices(backend, args.nproc_per_node)
+    train.preflight(cfg)
+    return launcher.start(functools.partial(train.run, cfg))
 
 
 def main(argv: list[str] | None = None) -> int:
-    launch.declare_xla_device()
+    device.declare_xla_device()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     args.argv = argv  # launchers that start this command again in other processes (torchrun) pass it on

@@ -1,9 +1,10 @@
 """How training processes start, and how they stop together.
 
-A backend's `launch` picks one of these: train in this process, re-exec under torchrun, or torch_xla's
-`xmp.spawn`. Every worker process dies with the process that started it (the kernel's parent-death signal),
-so killing a launcher, even with SIGKILL, never leaves workers training and committing checkpoints beside
-the run that replaces it.
+A launcher runs an entry point (a function returning the exit status, given by the CLI) the way a backend's
+capabilities say: in this process, under torchrun (one process per device), or in torch_xla's `xmp.spawn`.
+Every worker process dies with the process that started it (the kernel's parent-death signal), so killing a
+launcher, even with SIGKILL, never leaves workers training and committing checkpoints beside the run that
+replaces it. Nothing here imports the rest of xla_shard but `errors`: the entry point is handed in.
 """
 
 from __future__ import annotations
@@ -11,7 +12,14 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
+
+from xla_shard.errors import ConfigError, UserError
+
+Entry = Callable[[], int]  # runs the job in this process; the exit status
 
 # Exit status after a SIGTERM stop with the checkpoint committed (128 + SIGTERM, as a shell reports it):
 # scripts/train_loop.sh restarts on it, and the restart resumes.
@@ -25,31 +33,69 @@ WORKER_ERRORS = "XLA_SHARD_WORKER_ERRORS"
 _PR_SET_PDEATHSIG = 1
 
 
-def on_tpu() -> bool:
-    """A Cloud TPU VM exposes its chips as /dev/accel* (v4, v5p) or /dev/vfio (v5e, v6e)."""
-    return os.environ.get("PJRT_DEVICE") == "TPU" or any(Path("/dev").glob("accel*")) or (
-        Path("/dev/vfio").is_dir() and "TPU_ACCELERATOR_TYPE" in os.environ)
+class Launcher(Protocol):
+    def start(self, entry: Entry) -> int:
+        """Run `entry` in the processes this launcher starts; the exit status for the CLI."""
 
 
-def declare_xla_device() -> None:
-    """torch_xla reads PJRT_DEVICE when it is first imported, and transformers imports it (through accelerate)
-    long before a backend configures the runtime; without it torch_xla logs a warning on every command. XLA's
-    C++ log level is read then too: at 2 it drops the GSPMD deprecation warning XLA prints at every compile
-    (TF_CPP_MIN_LOG_LEVEL=0 in the environment shows everything again)."""
-    os.environ.setdefault("PJRT_DEVICE", "TPU" if on_tpu() else "CPU")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+@dataclass(frozen=True)
+class InProcess:
+    """One process drives every local device (SPMD)."""
+
+    def start(self, entry: Entry) -> int:
+        return entry()
 
 
-def train_here(cfg, backend=None) -> int:
-    """Train in this process; the exit status for the CLI."""
-    from xla_shard.train import Trainer
+@dataclass(frozen=True)
+class Torchrun:
+    """`torchrun --standalone` with `nproc` workers, each running the same command (`argv`) again; in a worker
+    (this command run by torchrun) the entry point itself, dying with torchrun. Several nodes are started by
+    running torchrun on each node (`launch.nnodes`)."""
 
-    trainer = Trainer(cfg, backend)
-    try:
-        trainer.setup().run()
-    finally:
-        trainer.backend.shutdown()
-    return PREEMPTED_EXIT if trainer.preempted else 0
+    nproc: int
+    argv: list[str]
+    nnodes: int = 1
+
+    def start(self, entry: Entry) -> int:
+        if torchrun_worker():
+            as_torchrun_worker()
+            return entry()
+        if self.nnodes > 1:
+            raise ConfigError("launch.nnodes", f"{self.nnodes} nodes: start `torchrun --nnodes={self.nnodes} "
+                                               "--nproc-per-node=N --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT -m "
+                                               "xla_shard.cli train CONFIG` on every node (`xla-shard train` starts "
+                                               "one node)", backend="torch_fsdp")
+        return run_torchrun(self.nproc, self.argv)
+
+
+@dataclass(frozen=True)
+class XmpSpawn:
+    """torch_xla's `xmp.spawn`: one process per local device. `prepare` sets the runtime's environment first
+    (the workers read it as torch_xla starts in them)."""
+
+    prepare: Callable[[], None] = field(default=lambda: None)
+
+    def start(self, entry: Entry) -> int:
+        self.prepare()
+        import torch_xla.distributed.xla_multiprocessing as xmp
+
+        xmp.spawn(_spawned, args=(entry, os.getpid()))
+        return 0
+
+
+def pick(kind: str, *, argv: list[str], nproc: int | None = None, nnodes: int = 1,
+         prepare: Callable[[], None] = lambda: None, nproc_per_node: int | None = None,
+         backend: str | None = None) -> Launcher:
+    """The launcher a backend's capabilities name (`Capabilities.launcher`). `nproc_per_node` is the CLI's
+    flag, which only torchrun takes; `nproc` the processes it starts."""
+    if nproc_per_node is not None and kind != "torchrun":
+        raise ConfigError(None, f"--nproc-per-node is torchrun's process count (backend torch_fsdp); {backend} runs "
+                                "one process per host (on a CPU, cpu_devices sets its devices)")
+    if kind == "torchrun":
+        return Torchrun(nproc or 1, argv, nnodes)
+    if kind == "xmp_spawn":
+        return XmpSpawn(prepare)
+    return InProcess()
 
 
 def die_with_parent(parent_pid: int | None = None) -> None:
@@ -82,8 +128,6 @@ def run_torchrun(nproc: int, argv: list[str]) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from xla_shard.errors import UserError
 
     errors = tempfile.mkdtemp(prefix="xla_shard_worker_errors_")
     os.environ[LAUNCHER_PID] = str(os.getpid())
@@ -131,9 +175,9 @@ def as_torchrun_worker() -> None:
     die_with_parent(int(parent) if parent else None)
 
 
-def spawned(index: int, cfg, parent_pid: int) -> None:
+def _spawned(index: int, entry: Entry, parent_pid: int) -> None:
     """The function `xmp.spawn` runs in each of its processes."""
     die_with_parent(parent_pid)
-    status = train_here(cfg)
+    status = entry()
     if status:
         sys.exit(status)

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from xla_shard.errors import ConfigError
+
 # Dense bf16 peak FLOP/s per chip (TPU) or per GPU, from the vendors' spec sheets.
 PEAK_FLOPS: dict[str, float] = {
     "tpu v4": 275e12,
@@ -49,8 +51,6 @@ def require_tensorboard() -> None:
     try:
         import tensorboard  # noqa: F401
     except ImportError:
-        from xla_shard.errors import ConfigError
-
         raise ConfigError("train.tensorboard", "needs the tensorboard package: pip install 'xla_shard[tensorboard]'"
                           ) from None
 

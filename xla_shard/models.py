@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,69 +26,18 @@ from transformers import (
 )
 
 from xla_shard import attention
+from xla_shard.checkpoint.model_config import train_without_cache
 from xla_shard.config.presets import PRESETS
 from xla_shard.config.schema import ModelSection
 from xla_shard.errors import ConfigError, one_line
+from xla_shard.io.model_dir import CONFIG, config_location, refuse_link_out, refuse_untrusted
+from xla_shard.io.storage import Storage, StorageError
+from xla_shard.io.untrusted_json import SchemaError, parse_json
 
-CONFIG = "config.json"
 # Parameters (the optimizer's master weights) are fp32 whatever dtype a config or weights file names; bf16
 # compute is fsdp.mixed_precision's job. A bf16 file is converted on load, and the load says so.
 MASTER_DTYPE = torch.float32
 _AUTO_CLASSES = {"causal_lm": AutoModelForCausalLM, "sequence_classification": AutoModelForSequenceClassification}
-# What `save_pretrained` writes next to the weights that users of the exported model expect to find there.
-COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
-                   "generation_config.json")
-
-
-# JSON files of a model directory through which transformers would import Python code from it (`auto_map`).
-CODE_MAPS = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
-
-
-def copy_companions(directory: str, target, extra: tuple[str, ...] = ()) -> list[str]:
-    """Copy the COMPANION_FILES (and `extra`) that a model directory, local or at a URL, holds into `target` (a
-    `Storage`); return the names copied. A file that a link takes outside the directory is refused."""
-    from xla_shard.checkpoint.storage import Storage
-
-    storage = Storage(directory)
-    present = [name for name in COMPANION_FILES + extra if storage.exists(name)]
-    for name in present:
-        refuse_link_out(storage, name, "model.name")
-        target.write(name, storage.read_bytes(name))
-    return present
-
-
-def refuse_link_out(storage, name: str, key: str) -> None:
-    link = storage.outside(name)
-    if link is not None:
-        raise ConfigError(key, f"{storage.url_of(name)} is a link to {link}, outside the model directory; "
-                               "refusing to read it")
-
-
-def refuse_untrusted(storage, key: str, shown: str | None = None) -> None:
-    """Check what transformers will read from a model directory (a `Storage`) before it reads it: a file that
-    a link takes outside the directory is refused, and so is a directory whose files ask transformers to import
-    Python code from it (`auto_map`): xla_shard never runs code that came with a model (its loaders are called
-    with trust_remote_code=False, which would refuse it less clearly)."""
-    from xla_shard.checkpoint.schema import SchemaError, parse_json
-
-    shown = (shown or storage.url).rstrip("/")
-    present = {name for name in set(COMPANION_FILES + CODE_MAPS) if storage.exists(name)}
-    for name in sorted(present):
-        refuse_link_out(storage, name, key)
-    for name in CODE_MAPS:
-        if name not in present:
-            continue
-        try:
-            fields = parse_json(storage.read_bytes(name))
-        except SchemaError as exc:
-            raise ConfigError(key, f"{shown}/{name}: {exc}") from None
-        if isinstance(fields, dict) and "auto_map" in fields:
-            raise ConfigError(key, f"{shown}/{name} has 'auto_map': it needs Python code from the model directory, "
-                                   "which xla_shard never runs (trust_remote_code is off); use a model and "
-                                   "tokenizer that transformers implements itself")
-
-
 @dataclass(frozen=True)
 class ModelSource:
     """Where `model.name` points: a preset, a config.json file, or a directory (URL) that may hold weights."""
@@ -106,14 +54,8 @@ class ModelSource:
 def resolve_source(section: ModelSection, retry_deadline_s: float = 120.0) -> ModelSource:
     if section.name in PRESETS:
         return ModelSource(section.name, dict(PRESETS[section.name]))
-    from xla_shard.checkpoint.schema import SchemaError, parse_json
-    from xla_shard.checkpoint.storage import Storage, StorageError
-
     name = section.name
-    if name.endswith(".json") or ("://" not in name and Path(name).is_file()):
-        directory, file = name.rsplit("/", 1) if "/" in name else (".", name)
-    else:
-        directory, file = name, CONFIG
+    directory, file = config_location(name)
     try:
         storage = Storage(directory, retry_deadline_s)
         refuse_link_out(storage, file, "model.name")
@@ -225,21 +167,8 @@ def build_model(section: ModelSection, seed: int, empty: bool = False, source: M
     except (TypeError, RuntimeError, AttributeError, ZeroDivisionError) as exc:
         raise ConfigError(key, f"transformers cannot build this model ({type(exc).__name__}: "
                                f"{one_line(exc)})") from None
-    # Training never reads a KV cache; exports restore the value the model came with (see `inference_config`).
-    model._xla_shard_use_cache = getattr(model.config, "use_cache", None)
-    if hasattr(model.config, "use_cache"):
-        model.config.use_cache = False
+    train_without_cache(model)
     return model
-
-
-def inference_config(model: PreTrainedModel) -> dict[str, Any]:
-    """The model's config as its `config.json` should say for users of the trained model: as trained, with the
-    KV-cache setting the model came with (training turns it off)."""
-    fields = model.config.to_dict()
-    use_cache = getattr(model, "_xla_shard_use_cache", None)
-    if use_cache is not None:
-        fields["use_cache"] = use_cache
-    return fields
 
 
 def max_positions(config: PretrainedConfig) -> int | None:

@@ -1,7 +1,8 @@
 """The sharding plan: the config's strategy and mesh, resolved once for the devices a run has.
 
-A backend resolves it in `setup` and reads only the plan after that (how to build its mesh, whether to
-reshard after forward, whether anything is sharded at all); the manifest records it. Parameters, gradients
+`planner.settle` resolves it once per run and `backend.setup(plan)` receives it; a backend reads only the plan
+after that (how to build its mesh, whether to reshard after forward, whether anything is sharded at all); the
+manifest records it. Parameters, gradients
 and optimizer state each carry their own sharding degree (AMSP-style: `fsdp.sharding`, or chosen by the cost
 model in `xla_shard.planner`); the named strategies set all three alike.
 """
@@ -12,7 +13,29 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from xla_shard.config.schema import FsdpSection, MeshSection, ShardingStrategy
-from xla_shard.planner.cost import Triple
+
+
+@dataclass(frozen=True)
+class Triple:
+    """Sharding degrees (P, G, OS): devices a parameter, its gradient and its optimizer state are each split
+    over (AMSP). The planner enumerates and prices these; a plan runs one."""
+
+    params: int
+    grads: int
+    optimizer: int
+    after_forward: int | None = None  # devices a parameter stays split over until backward (None: params)
+
+    def __post_init__(self):
+        if self.after_forward == self.params:
+            object.__setattr__(self, "after_forward", None)  # the default, spelled one way
+
+    @property
+    def kept(self) -> int:
+        return self.params if self.after_forward is None else self.after_forward
+
+    def __str__(self) -> str:
+        after = f"({self.kept})" if self.kept != self.params else ""
+        return f"{self.params}{after}/{self.grads}/{self.optimizer}"
 
 
 @dataclass(frozen=True)
@@ -76,7 +99,7 @@ class PlanError(ValueError):
 def resolve(fsdp: FsdpSection, mesh: MeshSection, devices: int) -> ShardingPlan:
     """The plan for `devices` from a named strategy and the mesh, or from an explicit `fsdp.sharding` triple;
     PlanError naming the key when they do not fit the devices. (`fsdp.sharding: auto` is the backend's to
-    resolve, with the cost model: see `from_triple`.)"""
+    resolve, with the cost model: see `planner.settle`.)"""
     if fsdp.sharding is not None and fsdp.sharding != "auto":
         params, grads, optimizer, after_forward = fsdp.sharding.resolve(devices)
         return from_triple(params, grads, optimizer, devices, after_forward=after_forward)
@@ -91,10 +114,16 @@ def resolve(fsdp: FsdpSection, mesh: MeshSection, devices: int) -> ShardingPlan:
                         params=shard, grads=shard, optimizer=shard)
 
 
+def from_planner(triple: Triple, devices: int, reason: str | None = None) -> ShardingPlan:
+    """A planner's `Triple` as the sharding plan a backend runs."""
+    return from_triple(triple.params, triple.grads, triple.optimizer, devices, reason=reason,
+                       after_forward=triple.kept)
+
+
 def from_triple(params: int, grads: int, optimizer: int, devices: int, reason: str | None = None,
                 after_forward: int | None = None) -> ShardingPlan:
     """A (P, G, OS) triple as a plan; PlanError unless P | G | OS | devices. Which triples a backend runs is
-    the backend's to say (`Backend.triple_refusal`): xla_spmd runs them all, the others the uniform k/k/k.
+    the backend's to say (`Capabilities.triple_refusal`): xla_spmd runs them all, the others the uniform k/k/k.
 
     `strategy`, `replicas` and `shard` describe the parameters: FULL_SHARD when P is every device, NO_SHARD
     when P is 1, else HYBRID_SHARD with devices/P replicas of each parameter; SHARD_GRAD_OP and

@@ -24,9 +24,9 @@ from torch import nn
 from xla_shard.checkpoint import hf_dir, layout
 from xla_shard.checkpoint.contract import StateTensor, region
 from xla_shard.checkpoint.reader import ChunkReader, fill
-from xla_shard.checkpoint.storage import Storage
 from xla_shard.errors import ConfigError
 from xla_shard.hostmem import peak_growth
+from xla_shard.io.storage import Storage
 from xla_shard.models import ModelSource, build_model, resolve_source
 
 _SHOWN = 4  # keys named in one error or log line

@@ -1,7 +1,8 @@
 """The training loop: data -> step -> metrics, identical for every backend.
 
-`Trainer` runs the whole job from a config; users with their own loop use the same pieces directly (a backend's
-`wrap`, `local_batch` and `after_step`, and a `Checkpointer`), see the README's "Use from Python".
+`Trainer` runs the whole job from a config, with seams for what users change (`loss_fn`, `on_step_end`,
+`on_evaluate`); users with their own loop use the same pieces directly (a backend's `wrap`, `local_batch` and
+`after_step`, and a `Checkpointer`), see the README's "Use from Python". `run(cfg)` is the CLI's entry point.
 """
 
 from __future__ import annotations
@@ -17,16 +18,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from xla_shard import backends, metrics
+from xla_shard import backends, launch, metrics
 from xla_shard import data as datalib
 from xla_shard.backends.base import Backend
-from xla_shard.checkpoint import Checkpointer, CheckpointError, layout
+from xla_shard.checkpoint import Checkpointer, CheckpointError, NoCheckpoints, layout
+from xla_shard.checkpoint.export import export
 from xla_shard.config.schema import ShardConfig, TrainSection
 from xla_shard.data import Batch, micro_rows
 from xla_shard.data.tokenize import IGNORE
 from xla_shard.errors import ConfigError, UserError, file_in_the_way, redact
 from xla_shard.metrics import StepLogger, peak_for, train_flops_per_token
-from xla_shard.models import check_sequence_length
+from xla_shard.models import check_sequence_length, model_config, resolve_source
 from xla_shard.preemption import PreemptionGuard
 from xla_shard.pretrained import PretrainedWeights, build_for
 from xla_shard.schedule import lr_factor
@@ -63,6 +65,13 @@ def preflight(cfg: ShardConfig) -> None:
     datalib.build(cfg, model.config, source.directory)
 
 
+def build_data(cfg: ShardConfig) -> datalib.DataSources:
+    """The config's data for your own loop, read as the trainer reads it: through the tokenizer of the config's
+    model directory (or `data.tokenizer`), checked against the model's vocabulary and labels."""
+    source = resolve_source(cfg.model, cfg.checkpoint.retry_deadline_s)
+    return datalib.build(cfg, model_config(cfg.model, source), source.directory)
+
+
 def check_output_dir(path: str) -> None:
     blocker = file_in_the_way(Path(path))
     if blocker:
@@ -86,6 +95,10 @@ class MemoryReport:
 
 
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+# Called on every process after each optimizer step with (trainer, step done, the logged record or None on
+# steps that log nothing), and after each evaluation with (trainer, step done, the evaluation's record).
+StepHook = Callable[["Trainer", int, "dict[str, Any] | None"], None]
+EvalHook = Callable[["Trainer", int, "dict[str, Any]"], None]
 
 
 def model_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -95,21 +108,40 @@ def model_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 
 class Trainer:
-    """The whole training job for one config. `loss_fn(model, batch) -> loss` replaces the model's own loss;
-    `batch` holds `input_ids` and `labels` (this process's rows, on its device)."""
+    """The whole training job for one config.
 
-    def __init__(self, cfg: ShardConfig, backend: Backend | None = None, loss_fn: LossFn = model_loss):
+    Seams: `loss_fn(model, batch) -> loss` replaces the model's own loss (`batch` holds `input_ids` and `labels`:
+    this process's rows, on its device); `on_step_end` and `on_evaluate` hooks (see `StepHook`, `EvalHook`) see
+    every step and evaluation. `setup()` builds everything below; `run()` trains."""
+
+    def __init__(self, cfg: ShardConfig, backend: Backend | None = None, loss_fn: LossFn = model_loss,
+                 on_step_end: list[StepHook] | None = None, on_evaluate: list[EvalHook] | None = None):
         self.cfg = cfg
         self.backend = backend or backends.create(cfg)
         self.loss_fn = loss_fn
-        self.records: list[dict[str, Any]] = []
+        self.on_step_end = list(on_step_end or [])
+        self.on_evaluate = list(on_evaluate or [])
+        self.records: list[dict[str, Any]] = []  # every logged and evaluation record, in order
+        # Built by setup():
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.source = self.eval_source = None  # training rows (any step, any process) and evaluation rows
+        self.total_steps = 0
+        self.start_step = 0  # where this run starts: 0, or the step of the checkpoint it resumed
+        self.checkpointer: Checkpointer | NoCheckpoints = NoCheckpoints()
         self.load_report = None  # what the pretrained load read, on this process (None: nothing loaded)
-        self.eval_source = None
+        self.flops_per_token = 0.0
+        self.peak_per_device, self.mfu_basis = None, ""
+        # State of run():
         self.lr, self.grad_norm = cfg.train.lr, None
+        self.preempted = False
+        self._compiled_after_warmup: int | None = None
+        self._evaluated = False
+        self._interval = (time.perf_counter(), 0)  # (start, steps) of the steps since the last record
 
     def setup(self) -> Trainer:
-        cfg, backend = self.cfg, self.backend
-        backend.setup()
+        cfg = self.cfg
+        backend = backends.start(cfg, self.backend)
         self._log(f"{backend.name} on {backend.num_devices} {backend.device_kind} device(s): {backend.plan}")
         model, weights, source = build_for(cfg, backend.accelerator)
         check_sequence_length(model.config, cfg.train.seq_len)
@@ -127,7 +159,6 @@ class Trainer:
         self.optimizer = backend.prepare_optimizer(make_optimizer(self.model.parameters(), cfg.train,
                                                                   backend.accelerator))
         self.peak_per_device, self.mfu_basis = self._mfu_basis()
-        self.start_step, self.checkpointer, self.preempted = 0, None, False
         if cfg.checkpoint.dir:
             self.checkpointer = Checkpointer(cfg.checkpoint, backend, log=self._log)
             self.start_step = self.checkpointer.restore(self.model, self.optimizer)
@@ -242,7 +273,6 @@ class Trainer:
                             start_step=self.start_step, tensorboard=train.tensorboard, log=self._log)
         for advisory in self.backend.advisories():
             logger.warn(advisory)
-        self._compiled_after_warmup = None
         self._interval = (time.perf_counter(), 0)
         prefetch = datalib.Prefetcher(self.micro_batches, range(self.start_step, self.total_steps))
         try:
@@ -252,19 +282,20 @@ class Trainer:
                     done = step + 1
                     record = self._record(done, loss, logger)
                     logger.advance(record)
+                    for hook in self.on_step_end:
+                        hook(self, done, record)
                     if self.eval_source and (done == self.total_steps or
                                              (train.eval_every and done % train.eval_every == 0)):
                         self._evaluate(done, logger)
-                    if ckpt and (done % cfg.checkpoint.every_steps == 0 or done == self.total_steps):
+                    if done % cfg.checkpoint.every_steps == 0 or done == self.total_steps:
                         ckpt.save(done, self.model, self.optimizer)
                     if self.backend.any_rank(preemption.requested):
                         self._stop_for_preemption(done, preemption)
                         self.preempted = True
                         break
-                if ckpt:
-                    ckpt.wait()  # the last save commits before the run counts as finished
-                    if cfg.fsdp.state_dict_type == "FULL_STATE_DICT" and not self.preempted:
-                        self._export_final()
+                ckpt.wait()  # the last save commits before the run counts as finished
+                if cfg.fsdp.state_dict_type == "FULL_STATE_DICT" and not self.preempted:  # needs checkpoint.dir
+                    self._export_final()
         finally:
             logger.close()
         return self.records
@@ -277,20 +308,20 @@ class Trainer:
             result["eval_compilations"] = compiled - before
             if self._compiled_after_warmup is not None:  # evaluation graphs are not training recompiles
                 self._compiled_after_warmup += compiled - before
-            if compiled > before and getattr(self, "_evaluated", False):
+            if compiled > before and self._evaluated:
                 logger.warn(f"step {done}: XLA compiled {compiled - before} new graph(s) for evaluation after the "
                             "first; evaluation shapes are not static")
         self._evaluated = True
         self.records.append(result)
         logger.log(result)
+        for hook in self.on_evaluate:
+            hook(self, done, result)
 
     def _export_final(self) -> None:
         """FULL_STATE_DICT: the final checkpoint also becomes one Hugging Face model directory."""
         ckpt = self.checkpointer
         if not self.backend.is_main or ckpt.last_committed is None:
             return
-        from xla_shard.checkpoint.export import export
-
         target = Path(self.cfg.output_dir) / "model"
         # The run's own output: a rerun that trains further replaces its earlier export (whole, never mixed).
         report = export(ckpt.storage.url_of(layout.step_dir(ckpt.last_committed)), str(target), overwrite=True)
@@ -301,7 +332,7 @@ class Trainer:
 
     def _stop_for_preemption(self, done: int, preemption: PreemptionGuard) -> None:
         ckpt = self.checkpointer
-        if ckpt is None:
+        if not self.cfg.checkpoint.dir:
             self._log(f"SIGTERM: stopping after step {done} (no checkpoint.dir: nothing saved)")
             return
         ckpt.save(done, self.model, self.optimizer)  # a no-op if this step's save is already done or in flight
@@ -331,9 +362,8 @@ class Trainer:
         if self.source.rows_per_epoch:
             record["epoch"] = round(done * cfg.train.global_batch_size / self.source.rows_per_epoch, 4)
         if not math.isfinite(record["loss"]):
-            if self.checkpointer:
-                self.checkpointer.wait()  # a save of an earlier step may still be committing: let it
-            kept = self.checkpointer.last_committed if self.checkpointer else None
+            self.checkpointer.wait()  # a save of an earlier step may still be committing: let it
+            kept = self.checkpointer.last_committed
             raise TrainingDiverged(f"step {done}: the loss is {record['loss']}; stopping. "
                                    + (f"The last committed checkpoint (step {kept}) is intact. " if kept else "")
                                    + f"Lower train.lr (now {cfg.train.lr:g}) or check the data")
@@ -406,3 +436,13 @@ def evaluate(model, backend, source, cfg) -> dict[str, float]:
     result["eval_batches"] = batches
     result["eval_rows"] = source.rows_covered(batches)
     return result
+
+
+def run(cfg: ShardConfig) -> int:
+    """Train `cfg` in this process (the entry point a launcher runs); the exit status for the CLI."""
+    trainer = Trainer(cfg)
+    try:
+        trainer.setup().run()
+    finally:
+        trainer.backend.shutdown()
+    return launch.PREEMPTED_EXIT if trainer.preempted else 0

@@ -1,41 +1,71 @@
-"""Backend registry: a name in the config (or `auto`) -> the class that runs it."""
+"""Backend registry: a name in the config (or `auto`) -> the class that runs it, and the one rule for `auto`."""
 
 from __future__ import annotations
 
 import torch
 
-from xla_shard.backends.base import Backend, as_plan
+from xla_shard.backends.base import Backend
 from xla_shard.backends.torch_fsdp import TorchFsdpBackend
 from xla_shard.backends.xla_fsdp import XlaFsdpBackend
 from xla_shard.backends.xla_spmd import XlaSpmdBackend
+from xla_shard.capabilities import Capabilities
 from xla_shard.config.schema import Backend as BackendName
 from xla_shard.config.schema import ShardConfig
-from xla_shard.launch import on_tpu
+from xla_shard.io.device import on_tpu
+from xla_shard.plan import Triple, from_planner
+from xla_shard.planner.settle import settle
 
-BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (XlaSpmdBackend, XlaFsdpBackend, TorchFsdpBackend)}
+BACKENDS: dict[str, type[Backend]] = {cls.capabilities.name: cls
+                                      for cls in (XlaSpmdBackend, XlaFsdpBackend, TorchFsdpBackend)}
+# `backend: auto`, by the platform a run is on (or is planned for): a TPU runs SPMD FSDPv2, GPUs run FSDP2, a
+# plain CPU runs SPMD on virtual devices.
+AUTO = {"tpu": "xla_spmd", "cuda": "torch_fsdp", "cpu": "xla_spmd"}
 
 
-def resolve_name(cfg: ShardConfig) -> str:
-    """`auto`: a TPU runs SPMD FSDPv2, GPUs run FSDP2, a plain CPU runs SPMD on virtual devices."""
+def platform() -> str:
+    """'tpu', 'cuda' or 'cpu': what this machine would run on."""
+    return "tpu" if on_tpu() else "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_name(cfg: ShardConfig, on: str | None = None) -> str:
+    """The backend `cfg` names; for `auto`, the one for platform `on` (default: this machine's)."""
     if cfg.backend is not BackendName.AUTO:
         return cfg.backend.value
-    if on_tpu():
-        return "xla_spmd"
-    if torch.cuda.is_available():
-        return "torch_fsdp"
-    return "xla_spmd"
+    return AUTO[on or platform()]
 
 
-def running(triple, devices: int) -> list[str]:
+def capabilities(name: str) -> Capabilities:
+    return BACKENDS[name].capabilities
+
+
+def running(triple: Triple, devices: int) -> list[str]:
     """The backends that run a planner `Triple` on `devices` (what `xla-shard plan` shows per row)."""
-    resolved = as_plan(triple, devices)
-    return [name for name, cls in BACKENDS.items() if cls.triple_refusal(resolved) is None]
+    resolved = from_planner(triple, devices)
+    return [name for name, cls in BACKENDS.items() if cls.capabilities.triple_refusal(resolved) is None]
 
 
 def create(cfg: ShardConfig) -> Backend:
+    """The config's backend, its options checked; nothing started."""
     backend = BACKENDS[resolve_name(cfg)](cfg)
     backend.check()
     return backend
 
 
-__all__ = ["BACKENDS", "Backend", "create", "resolve_name", "running"]
+def start(cfg: ShardConfig, backend: Backend | None = None) -> Backend:
+    """The config's backend ready to wrap a model: runtime started, plan settled for its devices, set up."""
+    backend = backend or create(cfg)
+    backend.start()
+    backend.setup(settle(cfg, backend.num_devices, backend.capabilities, backend.device_kind))
+    return backend
+
+
+def check_devices(backend: Backend, nproc_per_node: int | None = None) -> None:
+    """Before anything starts (`train`, `config check`): the plan must fit the devices the run will have,
+    where that is known already."""
+    devices = backend.expected_devices(nproc_per_node)
+    if devices is not None:
+        settle(backend.cfg, devices, backend.capabilities, backend.device_kind)
+
+
+__all__ = ["AUTO", "BACKENDS", "Backend", "capabilities", "check_devices", "create", "platform", "resolve_name",
+           "running", "start"]

@@ -1,7 +1,9 @@
 """The one small interface every backend implements; the runner and checkpointing speak only this.
 
-What a backend cannot do is data on its class (`unsupported_strategies`, `offloads_params`, ...), checked here
-once, so this base class never names a subclass and the README's strategy table is checked against it.
+What a backend can run is its `capabilities` (data, checked once in `check` and read by the planner and the
+launcher), so this base class never names a subclass and no code outside a backend compares a backend's name.
+Lifecycle: `check` (the config, before anything starts), `start` (the runtime: devices, processes), then
+`setup(plan)` with the plan `planner.settle` made for those devices.
 """
 
 from __future__ import annotations
@@ -17,34 +19,20 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from xla_shard import launch, plan
+from xla_shard.capabilities import Capabilities
 from xla_shard.checkpoint.contract import Box, Chunk, StateTensor
-from xla_shard.config.schema import ShardConfig, ShardingStrategy
+from xla_shard.config.schema import ShardConfig
 from xla_shard.data import Batch, local_rows
-from xla_shard.errors import ConfigError, UserError
+from xla_shard.errors import UserError
+from xla_shard.plan import ShardingPlan
 
 CheckpointFn = Callable[..., Any]
 
 
 class Backend(abc.ABC):
-    name: ClassVar[str]
-    # Strategies this backend cannot run, each with the reason and what to use instead.
-    unsupported_strategies: ClassVar[dict[ShardingStrategy, str]] = {}
-    # Whether it can keep parameters in host memory (fsdp.offload_params), and why not if it cannot.
-    offloads_params: ClassVar[bool] = False
-    no_offload_reason: ClassVar[str] = "this backend has no CPU offload"
-    # Whether it passes fsdp.xla_settings to XlaFullyShardedDataParallel.
-    takes_xla_settings: ClassVar[bool] = False
-    # Whether it starts one process per device itself (and so takes a process count).
-    starts_processes: ClassVar[bool] = False
+    capabilities: ClassVar[Capabilities]
     # Module names its wrappers insert into parameter names; removed so every backend saves the same names.
     wrapper_prefixes: ClassVar[tuple[str, ...]] = ()
-    # Why it shards parameters, gradients and optimizer state only alike (None: it runs any nested triple).
-    uniform_only: ClassVar[str | None] = "it keeps gradients and optimizer state in the parameters' layout"
-    # Why it cannot keep parameters split over a smaller group between forward and backward (None: it can).
-    no_group_after_forward: ClassVar[str | None] = "its reshard_after_forward is a bool"
-    # Why it cannot scan the decoder layers as one compiled loop (None: it can).
-    no_scan_layers: ClassVar[str | None] = "it runs no compiled loop over layers (torch_xla's scan runs under SPMD)"
 
     def __init__(self, cfg: ShardConfig):
         self.cfg = cfg
@@ -54,118 +42,40 @@ class Backend(abc.ABC):
         self.device_kind = "cpu"
         self.num_devices = 1  # devices the model is sharded over, all processes together
         self.local_devices = 1  # devices this process drives
-        self.plan: plan.ShardingPlan | None = None  # resolved in setup, once the devices are known
+        self.plan: ShardingPlan | None = None  # given to setup, settled for the devices start found
+
+    @property
+    def name(self) -> str:
+        return self.capabilities.name
 
     # ---- decided before anything heavy runs -------------------------------------------------------
     def check(self) -> None:
         """Reject, with a ConfigError naming key and backend, every option this backend cannot honour."""
-        fsdp = self.cfg.fsdp
-        reason = self.unsupported_strategies.get(fsdp.sharding_strategy)
-        if reason:
-            self.reject("fsdp.sharding_strategy", f"{fsdp.sharding_strategy.value} {reason}")
-        if fsdp.offload_params and not self.offloads_params:
-            self.reject("fsdp.offload_params", f"{self.no_offload_reason}; set it to false")
-        if fsdp.mixed_precision == "fp16":
-            self.reject("fsdp.mixed_precision", "fp16 needs loss scaling, which xla_shard does not do; use bf16")
-        if fsdp.scan_layers and self.no_scan_layers:
-            self.reject("fsdp.scan_layers", f"{self.no_scan_layers}; use backend xla_spmd or set it to false")
-        if fsdp.xla_settings and not self.takes_xla_settings:
-            self.reject("fsdp.xla_settings", "these are XlaFullyShardedDataParallel arguments; use backend xla_fsdp")
-        launch_section = self.cfg.launch
-        if not self.starts_processes and (launch_section.nproc_per_node is not None or launch_section.nnodes != 1):
-            self.reject("launch", "sets torchrun's process counts (backend torch_fsdp); this backend drives every "
-                                  "local device from one process per host: remove it")
+        self.capabilities.check(self.cfg)
 
     def advisories(self) -> list[str]:
         """Warnings about how this run is set up (not errors), printed once it has started."""
         return []
 
     def reject(self, key: str, message: str) -> None:
-        raise ConfigError(key, message, backend=self.name)
+        self.capabilities.refuse(key, message)
 
-    def resolve_plan(self, devices: int, what: str = "devices") -> plan.ShardingPlan:
-        """The sharding plan for `devices`, refusing a mesh or global batch that does not divide them."""
-        try:
-            if self.cfg.fsdp.sharding == "auto":
-                resolved = self.auto_plan(devices)
-            else:
-                resolved = plan.resolve(self.cfg.fsdp, self.cfg.mesh, devices)
-        except plan.PlanError as exc:
-            self.reject(exc.key, f"{exc}" + ("" if what == "devices" else f" ({what})"))
-        refusal = self.triple_refusal(resolved)
-        if refusal and self.cfg.fsdp.sharding is not None:
-            self.reject("fsdp.sharding", refusal)
-        train = self.cfg.train
-        if train.global_batch_size % devices:
-            self.reject("train.global_batch_size",
-                        f"{train.global_batch_size} does not split evenly over {devices} {what}")
-        micro = train.global_batch_size // train.grad_accum_steps
-        if micro % devices:
-            # Each micro-batch is split over the devices like a whole batch: uneven, a process would drop rows
-            # (FSDP2) or XLA would replicate the batch (SPMD).
-            self.reject("train.grad_accum_steps", f"{train.grad_accum_steps} micro-batches of {micro} rows: each "
-                                                  f"must split evenly over the {devices} {what} (global_batch_size "
-                                                  f"{train.global_batch_size})")
-        return resolved
-
-    @classmethod
-    def triple_refusal(cls, resolved: plan.ShardingPlan) -> str | None:
-        """Why this backend cannot run the plan's (P, G, OS) triple, in one line naming it; None if it can."""
-        if not resolved.uniform and cls.uniform_only:
-            return (f"{resolved.triple}: {cls.name} shards parameters, gradients and optimizer state alike "
-                    f"({cls.uniform_only}); use a uniform triple k/k/k, or backend xla_spmd")
-        reason = cls.unsupported_strategies.get(resolved.strategy)
-        if reason:
-            return f"{resolved.triple} is {resolved.strategy.value}, which {reason}"
-        if 1 < resolved.after_forward < resolved.params and cls.no_group_after_forward:
-            return (f"{resolved.triple}: params_after_forward {resolved.after_forward} is FSDP2's int "
-                    f"reshard_after_forward (backend torch_fsdp); {cls.name}: {cls.no_group_after_forward}")
-        return None
-
-    def auto_plan(self, devices: int) -> plan.ShardingPlan:
-        """fsdp.sharding: auto. The cost model's fastest triple that fits and that this backend runs."""
-        from xla_shard import planner
-
-        hardware = planner.for_device_kind(self.device_kind)
-        if hardware is None:
-            return plan.from_triple(devices, devices, devices, devices, reason=f"fsdp.sharding=auto: no hardware "
-                                    f"model for {self.device_kind!r}, so FULL_SHARD")
-        ranked = planner.plan(planner.workload(self.cfg, devices, self.name), devices, hardware)
-        runnable = [e for e in ranked.ranked if e.fits and self.triple_refusal(as_plan(e.triple, devices)) is None]
-        if not runnable:
-            raise plan.PlanError("fsdp.sharding", f"auto: no sharding of this model fits {devices} x "
-                                                  f"{hardware.name} by the cost model (see `xla-shard plan`)")
-        pick, base = runnable[0], ranked.baseline
-        best = ranked.best
-        why = (f"fsdp.sharding=auto: {pick.triple} predicted {pick.step_s * 1e3:.0f} ms/step, MFU {pick.mfu:.2f}, "
-               f"{pick.memory['total'] / 2**30:.1f} GiB/device, vs FULL_SHARD {base.step_s * 1e3:.0f} ms"
-               + (f"; the model's best, {best.triple}, is not run by {self.name}" if best and best.triple != pick.triple
-                  else ""))
-        return as_plan(pick.triple, devices, reason=why)
-
-    # ---- how it starts -----------------------------------------------------------------------------
     def expected_devices(self, nproc_per_node: int | None = None) -> int | None:
-        """Devices the run will have, if known before the runtime starts (None: only setup can tell)."""
+        """Devices the run will have, if known before the runtime starts (None: only `start` can tell)."""
         return None
 
-    def check_launch(self, nproc_per_node: int | None = None) -> None:
-        """Before anything starts (`train`, and `config check`): the plan must fit the devices it will have."""
-        devices = self.expected_devices(nproc_per_node)
-        if devices is not None:
-            self.resolve_plan(devices, "torchrun processes" if self.starts_processes else "devices")
-
-    def launch(self, argv: list[str], nproc_per_node: int | None = None) -> int:
-        """Start training as this backend runs (here: in this process); the exit status for the CLI. `argv`
-        is the command line, for backends that start it again in other processes."""
-        if nproc_per_node is not None and not self.starts_processes:
-            raise ConfigError(None, f"--nproc-per-node is torchrun's process count (backend torch_fsdp); {self.name} "
-                                    "runs one process per host (on a CPU, cpu_devices sets its devices)")
-        return launch.train_here(self.cfg, self)
+    def configure(self) -> None:
+        """Set what the runtime reads from the environment before it starts (a launcher calls this before it
+        starts other processes)."""
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     @abc.abstractmethod
-    def setup(self) -> None:
-        """Initialise the runtime (process group, mesh, device); fill rank/world/device/num_devices and plan."""
+    def start(self) -> None:
+        """Start the runtime (process group, devices); fill rank/world/device/device_kind/num_devices."""
+
+    def setup(self, plan: ShardingPlan) -> None:
+        """Take the plan settled for `num_devices` (and build what it needs: SPMD's mesh)."""
+        self.plan = plan
 
     @abc.abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -361,12 +271,6 @@ class Backend(abc.ABC):
         finally:
             if self.local_leader:
                 self.barrier()
-
-
-def as_plan(triple, devices: int, reason: str | None = None) -> plan.ShardingPlan:
-    """A planner's `Triple` as the sharding plan a backend runs."""
-    return plan.from_triple(triple.params, triple.grads, triple.optimizer, devices, reason=reason,
-                            after_forward=triple.kept)
 
 
 def on_meta(model: nn.Module) -> bool:

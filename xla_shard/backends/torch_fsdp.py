@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from xla_shard import launch
 from xla_shard.backends.base import Backend, apply_activation_checkpointing, on_meta, pack_bytes, unpack_bytes
+from xla_shard.capabilities import Capabilities
 from xla_shard.checkpoint.contract import Box, Chunk
 from xla_shard.config.schema import ShardingStrategy
 from xla_shard.errors import ConfigError
@@ -26,32 +27,19 @@ from xla_shard.wrap import checkpoint_targets, wrap_targets
 
 
 class TorchFsdpBackend(Backend):
-    name = "torch_fsdp"
-    starts_processes = True
-    offloads_params = True  # FSDP2's CPUOffloadPolicy, on a machine with GPUs
+    capabilities = Capabilities(
+        "torch_fsdp", launcher="torchrun", platforms=("cuda", "cpu"), unit="torchrun processes",
+        offload_params=None,  # FSDP2's CPUOffloadPolicy, on a machine with GPUs
+        nonuniform_triple="FSDP2 keeps gradients and optimizer state in the parameters' DTensor layout and cannot "
+                          "shard them wider: pytorch/pytorch#148257",
+        group_after_forward=None)  # fully_shard(reshard_after_forward=k)
     wrapper_prefixes = ("module",)  # DistributedDataParallel (NO_SHARD); fully_shard keeps names as they are
-    uniform_only = ("FSDP2 keeps gradients and optimizer state in the parameters' DTensor layout and cannot shard "
-                    "them wider: pytorch/pytorch#148257")
-    no_group_after_forward = None  # fully_shard(reshard_after_forward=k)
 
     def check(self) -> None:
         super().check()
         if self.cfg.fsdp.offload_params and not torch.cuda.is_available():
             self.reject("fsdp.offload_params", "offloads parameters from GPU memory to the host; this machine has "
                                                "no CUDA GPU, so there is nothing to offload: set it to false")
-
-    def launch(self, argv: list[str], nproc_per_node: int | None = None) -> int:
-        """Inside torchrun: train here, dying with torchrun. Otherwise: check the process count against the
-        batch and mesh, then run `torchrun --standalone` here (multi-node users run torchrun themselves)."""
-        if launch.torchrun_worker():
-            launch.as_torchrun_worker()
-            return launch.train_here(self.cfg, self)
-        if self.cfg.launch.nnodes > 1:
-            self.reject("launch.nnodes", f"{self.cfg.launch.nnodes} nodes: start `torchrun --nnodes="
-                                         f"{self.cfg.launch.nnodes} --nproc-per-node=N --rdzv-backend=c10d "
-                                         "--rdzv-endpoint=HOST:PORT -m xla_shard.cli train CONFIG` on every node "
-                                         "(`xla-shard train` starts one node)")
-        return launch.run_torchrun(self.expected_devices(nproc_per_node), argv)  # the CLI ran check_launch
 
     def expected_devices(self, nproc_per_node: int | None = None) -> int | None:
         """Inside torchrun, its world; before it, the processes the launcher will start, per node."""
@@ -63,7 +51,7 @@ class TorchFsdpBackend(Backend):
             raise ConfigError(None, f"--nproc-per-node {nproc}: need at least one process")
         return nproc * self.cfg.launch.nnodes
 
-    def setup(self) -> None:
+    def start(self) -> None:
         cuda = torch.cuda.is_available()
         if cuda:
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -74,7 +62,6 @@ class TorchFsdpBackend(Backend):
             dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.num_devices = self.world
-        self.plan = self.resolve_plan(self.world, "torchrun processes")
 
     def wrap(self, model: nn.Module) -> nn.Module:
         fsdp = self.cfg.fsdp

@@ -7,6 +7,9 @@ by the XLA backends, so that another TPU runtime can plug in behind the same int
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import logging
 import os
 
 import torch
@@ -14,7 +17,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from xla_shard.backends.base import Backend, apply_activation_checkpointing
-from xla_shard.launch import on_tpu
+from xla_shard.io.device import on_tpu
 from xla_shard.wrap import checkpoint_targets, wrap_targets
 
 
@@ -26,6 +29,27 @@ def configure_runtime(cpu_devices: int) -> None:
     else:
         os.environ.setdefault("PJRT_DEVICE", "CPU")
         os.environ.setdefault("CPU_NUM_DEVICES", str(cpu_devices))
+
+
+@contextlib.contextmanager
+def absl_quiet():
+    """flax's import warns through absl that TensorFlow is absent, which nothing here needs."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl.setLevel(level)
+
+
+def import_torchax_quietly() -> None:
+    """torch_xla's `mark_sharding` imports the torchax copy in its wheel (and through it flax) when jax is
+    installed, at the first call: do it here, without flax's TensorFlow warning."""
+    if importlib.util.find_spec("jax") is None:
+        return
+    with absl_quiet(), contextlib.suppress(ImportError):
+        import torchax  # noqa: F401
 
 
 def usable_cores() -> int:
@@ -63,7 +87,7 @@ def compilations() -> int:
 class XlaBackend(Backend):
     """torch_xla, either way: lazy graphs cut once per step, compilations counted, no CPU offload."""
 
-    no_offload_reason = "torch_xla FSDP has no CPU offload"
+    NO_OFFLOAD = "torch_xla FSDP has no CPU offload"
 
     def configure(self) -> None:
         configure_runtime(self.cfg.cpu_devices)

@@ -10,14 +10,13 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import os
 
 import torch
 from torch import nn
 
-from xla_shard import launch
 from xla_shard.backends import xla_common
 from xla_shard.backends.base import optimizer_state
+from xla_shard.capabilities import Capabilities
 from xla_shard.checkpoint.contract import StateTensor, range_to_boxes
 from xla_shard.config.schema import ShardingStrategy
 
@@ -25,17 +24,18 @@ _HYBRID = "needs a 2-D mesh; use backend xla_spmd (replica x fsdp mesh) for hybr
 
 
 class XlaFsdpBackend(xla_common.XlaBackend):
-    name = "xla_fsdp"
+    capabilities = Capabilities(
+        "xla_fsdp", launcher="xmp_spawn", platforms=("tpu", "cpu"), unit="replicas",
+        offload_params=xla_common.XlaBackend.NO_OFFLOAD, xla_settings=None,
+        strategies={ShardingStrategy.NO_SHARD: "is data parallelism; use backend xla_spmd with NO_SHARD, which runs "
+                                               "it without FSDP",
+                    ShardingStrategy.HYBRID_SHARD: _HYBRID, ShardingStrategy.HYBRID_SHARD_ZERO2: _HYBRID},
+        nonuniform_triple="XlaFullyShardedDataParallel's gradients and optimizer state live in its flat parameter "
+                          "shards",
+        group_after_forward="XlaFullyShardedDataParallel's reshard_after_forward is a bool",
+        scan_layers="XlaFullyShardedDataParallel gathers each layer's flat parameters in hooks, which a scanned layer "
+                    "does not run")
     wrapper_prefixes = ("_fsdp_wrapped_module", "_fpw_module")
-    takes_xla_settings = True
-    uniform_only = "XlaFullyShardedDataParallel's gradients and optimizer state live in its flat parameter shards"
-    no_group_after_forward = "XlaFullyShardedDataParallel's reshard_after_forward is a bool"
-    no_scan_layers = ("XlaFullyShardedDataParallel gathers each layer's flat parameters in hooks, which a scanned "
-                      "layer does not run")
-    unsupported_strategies = {
-        ShardingStrategy.NO_SHARD: "is data parallelism; use backend xla_spmd with NO_SHARD, which runs it without "
-                                   "FSDP",
-        ShardingStrategy.HYBRID_SHARD: _HYBRID, ShardingStrategy.HYBRID_SHARD_ZERO2: _HYBRID}
 
     def check(self) -> None:
         super().check()
@@ -59,17 +59,7 @@ class XlaFsdpBackend(xla_common.XlaBackend):
             if key not in accepted:
                 self.reject(f"fsdp.xla_settings.{key}", "not an argument of XlaFullyShardedDataParallel")
 
-    def launch(self, argv: list[str], nproc_per_node: int | None = None) -> int:
-        """torch_xla's `xmp.spawn`: one process per local device, each dying with this launcher."""
-        if nproc_per_node is not None:
-            return super().launch(argv, nproc_per_node)  # refuses it, naming the backend
-        self.configure()
-        import torch_xla.distributed.xla_multiprocessing as xmp
-
-        xmp.spawn(launch.spawned, args=(self.cfg, os.getpid()))
-        return 0
-
-    def setup(self) -> None:
+    def start(self) -> None:
         self.configure()
         import torch_xla
         import torch_xla.runtime as xr
@@ -78,7 +68,6 @@ class XlaFsdpBackend(xla_common.XlaBackend):
         self.device_kind = xla_common.device_kind()
         self.rank, self.world = xr.global_ordinal(), xr.world_size()
         self.num_devices = self.world
-        self.plan = self.resolve_plan(self.world, "replicas")
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel

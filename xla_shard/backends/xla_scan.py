@@ -13,7 +13,6 @@ torch_xla's wheel, which needs jax and flax (`pip install 'xla_shard[scan]'`).
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from xla_shard.backends.xla_common import absl_quiet
 from xla_shard.config.schema import FsdpSection
 from xla_shard.errors import ConfigError
 from xla_shard.wrap import layer_classes
@@ -40,17 +40,13 @@ def recompute_all(joint, inputs, **kwargs):
 
 
 def check_available() -> None:
-    absl = logging.getLogger("absl")
-    level = absl.level
-    absl.setLevel(logging.ERROR)  # flax's import warns that TensorFlow is absent, which scan does not need
     try:
-        import jax  # noqa: F401
-        import torchax  # noqa: F401
+        with absl_quiet():
+            import jax  # noqa: F401
+            import torchax  # noqa: F401
     except ImportError as exc:
         raise ConfigError(KEY, f"torch_xla's scan needs jax and flax under SPMD ({exc.name} is not installed): "
                                "pip install 'xla_shard[scan]', or set it to false") from None
-    finally:
-        absl.setLevel(level)
 
 
 def scan_stack(model: nn.Module, fsdp: FsdpSection, checkpoint: bool) -> int:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from xla_shard.backends import xla_common, xla_scan
+from xla_shard.capabilities import Capabilities
 from xla_shard.checkpoint.contract import Box, Chunk
 from xla_shard.config.schema import ShardingStrategy
 
@@ -83,32 +84,31 @@ class Layouts:
 
 class XlaSpmdBackend(xla_common.XlaBackend):
     name = "xla_spmd"
+    capabilities = Capabilities(
+        "xla_spmd", launcher="in_process", platforms=("tpu", "cpu"), offload_params=xla_common.XlaBackend.NO_OFFLOAD,
+        strategies={ShardingStrategy.SHARD_GRAD_OP: _NOT_UNDER_SPMD,
+                    ShardingStrategy.HYBRID_SHARD_ZERO2: _NOT_UNDER_SPMD},
+        nonuniform_triple=None,  # per-tensor annotations: any nested triple
+        group_after_forward="XLA's partitioner decides what it keeps from forward for backward",
+        scan_layers=None, gathers_per_tensor=True, reduces_every_micro_batch=True)
     wrapper_prefixes = ("_orig_module",)
-    uniform_only = None  # per-tensor annotations: any nested triple
-    no_group_after_forward = "XLA's partitioner decides what it keeps from forward for backward"
-    no_scan_layers = None
-    unsupported_strategies = {ShardingStrategy.SHARD_GRAD_OP: _NOT_UNDER_SPMD,
-                              ShardingStrategy.HYBRID_SHARD_ZERO2: _NOT_UNDER_SPMD}
 
     def check(self) -> None:
         super().check()
         if self.cfg.fsdp.scan_layers:
             xla_scan.check_available()
 
-    def setup(self) -> None:
+    def start(self) -> None:
         self.configure()
         import torch_xla
-        import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
 
         xr.use_spmd()
+        xla_common.import_torchax_quietly()
         # FSDPv2 hangs a gradient barrier hook on the root too; transformers' ModelOutput root cannot take it.
         warnings.filterwarnings("ignore", message="For backward hooks to be called")
         self.num_devices = xr.global_runtime_device_count()
         self.local_devices = xr.addressable_runtime_device_count()
-        self.plan = self.resolve_plan(self.num_devices)
-        self.mesh = self._build_mesh()
-        xs.set_global_mesh(self.mesh)
         self.device = torch_xla.device()
         self.device_kind = xla_common.device_kind()
         self.host_index, self.hosts = xr.process_index(), xr.process_count()
@@ -117,6 +117,13 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         # Every host builds the same global batch from (seed, step); mark_sharding sends each device its rows.
         self.rank, self.world = 0, 1
         self._batch_axes = MESH_AXES
+
+    def setup(self, plan) -> None:
+        import torch_xla.distributed.spmd as xs
+
+        super().setup(plan)
+        self.mesh = self._build_mesh()
+        xs.set_global_mesh(self.mesh)
 
     def _build_mesh(self):
         """The plan's mesh. On a multi-slice TPU pod, torch_xla's HybridMesh with the slices as the outermost

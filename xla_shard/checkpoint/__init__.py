@@ -4,16 +4,11 @@
 resume, `inspect` and `export` the tools built on the reader.
 """
 
-from xla_shard.checkpoint.manager import Checkpointer
-from xla_shard.checkpoint.manifest import (
-                                           CheckpointError,
-                                           CorruptCheckpointError,
-                                           Manifest,
-                                           committed_steps,
-                                           read_manifest,
-)
+from xla_shard.checkpoint.manager import Checkpointer, NoCheckpoints
+from xla_shard.checkpoint.manifest import (CheckpointError, CorruptCheckpointError, Manifest, committed_steps,
+                                           read_manifest)
 from xla_shard.checkpoint.reader import ChunkReader
-from xla_shard.checkpoint.storage import Storage, StorageError
+from xla_shard.io.storage import Storage, StorageError
 
-__all__ = ["CheckpointError", "Checkpointer", "ChunkReader", "CorruptCheckpointError", "Manifest", "Storage",
-           "StorageError", "committed_steps", "read_manifest"]
+__all__ = ["CheckpointError", "Checkpointer", "ChunkReader", "CorruptCheckpointError", "Manifest", "NoCheckpoints",
+           "Storage", "StorageError", "committed_steps", "read_manifest"]

@@ -19,9 +19,12 @@ from xla_shard.checkpoint import layout
 from xla_shard.checkpoint.inspect import open_checkpoint
 from xla_shard.checkpoint.manifest import CheckpointError
 from xla_shard.checkpoint.reader import ChunkReader
-from xla_shard.checkpoint.storage import Storage
+from xla_shard.config.presets import PRESETS
 from xla_shard.errors import UserError, file_in_the_way, one_line
 from xla_shard.hostmem import peak_growth
+from xla_shard.io.model_dir import copy_companions, model_directory
+from xla_shard.io.storage import Storage
+from xla_shard.io.untrusted_json import SchemaError, parse_json
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -174,12 +177,10 @@ def _copy_companions(manifest, out: Storage) -> tuple[list[str], str | None]:
 
     The manifest names that directory, and a manifest is untrusted: its files are copied only if the
     directory's config.json describes the model the checkpoint holds (never from an arbitrary directory)."""
-    from xla_shard.config.presets import PRESETS
-    from xla_shard.models import copy_companions
-
     model = (manifest.data.get("config") or {}).get("model")
-    source = model.get("name") if isinstance(model, dict) else None
-    if not isinstance(source, str) or source in PRESETS or source.endswith(".json"):
+    name = model.get("name") if isinstance(model, dict) else None
+    source = model_directory(name, PRESETS) if isinstance(name, str) else None
+    if source is None:
         return [], None  # nothing beside it
     try:
         differs = _differs(Storage(source), manifest.data["hf_config"])
@@ -193,8 +194,6 @@ def _copy_companions(manifest, out: Storage) -> tuple[list[str], str | None]:
 
 def _differs(source: Storage, hf_config: dict) -> str | None:
     """Which architecture field a model directory's config.json has otherwise than the checkpoint's, if any."""
-    from xla_shard.checkpoint.schema import SchemaError, parse_json
-
     try:
         fields = parse_json(source.read_bytes("config.json"))
     except (FileNotFoundError, SchemaError):

@@ -13,7 +13,7 @@ import struct
 
 from xla_shard.checkpoint import layout, schema
 from xla_shard.checkpoint.manifest import CheckpointError, Manifest
-from xla_shard.checkpoint.storage import Storage
+from xla_shard.io.storage import Storage
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -14,7 +14,7 @@ from xla_shard.checkpoint.manifest import (
     read_manifest,
 )
 from xla_shard.checkpoint.reader import ChunkReader
-from xla_shard.checkpoint.storage import Storage
+from xla_shard.io.storage import Storage
 
 
 def open_checkpoint(url: str) -> tuple[Storage, Manifest]:

@@ -38,9 +38,10 @@ from xla_shard.checkpoint.manifest import (
     committed_steps,
     read_manifest,
 )
+from xla_shard.checkpoint.model_config import hf_config
 from xla_shard.checkpoint.reader import ChunkReader, fill
-from xla_shard.checkpoint.storage import Storage
 from xla_shard.errors import ConfigError, UserError
+from xla_shard.io.storage import Storage
 
 
 def versions() -> dict[str, str]:
@@ -383,20 +384,20 @@ _NOT_ARCHITECTURE = {"transformers_version", "_name_or_path", "use_cache", "dtyp
                      "output_attentions", "output_hidden_states", "return_dict", "_attn_implementation_autoset"}
 
 
-def hf_config(model) -> dict[str, Any] | None:
-    """The transformers config of a (possibly wrapped) model, as its `config.json` would hold it; None for a
-    model that is not a transformers model."""
-    from transformers import PreTrainedModel
+class NoCheckpoints:
+    """What a run without `checkpoint.dir` checkpoints with: nothing. The trainer calls it as it would a
+    `Checkpointer`, so it never asks whether there is one."""
 
-    inner = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
-    if inner is None:
-        return None
-    # FSDP2 swaps in a subclass it makes on the fly (FSDPLlamaForCausalLM): name the model's own class.
-    cls = next(c for c in type(inner).__mro__
-               if issubclass(c, PreTrainedModel) and not c.__module__.startswith("torch."))
-    from xla_shard.models import inference_config
+    last_committed: int | None = None
 
-    return {**inference_config(inner), "architectures": [cls.__name__]}
+    def save(self, step: int, model, optimizer, block: bool = False, extra: Extra | None = None) -> None:
+        pass
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+    def restore(self, model, optimizer, extra: Extra | None = None) -> int:
+        return 0
 
 
 def _architecture(hf_config: dict[str, Any]) -> dict[str, Any]:

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xla_shard.checkpoint import layout, schema
-from xla_shard.checkpoint.storage import Storage
 from xla_shard.errors import UserError
+from xla_shard.io.storage import Storage
 
 # Manifests written before runs were recorded belong to this run.
 UNRECORDED_RUN = "unrecorded"

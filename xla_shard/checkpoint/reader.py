@@ -12,7 +12,7 @@ import torch
 from xla_shard.checkpoint import layout
 from xla_shard.checkpoint.contract import StateTensor
 from xla_shard.checkpoint.manifest import CorruptCheckpointError, Manifest
-from xla_shard.checkpoint.storage import Storage
+from xla_shard.io.storage import Storage
 
 
 class ChunkReader:

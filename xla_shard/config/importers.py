@@ -18,6 +18,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from xla_shard.config.files import read_raw
 from xla_shard.errors import ConfigError
 
 Notes = list[str]
@@ -216,7 +217,8 @@ def from_accelerate(raw: dict[str, Any]) -> tuple[dict[str, Any], Notes]:
         raise ConfigError("distributed_type", f"{top['distributed_type']!r} is not an FSDP config; expected FSDP "
                                               "or XLA")
     native: dict[str, Any] = {"fsdp": fsdp, "backend": backend}
-    _launch(top, backend, native, notes)
+    # accelerate launches FSDP on GPUs through torchrun, one process per GPU: its counts carry over.
+    _launch(top, backend, kind == "FSDP" and not xla_backend, native, notes)
     for key, value in top.items():
         if key in _ACCELERATE_LAUNCH_NOTES:
             notes.append(f"{key}: not imported ({_ACCELERATE_LAUNCH_NOTES[key]})")
@@ -231,12 +233,12 @@ def from_accelerate(raw: dict[str, Any]) -> tuple[dict[str, Any], Notes]:
     return native, notes
 
 
-def _launch(top: dict[str, Any], backend: str, native: dict[str, Any], notes: Notes) -> None:
+def _launch(top: dict[str, Any], backend: str, torchrun: bool, native: dict[str, Any], notes: Notes) -> None:
     """accelerate's num_processes counts processes over all machines; torchrun wants them per node."""
     processes, machines = top.get("num_processes"), top.get("num_machines") or 1
     if processes in (None, -1, 0):
         return
-    if backend != "torch_fsdp":
+    if not torchrun:
         notes.append(f"num_processes={processes}: {backend} drives every local device from one process per "
                      "host, so there is no process count to set")
         return
@@ -268,8 +270,6 @@ def from_training_arguments(raw: dict[str, Any]) -> tuple[dict[str, Any], Notes]
         raise ConfigError("fsdp", "FSDP is off in these TrainingArguments (fsdp is empty): nothing to import")
     fsdp_config = raw.get("fsdp_config") or {}
     if isinstance(fsdp_config, str):
-        from xla_shard.config.load import read_raw
-
         fsdp_config = read_raw(fsdp_config)
     if not isinstance(fsdp_config, dict):
         raise ConfigError("fsdp_config", f"expected an object (or the path of a JSON file), got {fsdp_config!r}")

@@ -16,6 +16,8 @@ from xla_shard.data.batches import Batch, local_rows, micro_rows
 from xla_shard.data.source import DatasetSource, EvalSource, Prefetcher
 from xla_shard.data.synthetic import SyntheticSource
 from xla_shard.errors import ConfigError, one_line
+from xla_shard.io.model_dir import copy_companions, refuse_untrusted
+from xla_shard.io.storage import Storage
 
 __all__ = ["Batch", "DataSources", "DatasetSource", "EvalSource", "Prefetcher", "SyntheticSource", "build",
            "load_tokenizer", "local_rows", "micro_rows"]
@@ -28,16 +30,11 @@ class DataSources:
     description: str = "synthetic tokens"
 
 
-def build(cfg, model_config=None, model_directory: str | None = None) -> DataSources:
-    """The sources for a run (`model_config` and the model directory, whose tokenizer is the default, come
-    from the config's model section when not given). Processes of one host call it one after the other
-    (`Backend.main_first`): the first tokenizes and fills the `datasets` cache, the others read it."""
-    if model_config is None:
-        from xla_shard.models import model_config as config_of
-        from xla_shard.models import resolve_source
-
-        source = resolve_source(cfg.model, cfg.checkpoint.retry_deadline_s)
-        model_config, model_directory = config_of(cfg.model, source), source.directory
+def build(cfg, model_config, model_directory: str | None = None) -> DataSources:
+    """The sources for a run: `model_config` is the transformers config of the model being trained (its
+    vocabulary and labels), `model_directory` the directory it came from, whose tokenizer is the default.
+    Processes of one host call it one after the other (`Backend.main_first`): the first tokenizes and fills
+    the `datasets` cache, the others read it."""
     data, train = cfg.data, cfg.train
     task = cfg.model.task
     labels = model_config.num_labels if task == "sequence_classification" else None
@@ -137,9 +134,6 @@ def load_tokenizer(location: str | None, model_config, explicit: bool, model_nam
     from them runs, and whatever fails to parse in them is one error naming the key."""
     from transformers import AutoTokenizer
 
-    from xla_shard.checkpoint.storage import Storage
-    from xla_shard.models import refuse_untrusted
-
     key = "data.tokenizer" if explicit else "model.name"
     if location is None:
         raise ConfigError("data.tokenizer", f"model.name {model_name!r} is not a model directory, so it has no "
@@ -163,9 +157,6 @@ def load_tokenizer(location: str | None, model_config, explicit: bool, model_nam
 
 
 def _local_copy(url: str, key: str) -> str:
-    from xla_shard.checkpoint.storage import Storage
-    from xla_shard.models import copy_companions
-
     target = tempfile.mkdtemp(prefix="xla_shard_tokenizer_")
     if not copy_companions(url, Storage(target), extra=("config.json",)):
         raise ConfigError(key, f"{url} holds no tokenizer files")

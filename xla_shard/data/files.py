@@ -11,6 +11,7 @@ import os
 from pathlib import Path, PurePosixPath
 
 from xla_shard.errors import ConfigError, one_line
+from xla_shard.io.storage import Storage, open_fs
 
 # format key -> the `datasets` builder that reads it
 BUILDERS = {"json": "json", "jsonl": "json", "csv": "csv", "parquet": "parquet", "txt": "text"}
@@ -22,12 +23,8 @@ _GLOB = set("*?[")
 
 def resolve_files(path: str, key: str) -> list[str]:
     """The files a path names: one file, every file in a directory, or a glob; local or any fsspec URL."""
-    from fsspec.core import url_to_fs
-
-    from xla_shard.checkpoint.storage import storage_options
-
     try:
-        fs, root = url_to_fs(path, **storage_options(path))
+        fs, root = open_fs(path)
     except (ValueError, ImportError) as exc:
         raise ConfigError(key, f"cannot open {path!r}: {one_line(exc)}") from None
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
@@ -51,8 +48,6 @@ def local_copy(url: str) -> str:
     """A remote file in the local cache (downloaded once per size and modification time, with retries), so
     `datasets` reads and memory-maps it like a local one, also where the hub is offline."""
     import hashlib
-
-    from xla_shard.checkpoint.storage import Storage
 
     directory, name = url.rsplit("/", 1)
     storage = Storage(directory)

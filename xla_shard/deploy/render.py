@@ -132,8 +132,12 @@ def render(cfg: ShardConfig, target: str, config_name: str = "config.yaml") -> R
 
 
 def _check_tpu_backend(cfg: ShardConfig) -> None:
-    if cfg.backend.value == "torch_fsdp":
-        raise ConfigError("backend", "torch_fsdp is the CUDA fallback; on a TPU use xla_spmd or xla_fsdp "
+    from xla_shard import backends
+
+    name = backends.resolve_name(cfg, on="tpu")
+    if "tpu" not in backends.capabilities(name).platforms:
+        on_tpu = [n for n, cls in backends.BACKENDS.items() if "tpu" in cls.capabilities.platforms]
+        raise ConfigError("backend", f"{name} does not run on a TPU; use {' or '.join(on_tpu)} "
                                      "(or --target gpu-vm)")
 
 

@@ -2,7 +2,7 @@
 
 `candidates` enumerates every nested triple for the device count, `estimate` (cost.py) predicts each one's
 memory, traffic per link class and step time, and `plan` ranks those that fit, fastest first. Which triples a
-backend runs is the backend's to say (`Backend.triple_refusal`): xla_spmd any, the FSDP wrappers k/k/k.
+backend runs is the backend's to say (`Capabilities.triple_refusal`): xla_spmd any, the FSDP wrappers k/k/k.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from xla_shard.capabilities import Capabilities
 from xla_shard.planner.cost import Collective, Estimate, Triple, Workload, collectives, estimate, memory, update_degree
 from xla_shard.planner.hardware import ACCELERATORS, Accelerator, accelerator, for_device_kind
 
@@ -77,26 +78,23 @@ def embedding_params(model) -> int:
                if isinstance(m, nn.Embedding) and id(m.weight) not in elsewhere)
 
 
-def workload(cfg, devices: int, backend: str | None = None) -> Workload:
-    """The step of a config, from its model built on the meta device (no memory, nothing downloaded).
-    `backend`: the one that will run it (xla_spmd gathers per tensor, so backward skips the embedding, and
-    reduces gradients at every micro-batch; FSDP wrappers gather whole units and reduce once); default the
-    config's."""
+def workload(cfg, devices: int, capabilities: Capabilities) -> Workload:
+    """The step of a config, from its model built on the meta device (no memory, nothing downloaded), as the
+    backend with `capabilities` runs it (per-tensor gathers skip the embedding in backward and reduce gradients
+    at every micro-batch; FSDP wrappers gather whole units and reduce once)."""
     import torch
 
-    from xla_shard.backends import resolve_name
     from xla_shard.metrics import train_flops_per_token
     from xla_shard.models import build_model
     from xla_shard.wrap import wrap_targets
 
-    backend = backend or resolve_name(cfg)
     with torch.device("meta"):
         model = build_model(cfg.model, cfg.train.seed)
     config = model.config
     tokens = cfg.train.global_batch_size * cfg.train.seq_len // devices
     return Workload(params=sum(p.numel() for p in model.parameters()), units=len(wrap_targets(model, cfg.fsdp)) + 1,
-                    embedding_params=embedding_params(model) if backend == "xla_spmd" else 0,
-                    grad_reductions=cfg.train.grad_accum_steps if backend == "xla_spmd" else 1,
+                    embedding_params=embedding_params(model) if capabilities.gathers_per_tensor else 0,
+                    grad_reductions=cfg.train.grad_accum_steps if capabilities.reduces_every_micro_batch else 1,
                     flops_per_token=train_flops_per_token(model, cfg.train.seq_len), tokens_per_device=max(1, tokens),
                     layers=getattr(config, "num_hidden_layers", 1), hidden=getattr(config, "hidden_size", 1),
                     seq_len=cfg.train.seq_len, compute_bytes=2 if cfg.fsdp.mixed_precision == "bf16" else 4,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from xla_shard.plan import Triple
 from xla_shard.planner.hardware import Accelerator
 
 OPTIMIZER_BYTES = {"adamw": 8, "sgd": 0}  # fp32 exp_avg + exp_avg_sq per parameter
@@ -56,26 +57,6 @@ class Workload:
         tokens = self.tokens_per_device / self.micro_batches
         per_layer = (2 if self.activation_checkpointing else 34) * tokens * self.hidden
         return per_layer * self.layers * self.compute_bytes / 2
-
-
-@dataclass(frozen=True)
-class Triple:
-    params: int
-    grads: int
-    optimizer: int
-    after_forward: int | None = None  # devices a parameter stays split over until backward (None: params)
-
-    def __post_init__(self):
-        if self.after_forward == self.params:
-            object.__setattr__(self, "after_forward", None)  # the default, spelled one way
-
-    @property
-    def kept(self) -> int:
-        return self.params if self.after_forward is None else self.after_forward
-
-    def __str__(self) -> str:
-        after = f"({self.kept})" if self.kept != self.params else ""
-        return f"{self.params}{after}/{self.grads}/{self.optimizer}"
 
 
 @dataclass(frozen=True)

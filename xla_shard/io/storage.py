@@ -53,13 +53,30 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, aiohttp.ClientError) and not isinstance(exc, aiohttp.ClientResponseError)
 
 
+def _emulated(url: str) -> bool:
+    return url.startswith("gs://") and bool(os.environ.get("STORAGE_EMULATOR_HOST"))
+
+
 def storage_options(url: str) -> dict:
-    if url.startswith("gs://") and os.environ.get("STORAGE_EMULATOR_HOST"):
+    if _emulated(url):
         # A local GCS emulator (tests, benchmarks): no credentials, and no gRPC probe for zonal/HNS buckets,
-        # which an emulator never answers (gcsfs would wait 60 s per bucket before falling back).
+        # which an emulator never answers (gcsfs would wait 60 s per bucket before falling back). gcsfs reads
+        # this switch when it is first imported; `open_fs` does not depend on that having happened after.
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
         return {"token": "anon"}
     return {}
+
+
+def open_fs(url: str):
+    """(filesystem, root path) for a URL. Against a GCS emulator, gcsfs's plain client, whatever gcsfs chose
+    as its default class at import (its experimental one probes each bucket over gRPC, which hung a test run
+    for minutes when gcsfs had been imported before the emulator was set)."""
+    if _emulated(url):
+        from gcsfs.core import GCSFileSystem
+
+        fs = GCSFileSystem(**storage_options(url))
+        return fs, fs._strip_protocol(url)
+    return url_to_fs(url, **storage_options(url))
 
 
 class Storage:
@@ -69,7 +86,7 @@ class Storage:
         self.url = url.rstrip("/")
         self.retry_deadline_s = retry_deadline_s
         try:
-            self.fs, self.root = url_to_fs(self.url, **storage_options(self.url))
+            self.fs, self.root = open_fs(self.url)
         except (ValueError, ImportError) as exc:
             raise StorageError(redact(one_line(f"cannot open storage URL {self.url!r}: {exc}"))) from None
         self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))

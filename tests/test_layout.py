@@ -1,0 +1,129 @@
+"""The package's architecture, checked on its import graph: every import (function-local ones included) goes
+down the layers below or stays inside its own layer, and no set of modules imports itself round in a loop."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from xla_shard.backends import BACKENDS
+from xla_shard.capabilities import Capabilities
+
+PACKAGE = Path(__file__).resolve().parent.parent / "xla_shard"
+
+# Lowest first. A module belongs to the first layer with a prefix that names it or a package holding it.
+LAYERS = [
+    ("ground", ["xla_shard.errors", "xla_shard.io", "xla_shard.hostmem", "xla_shard.launch"]),
+    ("config", ["xla_shard.config"]),
+    ("plan", ["xla_shard.plan", "xla_shard.capabilities", "xla_shard.planner.cost", "xla_shard.planner.hardware",
+              "xla_shard.planner.hlo", "xla_shard.planner.report", "xla_shard.schedule", "xla_shard.preemption",
+              "xla_shard.attention", "xla_shard.metrics"]),
+    ("storage formats and data", ["xla_shard.checkpoint", "xla_shard.data"]),
+    ("model", ["xla_shard.models", "xla_shard.wrap"]),
+    ("loading and planning", ["xla_shard.pretrained", "xla_shard.planner"]),
+    ("backends", ["xla_shard.backends"]),
+    ("training", ["xla_shard.train"]),
+    ("front ends", ["xla_shard.cli", "xla_shard.deploy", "xla_shard.__main__", "xla_shard"]),
+]
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _layer(module: str) -> int:
+    for index, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return index
+    raise AssertionError(f"{module} is in no layer of tests/test_layout.py: place it")
+
+
+def _imports(module: str) -> set[str]:
+    """The xla_shard modules `module` imports anywhere in its body. `from pkg import name` counts as an import
+    of pkg.name where that is a module, else of pkg."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in MODULES:  # `import xla_shard.checkpoint.layout as x` and the like
+                name = name.rpartition(".")[0]
+            if name.startswith("xla_shard") and name != module:
+                found.add(name)
+    return found
+
+
+GRAPH = {module: _imports(module) for module in MODULES}
+
+
+def test_every_import_goes_down_the_layers():
+    upward = [f"{module} ({LAYERS[_layer(module)][0]}) imports {target} ({LAYERS[_layer(target)][0]})"
+              for module, targets in GRAPH.items() for target in targets
+              if module != "xla_shard" and _layer(target) > _layer(module)]
+    assert not upward, "\n".join(sorted(upward))
+
+
+def test_no_modules_import_each_other_round_in_a_loop():
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    loops = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(GRAPH[module]):
+            if state.get(target) == 1:
+                loops.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in sorted(MODULES):
+        if module not in state:
+            visit(module, [module])
+    assert not loops, "\n".join(loops)
+
+
+def test_the_check_sees_function_local_imports():
+    """The loops this check exists for ran through imports inside functions: they must be in the graph."""
+    assert "xla_shard.planner.settle" in GRAPH["xla_shard.backends"]
+    assert "xla_shard.models" in GRAPH["xla_shard.planner"]  # imported inside `workload`
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_each_backend_declares_one_frozen_capabilities_under_its_own_name(name):
+    capabilities = BACKENDS[name].capabilities
+    assert isinstance(capabilities, Capabilities) and capabilities.name == name
+    with pytest.raises(AttributeError):
+        capabilities.scan_layers = None  # frozen
+
+
+def test_no_code_outside_a_backend_compares_a_backend_name():
+    names = set(BACKENDS)
+    found = []
+    for module, path in MODULES.items():
+        if module.startswith("xla_shard.backends.") and module != "xla_shard.backends.base":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+                if any(isinstance(o, ast.Constant) and o.value in names for o in operands):
+                    found.append(f"{module}:{node.lineno}")
+    assert not found, found

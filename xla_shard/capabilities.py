@@ -1,0 +1,82 @@
+"""What a backend can run, declared once as data: read by the config check, the plan (`planner.settle`), the
+planner's cost model, the launcher choice and the README's strategy table test alike, so no code outside a
+backend ever compares a backend's name.
+
+One convention: a `str | None` field is the reason the backend *cannot* do something (None: it can); a `bool`
+field is a fact about how it runs that the cost model prices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+from xla_shard.config.schema import ShardConfig, ShardingStrategy
+from xla_shard.errors import ConfigError
+from xla_shard.plan import ShardingPlan
+
+LauncherKind = Literal["in_process", "torchrun", "xmp_spawn"]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    name: str
+    # How its processes start: this process drives every local device (SPMD), torchrun starts one per
+    # device, or torch_xla's xmp.spawn does.
+    launcher: LauncherKind
+    # Where it runs: "tpu", "cuda", "cpu" (the CPU path is how CI tests it).
+    platforms: tuple[str, ...] = ("cpu",)
+    # What a run's device count counts, in messages ("devices", "torchrun processes", "replicas").
+    unit: str = "devices"
+    # Named strategies it cannot run, each with the reason and what to use instead.
+    strategies: Mapping[ShardingStrategy, str] = field(default_factory=dict)
+    offload_params: str | None = "this backend has no CPU offload"
+    xla_settings: str | None = "these are XlaFullyShardedDataParallel arguments; use backend xla_fsdp"
+    # A (P, G, OS) triple that is not k/k/k: parameters, gradients and optimizer state sharded apart.
+    nonuniform_triple: str | None = "it keeps gradients and optimizer state in the parameters' layout"
+    # Parameters kept split over a smaller group between forward and backward (FSDP2's int reshard).
+    group_after_forward: str | None = "its reshard_after_forward is a bool"
+    scan_layers: str | None = "it runs no compiled loop over layers (torch_xla's scan runs under SPMD)"
+    # Cost-model facts: per-tensor gathers (backward skips an embedding table, which needs only the ids) and a
+    # gradient reduction per micro-batch (GSPMD cannot keep partial sums: see the README).
+    gathers_per_tensor: bool = False
+    reduces_every_micro_batch: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "strategies", MappingProxyType(dict(self.strategies)))
+
+    def refuse(self, key: str, message: str) -> None:
+        raise ConfigError(key, message, backend=self.name)
+
+    def check(self, cfg: ShardConfig) -> None:
+        """Reject, naming key and backend, every option of `cfg` this backend cannot honour."""
+        fsdp = cfg.fsdp
+        reason = self.strategies.get(fsdp.sharding_strategy)
+        if reason:
+            self.refuse("fsdp.sharding_strategy", f"{fsdp.sharding_strategy.value} {reason}")
+        if fsdp.offload_params and self.offload_params:
+            self.refuse("fsdp.offload_params", f"{self.offload_params}; set it to false")
+        if fsdp.mixed_precision == "fp16":
+            self.refuse("fsdp.mixed_precision", "fp16 needs loss scaling, which xla_shard does not do; use bf16")
+        if fsdp.scan_layers and self.scan_layers:
+            self.refuse("fsdp.scan_layers", f"{self.scan_layers}; use backend xla_spmd or set it to false")
+        if fsdp.xla_settings and self.xla_settings:
+            self.refuse("fsdp.xla_settings", self.xla_settings)
+        if self.launcher != "torchrun" and (cfg.launch.nproc_per_node is not None or cfg.launch.nnodes != 1):
+            self.refuse("launch", "sets torchrun's process counts (backend torch_fsdp); this backend drives every "
+                                  "local device from one process per host: remove it")
+
+    def triple_refusal(self, plan: ShardingPlan) -> str | None:
+        """Why this backend cannot run the plan's (P, G, OS) triple, in one line naming it; None if it can."""
+        if not plan.uniform and self.nonuniform_triple:
+            return (f"{plan.triple}: {self.name} shards parameters, gradients and optimizer state alike "
+                    f"({self.nonuniform_triple}); use a uniform triple k/k/k, or backend xla_spmd")
+        reason = self.strategies.get(plan.strategy)
+        if reason:
+            return f"{plan.triple} is {plan.strategy.value}, which {reason}"
+        if 1 < plan.after_forward < plan.params and self.group_after_forward:
+            return (f"{plan.triple}: params_after_forward {plan.after_forward} is FSDP2's int "
+                    f"reshard_after_forward (backend torch_fsdp); {self.name}: {self.group_after_forward}")
+        return None

@@ -1,0 +1,21 @@
+"""What machine this is, asked before any runtime starts (a backend's choice, torch_xla's PJRT_DEVICE)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def on_tpu() -> bool:
+    """A Cloud TPU VM exposes its chips as /dev/accel* (v4, v5p) or /dev/vfio (v5e, v6e)."""
+    return os.environ.get("PJRT_DEVICE") == "TPU" or any(Path("/dev").glob("accel*")) or (
+        Path("/dev/vfio").is_dir() and "TPU_ACCELERATOR_TYPE" in os.environ)
+
+
+def declare_xla_device() -> None:
+    """torch_xla reads PJRT_DEVICE when it is first imported, and transformers imports it (through accelerate)
+    long before a backend configures the runtime; without it torch_xla logs a warning on every command. XLA's
+    C++ log level is read then too: at 2 it drops the GSPMD deprecation warning XLA prints at every compile
+    (TF_CPP_MIN_LOG_LEVEL=0 in the environment shows everything again)."""
+    os.environ.setdefault("PJRT_DEVICE", "TPU" if on_tpu() else "CPU")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

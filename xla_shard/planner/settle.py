@@ -1,0 +1,58 @@
+"""The sharding plan of a run, settled once: from the config, the devices the run has, and what its backend can
+run (`Capabilities`). The CLI settles it before launch (where the device count is known then) and the trainer
+once the runtime is up; `backend.setup(plan)` receives it."""
+
+from __future__ import annotations
+
+from xla_shard import plan as planlib
+from xla_shard import planner
+from xla_shard.capabilities import Capabilities
+from xla_shard.config.schema import ShardConfig
+from xla_shard.plan import PlanError, ShardingPlan
+
+
+def settle(cfg: ShardConfig, devices: int, capabilities: Capabilities, device_kind: str) -> ShardingPlan:
+    """The plan for `devices`; one ConfigError naming the key and the backend when the strategy, mesh, triple
+    or batch does not fit them or the backend cannot run it."""
+    refuse, unit = capabilities.refuse, capabilities.unit
+    try:
+        if cfg.fsdp.sharding == "auto":
+            resolved = auto(cfg, devices, capabilities, device_kind)
+        else:
+            resolved = planlib.resolve(cfg.fsdp, cfg.mesh, devices)
+    except PlanError as exc:
+        refuse(exc.key, f"{exc}" + ("" if unit == "devices" else f" ({unit})"))
+    refusal = capabilities.triple_refusal(resolved)
+    if refusal and cfg.fsdp.sharding is not None:
+        refuse("fsdp.sharding", refusal)
+    train = cfg.train
+    if train.global_batch_size % devices:
+        refuse("train.global_batch_size", f"{train.global_batch_size} does not split evenly over {devices} {unit}")
+    micro = train.global_batch_size // train.grad_accum_steps
+    if micro % devices:
+        # Each micro-batch is split over the devices like a whole batch: uneven, a process would drop rows
+        # (FSDP2) or XLA would replicate the batch (SPMD).
+        refuse("train.grad_accum_steps", f"{train.grad_accum_steps} micro-batches of {micro} rows: each must split "
+                                         f"evenly over the {devices} {unit} (global_batch_size "
+                                         f"{train.global_batch_size})")
+    return resolved
+
+
+def auto(cfg: ShardConfig, devices: int, capabilities: Capabilities, device_kind: str) -> ShardingPlan:
+    """fsdp.sharding: auto. The cost model's fastest triple that fits and that the backend runs."""
+    hardware = planner.for_device_kind(device_kind)
+    if hardware is None:
+        return planlib.from_triple(devices, devices, devices, devices, reason=f"fsdp.sharding=auto: no hardware "
+                                   f"model for {device_kind!r}, so FULL_SHARD")
+    ranked = planner.plan(planner.workload(cfg, devices, capabilities), devices, hardware)
+    runnable = [e for e in ranked.ranked
+                if e.fits and capabilities.triple_refusal(planlib.from_planner(e.triple, devices)) is None]
+    if not runnable:
+        raise PlanError("fsdp.sharding", f"auto: no sharding of this model fits {devices} x {hardware.name} by "
+                                         "the cost model (see `xla-shard plan`)")
+    pick, base, best = runnable[0], ranked.baseline, ranked.best
+    why = (f"fsdp.sharding=auto: {pick.triple} predicted {pick.step_s * 1e3:.0f} ms/step, MFU {pick.mfu:.2f}, "
+           f"{pick.memory['total'] / 2**30:.1f} GiB/device, vs FULL_SHARD {base.step_s * 1e3:.0f} ms"
+           + (f"; the model's best, {best.triple}, is not run by {capabilities.name}"
+              if best and best.triple != pick.triple else ""))
+    return planlib.from_planner(pick.triple, devices, reason=why)
