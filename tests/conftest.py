@@ -44,6 +44,13 @@ def run_probe(out: Path, *overrides: str, nproc: int = 0, timeout: int = 600) ->
     return torch.load(out)
 
 
+def pytest_collection_modifyitems(items):
+    """A slow test is an end-to-end one, whether or not it says so: the unit tier stays fast."""
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("e2e"):
+            item.add_marker(pytest.mark.e2e)
+
+
 @pytest.fixture
 def cli():
     return run_cli

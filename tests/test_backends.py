@@ -57,6 +57,7 @@ def sgd_runs(tmp_path_factory):
     return runs
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_loss_curve_matches_unsharded_eager(sgd_runs, backend):
     reference = sgd_runs["eager"]
@@ -99,6 +100,7 @@ def probes(tmp_path_factory):
     return results
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_activation_checkpointing_gradients_are_exact(probes, backend):
     plain, checkpointed = probes[backend, False], probes[backend, True]
@@ -154,6 +156,7 @@ def tied_runs(tmp_path_factory):
     return runs
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_tied_weights_stay_tied_on_every_backend(tied_runs, backend):
     """Moving a model to an XLA device unties lm_head from the embedding; every backend re-ties, so a tied
@@ -166,6 +169,7 @@ def test_tied_weights_stay_tied_on_every_backend(tied_runs, backend):
     assert "model/transformer.wte.weight" in tensors and "model/lm_head.weight" not in tensors
 
 
+@pytest.mark.e2e
 def test_a_tied_checkpoint_resumes_on_another_backend_and_exports_tied(tied_runs, tmp_path):
     from conftest import run_cli
     from transformers import AutoModelForCausalLM

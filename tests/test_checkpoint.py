@@ -40,6 +40,7 @@ def reference(tmp_path_factory):
     return root / "ckpt", losses(root / "run")
 
 
+@pytest.mark.e2e
 def test_a_rerun_with_nothing_to_train_says_so(cli, tmp_path, reference):
     import shutil
 
@@ -56,6 +57,7 @@ def test_retention_keeps_the_last_k_and_every_nth(reference):
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000004", "step-00000005", "step-00000006"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("backend, sets", [
     ("torch_fsdp", ["backend=torch_fsdp", "cpu_devices=2"]),   # 1 SPMD host -> 2 FSDP2 ranks
     ("xla_fsdp", ["backend=xla_fsdp", "cpu_devices=1"]),       # -> FSDPv1 flat 1-D shards
@@ -75,6 +77,7 @@ def test_a_checkpoint_loads_on_another_backend_and_world_size(cli, tmp_path, ref
     assert sorted(losses(tmp_path / "back")) == [STEPS + 1]
 
 
+@pytest.mark.e2e
 def test_a_checkpoint_resumes_under_parameters_gradients_and_optimizer_state_sharded_apart(cli, tmp_path, reference):
     """The reference's FULL_SHARD (4/4/4) checkpoint continues under 1/2/4 (replicated parameters, gradients
     over 2, AdamW state over 4) with the same losses; what that layout saves loads back under FULL_SHARD."""
@@ -95,6 +98,7 @@ def test_a_checkpoint_resumes_under_parameters_gradients_and_optimizer_state_sha
     assert sorted(losses(tmp_path / "back")) == [STEPS + 1]
 
 
+@pytest.mark.e2e
 def test_scanned_layers_train_exactly_and_share_checkpoints_with_the_unrolled_model(cli, tmp_path, reference):
     """fsdp.scan_layers (one XLA loop over the decoder layers), with activation checkpointing inside the scan:
     the same losses as the unrolled reference from step 1; its checkpoint continues unrolled, and the
@@ -113,6 +117,7 @@ def test_scanned_layers_train_exactly_and_share_checkpoints_with_the_unrolled_mo
         assert sorted(resumed) == [5, 6] and all(resumed[s] == pytest.approx(expected[s], rel=1e-5) for s in (5, 6))
 
 
+@pytest.mark.e2e
 def test_sigkill_at_random_points_loses_nothing_and_resumes_bitwise(cli, tmp_path, gcs, reference):
     """Kill -9 while training (and, saving every step, usually while a save is in flight) to gs://;
     each restart resumes from the newest committed step and the losses equal the uninterrupted run's."""
@@ -146,6 +151,7 @@ def test_sigkill_at_random_points_loses_nothing_and_resumes_bitwise(cli, tmp_pat
     assert verified.returncode == 0 and f"step {STEPS}" in verified.stdout, verified.stderr
 
 
+@pytest.mark.e2e
 def test_sigterm_saves_and_exits_then_the_restart_resumes(cli, tmp_path, reference):
     _, expected = reference
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
@@ -165,6 +171,7 @@ def test_sigterm_saves_and_exits_then_the_restart_resumes(cli, tmp_path, referen
     assert losses(run) == expected
 
 
+@pytest.mark.e2e
 def test_an_emulator_outage_fails_the_save_loudly_and_keeps_the_last_good_one(cli, tmp_path, gcs):
     url = gcs.url("outage")
     args = ["train", CONFIG, "--set", "train.steps=400", "--set", f"output_dir={tmp_path / 'run'}",
@@ -185,6 +192,7 @@ def test_an_emulator_outage_fails_the_save_loudly_and_keeps_the_last_good_one(cl
     assert verified.returncode == 0, verified.stderr
 
 
+@pytest.mark.e2e
 def test_verify_and_resume_refuse_a_corrupt_shard(cli, tmp_path, reference):
     import shutil
 
@@ -203,6 +211,7 @@ def test_verify_and_resume_refuse_a_corrupt_shard(cli, tmp_path, reference):
     assert "00000-of-00001.safetensors is corrupt" in resumed.stderr and "Traceback" not in resumed.stderr
 
 
+@pytest.mark.e2e
 def test_a_checkpoint_of_another_model_or_config_is_refused(cli, tmp_path, reference):
     ckpt, _ = reference
     other = cli("train", CONFIG, "--set", "model.overrides.num_hidden_layers=1", "--set",
@@ -211,6 +220,7 @@ def test_a_checkpoint_of_another_model_or_config_is_refused(cli, tmp_path, refer
     assert "config key 'model.overrides'" in other.stderr and "step-00000006" in other.stderr
 
 
+@pytest.mark.e2e
 def test_export_gives_a_model_transformers_loads_with_identical_weights(cli, tmp_path, reference):
     from transformers import AutoModelForCausalLM
 
@@ -235,6 +245,7 @@ def test_export_gives_a_model_transformers_loads_with_identical_weights(cli, tmp
         assert torch.equal(params[name[len("model/"):]].detach(), value), name
 
 
+@pytest.mark.e2e
 def test_list_shows_committed_and_incomplete(cli, tmp_path, reference):
     import shutil
 
@@ -256,6 +267,7 @@ def _committed_bytes(ckpt):
     return {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("resume", ["step-00000004", "never"])
 def test_a_new_run_is_refused_where_it_would_overwrite_another_runs_checkpoints(cli, tmp_path, reference, resume):
     """Resuming an older step (or starting afresh) next to newer committed checkpoints would rewrite them in
@@ -275,6 +287,7 @@ def test_a_new_run_is_refused_where_it_would_overwrite_another_runs_checkpoints(
     assert _committed_bytes(ckpt) == before
 
 
+@pytest.mark.e2e
 def test_auto_resume_names_the_run_it_continues_and_a_branch_keeps_its_own_lineage(cli, tmp_path, reference):
     import shutil
 
@@ -300,6 +313,7 @@ def test_auto_resume_names_the_run_it_continues_and_a_branch_keeps_its_own_linea
     assert losses(tmp_path / "branch")[6] == expected[6]
 
 
+@pytest.mark.e2e
 def test_auto_resume_falls_back_past_a_checkpoint_that_fails_verification(cli, tmp_path, reference):
     import shutil
 
@@ -332,6 +346,7 @@ def test_auto_resume_falls_back_past_a_checkpoint_that_fails_verification(cli, t
     assert (ckpt / "step-00000006" / "manifest.json").exists()  # the new, good step 6
 
 
+@pytest.mark.e2e
 def test_xla_spmd_resumes_many_times_on_a_busy_machine(tmp_path, reference):
     """Restoring creates sharded optimizer state on the device asynchronously; reading shard indices while
     that runs used to abort ("... while an async operation is in flight"), about one resume in six."""
@@ -351,6 +366,7 @@ def test_xla_spmd_resumes_many_times_on_a_busy_machine(tmp_path, reference):
     assert done.returncode == 0 and "loaded 12 times" in done.stdout, done.stderr[-3000:]
 
 
+@pytest.mark.e2e
 def test_full_state_dict_also_exports_the_final_checkpoint_for_transformers(cli, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -59,6 +59,7 @@ def test_a_flipped_byte_is_refused_naming_the_file():
         ChunkReader(storage, manifest).read([("w", ((0, 0), (4, 4)))])
 
 
+@pytest.mark.e2e
 def test_transient_errors_are_retried_until_they_pass():
     from gcsfs.retry import HttpError
 
@@ -79,6 +80,7 @@ def test_transient_errors_are_retried_until_they_pass():
     assert len(calls) == 4
 
 
+@pytest.mark.e2e
 def test_an_outage_fails_at_the_deadline_and_a_real_error_at_once():
     from gcsfs.retry import HttpError
 

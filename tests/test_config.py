@@ -155,6 +155,7 @@ def test_cli_config_import_round_trips(cli, tmp_path):
     assert config.load(out).backend.value == "xla_spmd"
 
 
+@pytest.mark.e2e
 def test_cli_config_check_prints_every_default(cli, tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model: tiny-llama\nbackend: torch_fsdp\n")
@@ -190,15 +191,18 @@ def test_cli_bad_config_is_one_line_exit_2(capsys, sets, words):
     _one_line_error(subprocess.CompletedProcess(args, code, "", capsys.readouterr().err), *words)
 
 
+@pytest.mark.e2e
 def test_cli_missing_file(cli):
     _one_line_error(cli("train", "/nonexistent/config.yaml"), "/nonexistent/config.yaml")
 
 
+@pytest.mark.e2e
 def test_cli_guide_yaml_on_xla_refuses_offload(cli, tmp_path):
     path = _seed_guide(tmp_path, (FIXTURES / "accelerate_tpu_lines.yaml").read_text())
     _one_line_error(cli("config", "check", str(path)), "fsdp.offload_params", "xla_fsdp")
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_cli_train_mesh_that_does_not_divide_the_devices(cli):
     done = cli("train", "--set", "backend=xla_spmd", "--set", "cpu_devices=4", "--set", "fsdp.sharding_strategy=4",
@@ -206,6 +210,7 @@ def test_cli_train_mesh_that_does_not_divide_the_devices(cli):
     _one_line_error(done, "'mesh'", "xla_spmd", "does not divide the 4 devices")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("args, words", [
     # Checked by the launcher, before torchrun prints anything: 8 rows over 3 processes, a 2 x 2 mesh over 3.
     (["--nproc-per-node", "3", "--set", "backend=torch_fsdp"], ["train.global_batch_size", "3 torchrun processes"]),

@@ -133,6 +133,7 @@ def test_eval_rows_are_held_out_of_training(model_dirs):
     assert eval_rows and not train_rows & eval_rows
 
 
+@pytest.mark.e2e
 def test_epochs_set_the_number_of_steps(model_dirs, tmp_path):
     out = tmp_path / "run"
     sets = [f"model.name={model_dirs.llama}", f"data.path={CORPUS}", "train.seq_len=32", "train.epochs=1.5",

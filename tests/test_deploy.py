@@ -44,6 +44,7 @@ def _gcloud(argv, here: Path) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @needs_gcloud
 @pytest.mark.parametrize("name", sorted(RENDERINGS))
@@ -141,6 +142,7 @@ DEPLOY_KEYS = ["name", "project", "zone", "accelerator_type", "network", "subnet
                "gpu_machine_type", "gpu_image_family", "gpu_image_project", "remote_user", "remote_dir"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("key", DEPLOY_KEYS)
 def test_every_deploy_value_outside_what_gcp_accepts_is_refused_naming_the_key(key):
     for payload in PAYLOADS + ["", "../../etc" if key == "remote_dir" else "UPPER CASE"]:
@@ -229,6 +231,7 @@ def test_dry_run_works_outside_a_git_checkout_and_says_the_real_run_needs_repo(t
     assert real.returncode == 2 and "set REPO=" in real.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("target", ["tpu-vm", "gpu-vm"])
 def test_the_examples_placeholders_are_flagged_in_a_dry_run_and_refused_for_real(tmp_path, cli, target):
     """The example configs name project my-project and bucket gs://my-bucket: render warns, a dry run flags
@@ -257,6 +260,7 @@ def test_train_loop_does_not_restart_after_a_user_error(tmp_path):
     assert done.returncode == 2 and count.read_text() == "x\n" and "not restarting" in done.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_an_installed_wheel_renders_without_the_checkout(tmp_path):
     """The templates ship inside the wheel: installed (not editable) and run away from the repository, `gcp

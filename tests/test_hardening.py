@@ -204,6 +204,7 @@ def test_a_deployment_refuses_files_the_workers_do_not_have(tmp_path, sets, key)
 
 
 # ---- end to end ----------------------------------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_diverging_run_stops_with_one_line_and_commits_nothing_non_finite(tmp_path):
     from xla_shard.checkpoint import ChunkReader, Storage, committed_steps, read_manifest
@@ -223,6 +224,7 @@ def test_a_diverging_run_stops_with_one_line_and_commits_nothing_non_finite(tmp_
             assert not value.is_floating_point() or bool(value.isfinite().all()), (step, name)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_model_config_edited_between_runs_is_not_resumed(tmp_path):
     model = tmp_path / "model"

@@ -187,6 +187,7 @@ def test_the_fsdp_config_file_transformers_reads_imports_the_same(tmp_path):
 
 
 # ---- each family trains -----------------------------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["accelerate-fsdp2", "accelerate-xla", "training-args", "fsdp-config"])
 def test_an_imported_config_trains(tmp_path, family):

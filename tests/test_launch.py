@@ -41,6 +41,7 @@ def _alive(pids: set[int]) -> set[int]:
     return {pid for pid in pids if pid in table and table[pid][1] != "Z"}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("backend, sets, extra", [
     ("torch_fsdp", ["backend=torch_fsdp"], ["--nproc-per-node", "2"]),  # torchrun and its 2 workers
     ("xla_fsdp", ["backend=xla_fsdp", "cpu_devices=1"], []),            # xmp.spawn's process
@@ -76,6 +77,7 @@ def test_sigkill_of_the_launcher_takes_its_workers_with_it(tmp_path, backend, se
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.e2e
 def test_sigterm_to_the_torchrun_launcher_stops_its_workers_with_a_checkpoint_and_exits_143(tmp_path):
     """The launcher runs torchrun's agent in its own process: a SIGTERM reaches the agent, which forwards it; the
     workers commit a checkpoint and stop, and the launcher reports the stop as 143 (train_loop.sh resumes)."""

@@ -30,6 +30,7 @@ def test_attention_through_overrides_is_refused_naming_the_key():
     assert raised.value.key == "model.overrides" and "model.attn_implementation" in str(raised.value)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("backend, sets, extra", [
     ("xla_spmd", ["backend=xla_spmd", "cpu_devices=4"], []),

@@ -171,6 +171,7 @@ def test_device_kinds_map_to_the_table():
     assert for_device_kind("cpu") is None
 
 
+@pytest.mark.e2e
 def test_plan_prints_candidates_that_fit_best_first():
     done = run_cli("plan", "--set", "model=llama-7b", "--set", "fsdp.mixed_precision=bf16", "--set",
                    "train.seq_len=2048", "--set", "train.global_batch_size=1024", "--devices", "128",
@@ -199,6 +200,7 @@ def test_plan_prints_candidates_that_fit_best_first():
     assert bad.returncode == 2 and "--accelerator 'a100'" in bad.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("backend, devices, accelerator", [("torch_fsdp", 64, "h100"), ("xla_spmd", 64, "v5p"),
                                                             ("xla_fsdp", 64, "v4")])
 def test_plan_prints_the_yaml_that_runs_its_pick_on_the_backend_asked_for(tmp_path, backend, devices, accelerator):
@@ -231,6 +233,7 @@ def test_plan_prints_the_yaml_that_runs_its_pick_on_the_backend_asked_for(tmp_pa
     assert result["best"]["yaml"] in text.stdout and "\n1/1/1" in text.stdout
 
 
+@pytest.mark.e2e
 def test_plan_warns_when_the_batch_does_not_split_over_the_devices():
     done = run_cli("plan", "--set", "model=llama-7b", "--set", "train.global_batch_size=1020", "--devices", "64",
                    "--accelerator", "h100")
@@ -263,6 +266,7 @@ def fsdp2_runs(tmp_path_factory):
     return runs
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("run", FSDP2_RUNS, ids=lambda r: f"{r[0]}({r[3]})/{r[1]}/{r[2]}")
 def test_fsdp2_allocates_and_communicates_as_the_plan_predicts(fsdp2_runs, run):
@@ -318,6 +322,7 @@ def triples_run(request, tmp_path_factory):
     return request.param, run_triples(tmp, TRIPLES, f"train.optimizer={request.param}")
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("triple", TRIPLES, ids=lambda t: "/".join(map(str, t)))
 def test_each_triple_allocates_communicates_and_trains_as_predicted(triples_run, triple):
@@ -340,6 +345,7 @@ def test_each_triple_allocates_communicates_and_trains_as_predicted(triples_run,
     assert row["measured"]["losses"] == pytest.approx(baseline, rel=1e-5)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_with_micro_batches_xla_reduces_gradients_for_each_and_the_model_says_so(tmp_path):
     """Gradient accumulation (4 micro-batches) under xla_spmd: XLA reduce-scatters the gradients of every
@@ -355,6 +361,7 @@ def test_with_micro_batches_xla_reduces_gradients_for_each_and_the_model_says_so
     assert rows[(2, 4, 8)]["measured"]["losses"] == pytest.approx(rows[(8, 8, 8)]["measured"]["losses"], rel=1e-5)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("sets, triple, post_hooks, first_step", [
     (["fsdp.sharding_strategy=FULL_SHARD"], "4/4/4", 0, 0),  # uniform: the state follows its parameter

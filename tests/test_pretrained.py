@@ -42,6 +42,7 @@ def loaded(model_dirs, tmp_path_factory):
             for name, (sets, nproc) in BACKENDS.items()}
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_pretrained_weights_load_bitwise_and_give_from_pretrained_loss(model_dirs, loaded, backend):
@@ -67,6 +68,7 @@ def test_each_process_reads_only_its_own_part(model_dirs, loaded):
     assert spmd["bytes_read"] == stored
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_no_process_ever_holds_a_full_copy(tmp_path):
     """A 37 MiB model over 4 gloo processes: each reads its quarter, and its host memory grows by what it
@@ -85,6 +87,7 @@ def test_no_process_ever_holds_a_full_copy(tmp_path):
         assert report["peak_host_growth"] < 0.6 * stored, (report["peak_host_growth"], stored)
 
 
+@pytest.mark.e2e
 def test_weights_from_a_bucket_are_read_by_range(model_dirs, gcs, tmp_path):
     """The split Llama served by the GCS emulator: the same parameters as from disk, each byte read once."""
     from xla_shard.io.storage import Storage
@@ -101,6 +104,7 @@ def test_weights_from_a_bucket_are_read_by_range(model_dirs, gcs, tmp_path):
     assert saved[0]["report"]["bytes_read"] == sum(t.numel() * t.element_size() for t in stored.values())
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_bf16_weights_become_fp32_master_weights_and_the_load_says_so(model_dirs, tmp_path):
     saved = run_load_probe(tmp_path / "probe", f"model.name={model_dirs.llama_bf16}", "train.seq_len=32",
@@ -168,6 +172,7 @@ def test_a_causal_lm_becomes_a_classifier_with_a_new_head(model_dirs):
     assert sorted(weights.fresh) == ["score.weight"] and weights.skipped == ["lm_head.weight"]
 
 
+@pytest.mark.e2e
 def test_a_bare_encoder_gets_a_new_classifier_head_from_the_seed(model_dirs, tmp_path):
     from xla_shard.models import build_model, resolve_source
     from xla_shard.pretrained import PretrainedWeights
@@ -185,6 +190,7 @@ def test_a_bare_encoder_gets_a_new_classifier_head_from_the_seed(model_dirs, tmp
     assert torch.equal(head, again.fresh["classifier.weight"])  # the same seed, the same head
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_a_classifier_trains_checkpoints_resumes_and_exports(model_dirs, tmp_path, backend):
@@ -218,6 +224,7 @@ def test_a_classifier_trains_checkpoints_resumes_and_exports(model_dirs, tmp_pat
     assert (out / "model" / "tokenizer.json").read_bytes() == (model_dirs.bert / "tokenizer.json").read_bytes()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_export_carries_tokenizer_generation_config_and_use_cache(model_dirs, tmp_path):
     out = tmp_path / "run"
@@ -235,6 +242,7 @@ def test_export_carries_tokenizer_generation_config_and_use_cache(model_dirs, tm
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
+@pytest.mark.e2e
 def test_load_model_gives_your_own_loop_the_pretrained_weights(model_dirs, tmp_path):
     """`xla_shard.load_model` (README, "Use from Python"): the same shard-by-shard load as the trainer's."""
     program = tmp_path / "loop.py"

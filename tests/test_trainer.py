@@ -96,6 +96,7 @@ def clipped_runs(tmp_path_factory):
             for name, (sets, extra) in BACKENDS.items() for micro in (1, 2)}
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_the_clipped_norm_is_the_global_norm_on_every_backend(clipped_runs, backend):
@@ -115,6 +116,7 @@ def test_two_micro_batches_make_the_same_update_as_one_batch(clipped_runs, backe
     assert [r["loss"] for r in split] == pytest.approx(_eager_steps(3, 2, 0.5)[0], rel=1e-5)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_fsdp2_reduces_gradients_once_per_step_whatever_the_micro_batches(tmp_path):
     counts = {}
@@ -130,6 +132,7 @@ def test_fsdp2_reduces_gradients_once_per_step_whatever_the_micro_batches(tmp_pa
     assert counts[1] > 0 and counts[4] == counts[1], counts
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_lr_is_logged_each_step_and_a_schedule_compiles_nothing_new(tmp_path):
     records = train(tmp_path / "run", [*TINY, *BACKENDS["xla_spmd"][0], "train.steps=6", "train.lr_schedule=cosine",
@@ -140,6 +143,7 @@ def test_lr_is_logged_each_step_and_a_schedule_compiles_nothing_new(tmp_path):
     assert records[-1]["compilations"] == records[2]["compilations"]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_the_tutorial_job_bert_on_premise_hypothesis_pairs(model_dirs, tmp_path, backend):
@@ -162,6 +166,7 @@ def test_the_tutorial_job_bert_on_premise_hypothesis_pairs(model_dirs, tmp_path,
         assert evals[0]["eval_compilations"] > 0 and evals[1]["eval_compilations"] == 0
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("reading", [["data.eval_fraction=0.2"],
                                      ["data.streaming=true", f"data.eval_path={FIXTURES / 'corpus.jsonl'}"]])
@@ -181,6 +186,7 @@ def test_a_causal_lm_fine_tune_on_jsonl_with_packing_and_eval_resumes_exactly(mo
         [math.exp(r["eval_loss"]) for r in whole if "eval_loss" in r])
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["xla_spmd", "torch_fsdp"])
 def test_evaluation_covers_every_row_and_counts_only_real_labels(model_dirs, tmp_path, backend):
@@ -216,6 +222,7 @@ def test_more_virtual_xla_devices_than_cores_is_warned_about():
     assert "cpu_devices=4" in warning and "2 CPU core(s)" in warning and "set cpu_devices to 2 or fewer" in warning
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_mfu_is_never_above_one(tmp_path):
     """Against a stated peak the run beats (1 kFLOP/s), MFU stops with one warning naming the basis, instead of
@@ -268,3 +275,26 @@ def test_one_metrics_series_per_run(tmp_path):
     assert [r["step"] for r in run(0, 1)] == [1]
     (earlier,) = tmp_path.glob("metrics-*.jsonl")
     assert len(earlier.read_text().splitlines()) == 6 and earlier.name in said[0]
+
+
+@pytest.mark.e2e
+def test_hooks_see_every_step_and_evaluation_and_the_trainer_grows_no_attributes(model_dirs, tmp_path):
+    """`on_step_end` runs after every optimizer step (with the record on logged steps, None between them),
+    `on_evaluate` after each evaluation with its record; every attribute exists from `__init__` on; without
+    checkpoint.dir the trainer checkpoints through NoCheckpoints (no branch on whether there is one)."""
+    out = tmp_path / "hooks.pt"
+    done = subprocess.run([sys.executable, str(WORKERS / "hooks.py"), str(out), f"model.name={model_dirs.llama}",
+                           f"data.path={FIXTURES / 'corpus.jsonl'}", "data.eval_fraction=0.2", "train.seq_len=32",
+                           "train.steps=4", "train.log_every=2", "train.eval_every=2", "backend=xla_spmd",
+                           "cpu_devices=1", f"output_dir={tmp_path}/run"],
+                          env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = torch.load(out)
+    assert [step for step, _, _ in seen["steps"]] == [1, 2, 3, 4]
+    logged = [r for r in seen["records"] if "loss" in r]
+    assert [record for _, record, _ in seen["steps"]] == [None, logged[0], None, logged[1]]
+    assert [lr for _, _, lr in seen["steps"]][1] == logged[0]["lr"]
+    evaluations = [r for r in seen["records"] if "eval_loss" in r]
+    assert [step for step, _ in seen["evaluations"]] == [2, 4]
+    assert [record for _, record in seen["evaluations"]] == evaluations
+    assert seen["grown"] == [] and seen["checkpointer"] == "NoCheckpoints"

@@ -302,6 +302,7 @@ def _custom_code_dir(tmp_path: Path, hf_dir: Path, file: str) -> Path:
     return marker
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("file", ["tokenizer_config.json", "config.json"])
 def test_a_directory_that_needs_custom_code_is_refused_and_nothing_runs(tmp_path, hf_dir, file):
     marker = _custom_code_dir(tmp_path, hf_dir, file)
@@ -394,6 +395,7 @@ def test_export_refuses_a_used_destination_and_overwrite_replaces_it_whole(tmp_p
     assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name or ".replaced-" in p.name]
 
 
+@pytest.mark.e2e
 def test_an_export_killed_before_it_finished_leaves_no_model_where_asked(tmp_path, checkpoint, model_dirs):
     """SIGKILL after the weights, before the tokenizer and config: nothing at --to loads as a model."""
     import subprocess
@@ -484,6 +486,7 @@ def test_export_to_a_bucket_writes_there_and_loads(tmp_path, capsys, checkpoint,
 
 
 # ---- 6. a user error in a worker is one line and exit 2 ------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("sets", [["backend=torch_fsdp", "cpu_devices=2"],   # torchrun, 2 workers
                                   ["backend=xla_fsdp", "cpu_devices=1"]])    # xmp.spawn
@@ -577,6 +580,7 @@ def test_an_unexpected_error_never_prints_a_credential(capsys, monkeypatch):
     assert "hunter2" not in err and "abc123" not in err  # ... without the secrets in it
 
 
+@pytest.mark.e2e
 def test_unreachable_storage_during_a_pretrained_load_says_so(capsys, monkeypatch):
     import socket
 
