@@ -49,10 +49,10 @@ def slices_outermost(shape: tuple[int, ...], slices: int) -> tuple[int, ...] | N
 def annotator(mesh, spec: tuple) -> Callable[[torch.Tensor], None]:
     """`xs.mark_sharding(tensor, mesh, spec)` with the spec resolved once, for annotations made every step.
 
-    torch_xla 2.9's `mark_sharding` tries to import jax and torchax on every call (about 0.4 ms together on a
-    2-core host: failed imports are not cached) and wraps its result in an XLAShardedTensor; the C++ annotation
-    it ends in takes 6 us. Made per gradient per step, that overhead was FULL_SHARD's 7% over raw FSDPv2
-    (bench/step_overhead.py); the compiled program is the same either way."""
+    torch_xla 2.9's `mark_sharding` tries to import jax and torchax on every call (0.63 ms per call measured on a
+    2-core host without them installed: failed imports are not cached) and wraps its result in an
+    XLAShardedTensor; the C++ annotation it ends in takes 6 us. Made per gradient per step, that overhead was
+    FULL_SHARD's 7% over raw FSDPv2 (bench/step_overhead.py); the compiled program is the same either way."""
     import torch_xla
 
     op_sharding, mark = mesh.get_op_sharding(spec), torch_xla._XLAC._xla_mark_sharding

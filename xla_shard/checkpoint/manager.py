@@ -113,7 +113,6 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._hf_config: dict[str, Any] | None = None
         self._extra: dict[str, Any] | None = None  # what the save in flight stores as extra state
-        self._wanted_extra: Extra = {}  # what restore puts it back into
         self._error: BaseException | None = None
         self.saving_step: int | None = None
         self.last_saved: int | None = None  # newest step this process saved (committed or in flight)
@@ -244,17 +243,17 @@ class Checkpointer:
         if resume == "never":
             self._claim(0, "checkpoint.resume=never starts a new run")
             return 0
-        self._wanted_extra = extra or {}
+        extra = extra or {}
         if resume == "auto":
-            return self._restore_newest(model, optimizer)
-        return self._restore_url(resume, model, optimizer)
+            return self._restore_newest(model, optimizer, extra)
+        return self._restore_url(resume, model, optimizer, extra)
 
-    def _restore_newest(self, model, optimizer) -> int:
+    def _restore_newest(self, model, optimizer, extra: Extra) -> int:
         skipped: list[str] = []
         for step in reversed(committed_steps(self.storage)):
             url = self.storage.url_of(layout.step_dir(step))
             try:
-                manifest, error = self._load(url, model, optimizer), None
+                manifest, error = self._load(url, model, optimizer, extra), None
             except CorruptCheckpointError as exc:
                 manifest, error = None, exc
             if self.backend.any_rank(error is not None):  # each process reads only its own chunks: agree
@@ -269,8 +268,8 @@ class Checkpointer:
         self._clear_debris(after=0)
         return 0
 
-    def _restore_url(self, url: str, model, optimizer) -> int:
-        manifest = self._load(url, model, optimizer)
+    def _restore_url(self, url: str, model, optimizer, extra: Extra) -> int:
+        manifest = self._load(url, model, optimizer, extra)
         step = manifest.step
         source = Storage(url)
         committed = committed_steps(self.storage)
@@ -324,7 +323,7 @@ class Checkpointer:
         when = f", started {datetime.datetime.fromtimestamp(started).isoformat(timespec='seconds')}" if started else ""
         self.log(f"resumed from {url} at step {step}, {how} run {self.run['id']}{when}")
 
-    def _load(self, url: str, model, optimizer) -> Manifest:
+    def _load(self, url: str, model, optimizer, extra: Extra) -> Manifest:
         storage = Storage(url, self.section.retry_deadline_s)
         manifest = read_manifest(storage)
         self._check_identity(manifest, hf_config(model))
@@ -332,9 +331,9 @@ class Checkpointer:
                   for name, meta in manifest.tensors.items()}
         targets = self.backend.state(model, optimizer, stored=stored)
         _match(manifest, stored, targets)
-        _check_extra(manifest, self._wanted_extra)
+        _check_extra(manifest, extra)
         fill(ChunkReader(storage, manifest), targets)
-        _load_extra(manifest, self._wanted_extra)
+        _load_extra(manifest, extra)
         rank, world = self.backend.writer
         if manifest.data["writers"] == world and str(rank) in manifest.data["rng"]:
             try:
