@@ -15,7 +15,7 @@ from typing import Literal
 
 from xla_shard.config.schema import ShardConfig, ShardingStrategy
 from xla_shard.errors import ConfigError
-from xla_shard.plan import ShardingPlan
+from xla_shard.plan import ShardingPlan, Triple, from_planner
 
 LauncherKind = Literal["in_process", "torchrun", "xmp_spawn"]
 
@@ -67,6 +67,10 @@ class Capabilities:
         if self.launcher != "torchrun" and (cfg.launch.nproc_per_node is not None or cfg.launch.nnodes != 1):
             self.refuse("launch", "sets torchrun's process counts (backend torch_fsdp); this backend drives every "
                                   "local device from one process per host: remove it")
+
+    def runs(self, triple: Triple, devices: int) -> bool:
+        """Whether this backend runs a planner `Triple` on `devices`."""
+        return self.triple_refusal(from_planner(triple, devices)) is None
 
     def triple_refusal(self, plan: ShardingPlan) -> str | None:
         """Why this backend cannot run the plan's (P, G, OS) triple, in one line naming it; None if it can."""

@@ -12,7 +12,7 @@ from xla_shard.capabilities import Capabilities
 from xla_shard.config.schema import Backend as BackendName
 from xla_shard.config.schema import ShardConfig
 from xla_shard.io.device import on_tpu
-from xla_shard.plan import Triple, from_planner
+from xla_shard.plan import Triple
 from xla_shard.planner.settle import settle
 
 BACKENDS: dict[str, type[Backend]] = {cls.capabilities.name: cls
@@ -40,8 +40,7 @@ def capabilities(name: str) -> Capabilities:
 
 def running(triple: Triple, devices: int) -> list[str]:
     """The backends that run a planner `Triple` on `devices` (what `xla-shard plan` shows per row)."""
-    resolved = from_planner(triple, devices)
-    return [name for name, cls in BACKENDS.items() if cls.capabilities.triple_refusal(resolved) is None]
+    return [name for name, cls in BACKENDS.items() if cls.capabilities.runs(triple, devices)]
 
 
 def create(cfg: ShardConfig) -> Backend:

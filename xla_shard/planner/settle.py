@@ -45,12 +45,11 @@ def auto(cfg: ShardConfig, devices: int, capabilities: Capabilities, device_kind
         return planlib.from_triple(devices, devices, devices, devices, reason=f"fsdp.sharding=auto: no hardware "
                                    f"model for {device_kind!r}, so FULL_SHARD")
     ranked = planner.plan(planner.workload(cfg, devices, capabilities), devices, hardware)
-    runnable = [e for e in ranked.ranked
-                if e.fits and capabilities.triple_refusal(planlib.from_planner(e.triple, devices)) is None]
-    if not runnable:
+    pick = ranked.best_where(lambda triple: capabilities.runs(triple, devices))
+    if pick is None:
         raise PlanError("fsdp.sharding", f"auto: no sharding of this model fits {devices} x {hardware.name} by "
                                          "the cost model (see `xla-shard plan`)")
-    pick, base, best = runnable[0], ranked.baseline, ranked.best
+    base, best = ranked.baseline, ranked.best
     why = (f"fsdp.sharding=auto: {pick.triple} predicted {pick.step_s * 1e3:.0f} ms/step, MFU {pick.mfu:.2f}, "
            f"{pick.memory['total'] / 2**30:.1f} GiB/device, vs FULL_SHARD {base.step_s * 1e3:.0f} ms"
            + (f"; the model's best, {best.triple}, is not run by {capabilities.name}"
