@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from xla_shard.checkpoint import ChunkReader, Manifest, layout
+from xla_shard.checkpoint.contract import StateTensor, region, unstack
 from xla_shard.io.storage import Storage, StorageError, is_transient
 
 
@@ -32,6 +33,41 @@ def _write(storage: Storage, chunks_by_writer: list[list[layout.Entry]]) -> Mani
         indexes.append(index)
     files, tensors = layout.merge_indexes(indexes)
     return Manifest(storage.url, {"files": files, "tensors": tensors})
+
+
+@pytest.mark.parametrize("boxes", [
+    [((0, 0, 0), (3, 2, 4)), ((0, 2, 0), (3, 3, 4))],  # split inside each layer (how a scanned stack is sharded)
+    [((0, 0, 0), (2, 5, 4)), ((2, 0, 0), (1, 5, 4))],  # split across layers
+])
+def test_a_stacked_tensor_saves_and_loads_as_its_layers(boxes):
+    """Chunks of a [layers, ...] tensor are handed out per layer under each layer's name, and a load that fills
+    every layer fills the stacked tensor exactly once, with each box's values in place."""
+    whole = torch.arange(3 * 5 * 4, dtype=torch.float32).reshape(3, 5, 4)
+    target, fills = torch.zeros_like(whole), []
+
+    def fill(values):
+        fills.append(len(values))
+        for box, value in zip(boxes, values):
+            target[region(box, ((0, 0, 0), whole.shape))] = value
+
+    state = StateTensor("w", (3, 5, 4), whole.dtype,
+                        lambda: [(o, whole[region((o, s), ((0, 0, 0), whole.shape))].clone()) for o, s in boxes],
+                        lambda: boxes, fill)
+    layers = unstack(state, ["layers.0.w", "layers.1.w", "layers.2.w"])
+    assert [t.name for t in layers] == ["layers.0.w", "layers.1.w", "layers.2.w"]
+    for i, layer in enumerate(layers):
+        assert layer.shape == (5, 4)
+        for offsets, data in layer.chunks():
+            assert torch.equal(data, whole[i][region((offsets, tuple(data.shape)), ((0, 0), (5, 4)))])
+        assert sum(math.prod(data.shape) for _, data in layer.chunks()) == 20
+    def values(i):
+        return [whole[i][region(box, ((0, 0), (5, 4)))] for box in layers[i].boxes()]
+
+    for i in (2, 1):  # in any order; nothing is filled before the last layer arrives
+        layers[i].fill(values(i))
+        assert not fills
+    layers[0].fill(values(0))
+    assert fills == [len(boxes)] and torch.equal(target, whole)
 
 
 def test_boxes_written_by_one_layout_read_back_in_another():

@@ -24,6 +24,8 @@ BACKENDS = {  # the three backends at the sizes that run on a CPU
     "xla_fsdp": (["backend=xla_fsdp", "cpu_devices=1"], 0),
     "torch_fsdp": (["backend=torch_fsdp"], 2),
 }
+# The decoder layers kept stacked [layers, ...]: loaded from the per-layer tensors of the files.
+SCANNED = {"xla_spmd scanned": (["backend=xla_spmd", "cpu_devices=4", "fsdp.scan_layers=true"], 0)}
 
 
 def reference_loss(directory, overrides, auto=AutoModelForCausalLM, **fields) -> float:
@@ -39,12 +41,12 @@ def loaded(model_dirs, tmp_path_factory):
     """The split Llama set up (loaded, no step taken) on each backend: what every process held and read."""
     root = tmp_path_factory.mktemp("loaded")
     return {name: run_load_probe(root / name, f"model.name={model_dirs.llama}", "train.seq_len=32", *sets, nproc=nproc)
-            for name, (sets, nproc) in BACKENDS.items()}
+            for name, (sets, nproc) in {**BACKENDS, **SCANNED}.items()}
 
 
 @pytest.mark.e2e
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", list(BACKENDS) + list(SCANNED))
 def test_pretrained_weights_load_bitwise_and_give_from_pretrained_loss(model_dirs, loaded, backend):
     stored = stored_tensors(model_dirs.llama)
     held = assemble(loaded[backend])
@@ -64,8 +66,9 @@ def test_each_process_reads_only_its_own_part(model_dirs, loaded):
     assert sum(r["bytes_read"] for r in reports) == stored
     assert all(0.4 * stored < r["bytes_read"] < 0.6 * stored for r in reports), [r["bytes_read"] for r in reports]
     # xla_spmd: one host drives all 4 devices; it reads each byte once, not once per device.
-    (spmd,) = [process["report"] for process in loaded["xla_spmd"]]
-    assert spmd["bytes_read"] == stored
+    for backend in ("xla_spmd", "xla_spmd scanned"):
+        (spmd,) = [process["report"] for process in loaded[backend]]
+        assert spmd["bytes_read"] == stored, backend
 
 
 @pytest.mark.e2e

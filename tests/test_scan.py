@@ -1,7 +1,9 @@
-"""`fsdp.scan_layers`: which stacks can be scanned, and that scanning leaves the model's modules and names as
-they were. Exactness of scanned training and checkpoint interchange: tests/test_checkpoint.py."""
+"""`fsdp.scan_layers`: which stacks can be scanned, and how a scanned stack stores its layers (stacked, named
+back to the unrolled model's names). Exactness of scanned training and checkpoint interchange:
+tests/test_checkpoint.py."""
 
 import pytest
+import torch
 from torch import nn
 from transformers import (
     LlamaConfig,
@@ -19,19 +21,33 @@ from xla_shard.errors import ConfigError
 SMALL = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)
 
 
-def test_scanning_keeps_every_layer_as_a_module_under_its_own_name():
+def test_scanning_stacks_each_layer_tensor_and_names_every_layer_as_the_unrolled_model_does():
     model = LlamaForCausalLM(LlamaConfig(**SMALL, num_hidden_layers=3))
-    before = {name: tensor for name, tensor in model.state_dict().items()}
-    layers = list(model.model.layers)
+    unrolled = {name: tensor.clone() for name, tensor in model.named_parameters()}
     assert xla_scan.scan_stack(model, FsdpSection(), checkpoint=False) == 3
-    after = model.state_dict()
-    assert list(after) == list(before) and all(after[k].data_ptr() == before[k].data_ptr() for k in before)
     stack = model.model.layers
-    assert isinstance(stack, xla_scan.ScannedLayers) and [stack[i] for i in range(3)] == layers
-    # The model's loop (`for layer in self.layers[:n]`) meets one callable, which reads like the first layer.
+    names = xla_scan.layer_names(model, lambda name: name)
+    stacked = dict(model.named_parameters())
+    # One [layers, ...] tensor per layer tensor; the same values, under names that map back one to one.
+    assert sorted(n for each in names.values() for n in each) == sorted(n for n in unrolled if ".layers." in n)
+    for name, layers in names.items():
+        assert torch.equal(stacked[name], torch.stack([unrolled[n] for n in layers])), name
+    assert {n for n in stacked if n not in names} == {n for n in unrolled if ".layers." not in n}
+    # The model's loop (`for layer in self.layers[:n]`) meets one callable, which reads like a layer.
     (only,) = list(stack[:3])
-    assert callable(only) and only.self_attn is layers[0].self_attn
-    assert sum(1 for _ in model.parameters()) == sum(1 for _ in LlamaForCausalLM(model.config).parameters())
+    assert callable(only) and only.self_attn.head_dim == 8 and len(stack) == 3
+    with pytest.raises(TypeError, match="layer 1 cannot run alone"):
+        stack[1](torch.zeros(1, 2, 16))
+
+
+def test_what_the_optimizer_updates_does_not_grow_with_depth():
+    """The cause of a scanned step's compile time growing with depth was per-layer tensors outside the loop."""
+    counts = []
+    for layers in (2, 8):
+        model = LlamaForCausalLM(LlamaConfig(**SMALL, num_hidden_layers=layers))
+        xla_scan.scan_stack(model, FsdpSection(), checkpoint=False)
+        counts.append(len(list(model.parameters())))
+    assert counts[0] == counts[1]
 
 
 @pytest.mark.parametrize("model, words", [

@@ -176,14 +176,20 @@ class PretrainedWeights:
 
     @torch.no_grad()
     def _load_buffers(self, backend, model: nn.Module, reader: ChunkReader, converted: dict[str, set[str]]) -> None:
-        """Persistent buffers stored with the weights (replicated, small) are loaded whole."""
+        """Persistent buffers stored with the weights (replicated, small) are loaded whole; a stacked one
+        (scanned layers) from each of its layers'."""
+        per_layer = backend.layer_names(model)
         for name, buffer in model.named_buffers():
-            stored = self.names.get(backend.canonical(name))
-            if stored is None:
+            name = backend.canonical(name)
+            stored = [self.names.get(n) for n in per_layer.get(name, [name])]
+            if None in stored:
                 continue
-            shape = tuple(self.manifest.tensors[stored]["shape"])
-            (value,) = reader.read([(stored, ((0,) * len(shape), shape))])
-            buffer.copy_(_convert(value, buffer.dtype, stored, self.manifest, converted).to(buffer.device))
+            values = []
+            for one in stored:
+                shape = tuple(self.manifest.tensors[one]["shape"])
+                (value,) = reader.read([(one, ((0,) * len(shape), shape))])
+                values.append(_convert(value, buffer.dtype, one, self.manifest, converted))
+            buffer.copy_((torch.stack(values) if name in per_layer else values[0]).to(buffer.device))
 
 
 def build_for(cfg, accelerator: str | None = None):

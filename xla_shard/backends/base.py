@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from xla_shard.capabilities import Capabilities
-from xla_shard.checkpoint.contract import Box, Chunk, StateTensor
+from xla_shard.checkpoint.contract import Box, Chunk, StateTensor, unstack
 from xla_shard.config.schema import ShardConfig
 from xla_shard.data import Batch, local_rows
 from xla_shard.errors import UserError
@@ -196,24 +196,33 @@ class Backend(abc.ABC):
     def state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
               stored: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> list[StateTensor]:
         """Model parameters as `model/<name>` and optimizer state (if an optimizer is given) as
-        `optim/<name>/<key>`.
+        `optim/<name>/<key>`, under the unstacked model's names (a stacked tensor is one entry per layer).
 
         Saving passes no `stored`; loading passes what the checkpoint holds, and optimizer state the optimizer
         has not created yet (it does so lazily at its first step) is created here, laid out like its parameter.
         """
+        per_layer = self.layer_names(model)
         tensors = []
         for name, param in self.named_parameters(model):
-            tensors.append(self._state_tensor(f"model/{name}", param))
+            names = per_layer.get(name, [name])
+            stacked = name in per_layer
+            tensors += self._state_tensors([f"model/{n}" for n in names], param, stacked)
             if optimizer is None:
                 continue
-            for key, value in optimizer_state(optimizer.state[param], name, stored, tuple(param.shape),
+            like_shape = tuple(param.shape[1:] if stacked else param.shape)
+            for key, value in optimizer_state(optimizer.state[param], names[0], stored, like_shape,
                                               lambda param=param: self.zeros_like(param)):
-                tensors.append(self._state_tensor(f"optim/{name}/{key}", value))
+                tensors += self._state_tensors([f"optim/{n}/{key}" for n in names], value, stacked)
         return tensors
 
-    def _state_tensor(self, name: str, tensor: torch.Tensor) -> StateTensor:
-        return StateTensor(name, tuple(tensor.shape), tensor.dtype, lambda: self.local_chunks(tensor),
-                           lambda: self.local_boxes(tensor), lambda values: self.fill_local(tensor, values))
+    def layer_names(self, model: nn.Module) -> dict[str, list[str]]:
+        """The tensors kept stacked as [layers, ...] (scanned layers): stacked name -> each layer's name."""
+        return {}
+
+    def _state_tensors(self, names: list[str], tensor: torch.Tensor, stacked: bool) -> list[StateTensor]:
+        whole = StateTensor(names[0], tuple(tensor.shape), tensor.dtype, lambda: self.local_chunks(tensor),
+                            lambda: self.local_boxes(tensor), lambda values: self.fill_local(tensor, values))
+        return unstack(whole, names) if stacked else [whole]
 
     def zeros_like(self, param: torch.Tensor) -> torch.Tensor:
         """A zero tensor laid out as `param`'s optimizer state (being restored before the optimizer made it)."""

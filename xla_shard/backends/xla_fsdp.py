@@ -159,7 +159,7 @@ class XlaFsdpBackend(xla_common.XlaBackend):
                     for key, value in optimizer_state(opt_state, name, stored, shape,
                                                       lambda shard=shard: torch.zeros_like(shard)):
                         if value.dim() == 0:
-                            tensors.append(self._state_tensor(f"optim/{name}/{key}", value))
+                            tensors += self._state_tensors([f"optim/{name}/{key}"], value, stacked=False)
                         else:
                             tensors.append(self._piece(f"optim/{name}/{key}", value, shape, at, first, count, host))
         return tensors

@@ -1,10 +1,10 @@
 """`fsdp.scan_layers`: run a model's stack of identical decoder layers as one XLA loop (torch_xla's `scan`).
 
 Unrolled, XLA compiles every layer's forward and backward again; scanned, it compiles one layer's body once.
-What stays per parameter outside the loop (stacking the parameters, the optimizer's update) still grows with
-depth: measured in the README. The layers stay separate modules with their own parameters (so state dicts,
-checkpoints and exports are unchanged): only iterating the stack, as the model's forward does
-(`for layer in self.layers[:n]`), yields one callable that stacks their parameters and scans over them.
+The layers' parameters are kept stacked as [layers, ...] tensors (as MaxText and torchprime keep them), so what
+stays per parameter outside the loop (the optimizer's update, the gradient annotations) does not grow with depth
+either. Checkpoints, exports and pretrained loads still name one tensor per layer: the backend's state hands a
+stacked tensor out as its layers (`checkpoint.contract.unstack`).
 
 Under SPMD torch_xla's scan shards its backward with jax's `shard_alike`, through the torchax copy inside
 torch_xla's wheel, which needs jax and flax (`pip install 'xla_shard[scan]'`).
@@ -95,80 +95,133 @@ def _signature(layer: nn.Module) -> dict[str, Any]:
     return found
 
 
-class ScannedLayers(nn.ModuleList):
-    """The decoder layers, unchanged as modules; iterated, one callable that runs them all in one scan."""
+class ScannedLayers(nn.Module):
+    """The decoder layers kept as one stack: each of the layer's parameters and buffers is one [layers, ...]
+    tensor, under the layer's own module path (`model.layers.self_attn.q_proj.weight`, for every
+    `model.layers.<i>.self_attn.q_proj.weight`). Iterated, as the model's forward does, it yields one callable
+    that scans a meta-device copy of the layer over the stack.
+
+    Stacked storage is what keeps the compiled program's size flat in depth: scanning separate layers would
+    stack their parameters in every step, and the optimizer would update each layer's tensors apart.
+    Checkpoints and pretrained loads still see one tensor per layer (`layer_names`)."""
 
     def __init__(self, layers: list[nn.Module], partition_fn: Callable | None):
-        super().__init__(layers)
+        super().__init__()
+        self._count = len(layers)
         self._partition_fn = partition_fn
-        # Shared with slices of this list. scan caches its trace by function, so one body per call structure;
-        # the template layer (on the meta device) is what each body calls with a layer's parameters.
-        self._cache: dict[str, Any] = {"bodies": {}, "template": None}
+        # scan caches its trace by function: one body per call structure, each calling the template.
+        self._bodies: dict[tuple, Callable] = {}
+        self._template = [copy.deepcopy(layers[0]).to("meta")]  # in a list: not a submodule, holds nothing
+        owners = [dict(layer.named_modules()) for layer in layers]
+        for path, module in layers[0].named_modules():
+            holder = self._holder(path)
+            for key, param in module.named_parameters(recurse=False):
+                values = torch.stack([getattr(owner[path], key).detach() for owner in owners])
+                holder.register_parameter(key, nn.Parameter(values, requires_grad=param.requires_grad))
+            for key, _ in module.named_buffers(recurse=False):
+                persistent = key not in module._non_persistent_buffers_set
+                holder.register_buffer(key, torch.stack([getattr(owner[path], key) for owner in owners]),
+                                       persistent=persistent)
+
+    def _holder(self, path: str) -> nn.Module:
+        holder = self
+        for part in filter(None, path.split(".")):
+            if part not in holder._modules:
+                holder.add_module(part, nn.Module())
+            holder = holder._modules[part]
+        return holder
+
+    def layer_names(self, prefix: str) -> dict[str, list[str]]:
+        """Each stacked tensor's name (under `prefix`, this module's name) -> the names of its layers' tensors."""
+        names = [name for name, _ in self.named_parameters()] + [name for name, _ in self.named_buffers()]
+        return {f"{prefix}.{name}": [f"{prefix}.{i}.{name}" for i in range(self._count)] for name in names}
+
+    def __len__(self) -> int:
+        return self._count
 
     def __getitem__(self, index):
         if isinstance(index, slice):  # the model's `self.layers[:num_hidden_layers]`
-            chosen = ScannedLayers(list(self._modules.values())[index], self._partition_fn)
-            chosen._cache = self._cache
-            chosen.train(self.training)
-            return chosen
-        return super().__getitem__(index)
+            return [_AllLayers(self, range(self._count)[index])]
+        return _OneLayer(self._template[0], index)
 
     def __iter__(self):
-        return iter([_AllLayers(self)])
+        return iter([_AllLayers(self, range(self._count))])
 
-    def _run(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    def run(self, chosen: range, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         from functorch.compile import default_partition
         from torch_xla.experimental.scan import scan
 
-        layers = list(self._modules.values())
+        if len(chosen) == 0:
+            return hidden_states
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensor_at = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
         statics = tuple(None if i in tensor_at else leaf for i, leaf in enumerate(leaves))
         body = self._body(spec, tensor_at, statics)
-        stacked = pytree.tree_map(lambda *ts: torch.stack(ts), *[_tensors(layer) for layer in layers])
+        every = chosen == range(self._count)
+        stacked = {name: tensor if every else tensor[chosen.start:chosen.stop:chosen.step]
+                   for name, tensor in [*self.named_parameters(), *self.named_buffers()]}
         # Inputs every layer shares (mask, rotary tables, positions) ride along each layer's slice: scan traces
         # its carry with gradients, which integer tensors cannot have.
-        shared = [leaves[i].unsqueeze(0).expand(len(layers), *leaves[i].shape) for i in tensor_at]
+        shared = [leaves[i].unsqueeze(0).expand(len(chosen), *leaves[i].shape) for i in tensor_at]
         out, _ = scan(body, hidden_states, (stacked, shared), partition_fn=self._partition_fn or default_partition,
                       is_fn_pure=True)
         return out
 
     def _body(self, spec, tensor_at: tuple[int, ...], statics: tuple) -> Callable:
         key = (str(spec), tensor_at, repr(statics), self.training)
-        bodies = self._cache["bodies"]
-        if key not in bodies:
-            if self._cache["template"] is None:
-                self._cache["template"] = copy.deepcopy(next(iter(self._modules.values()))).to("meta")
-            template = self._cache["template"]
-            training = self.training
+        if key not in self._bodies:
+            template, training = self._template[0], self.training
 
             def body(hidden, per_layer):
-                params, shared = per_layer
+                tensors, shared = per_layer
                 leaves = list(statics)
                 for index, tensor in zip(tensor_at, shared):
                     leaves[index] = tensor
                 args, kwargs = pytree.tree_unflatten(leaves, spec)
                 template.train(training)
-                out = torch.func.functional_call(template, params, (hidden, *args), kwargs, strict=True)
+                out = torch.func.functional_call(template, tensors, (hidden, *args), kwargs, strict=True)
                 return (out[0] if isinstance(out, tuple) else out), None
 
-            bodies[key] = body
-        return bodies[key]
+            self._bodies[key] = body
+        return self._bodies[key]
 
 
 class _AllLayers:
     """What the model's loop gets for its one iteration: called like a layer, it runs them all; attributes the
-    loop reads (e.g. `layer.attention_type`, to pick a mask) are the first layer's, the same in every layer."""
+    loop reads (e.g. `layer.attention_type`, to pick a mask) are the layer's, the same in every layer."""
 
-    def __init__(self, stack: ScannedLayers):
-        self._stack = stack
+    def __init__(self, stack: ScannedLayers, chosen: range):
+        self._stack, self._chosen = stack, chosen
 
     def __call__(self, hidden_states, *args, **kwargs):
-        return self._stack._run(hidden_states, *args, **kwargs)
+        return self._stack.run(self._chosen, hidden_states, *args, **kwargs)
 
     def __getattr__(self, name: str):
-        return getattr(self._stack[0], name)
+        return getattr(self._stack._template[0], name)
 
 
-def _tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(layer.named_parameters()), **dict(layer.named_buffers())}
+class _OneLayer:
+    """`layers[i]` of a scanned stack: the layer's attributes can be read; it cannot run on its own."""
+
+    def __init__(self, template: nn.Module, index: int):
+        self._template, self._index = template, index
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError(f"fsdp.scan_layers keeps the layers stacked: layer {self._index} cannot run alone "
+                        "(iterate the stack, or set fsdp.scan_layers to false)")
+
+    def __getattr__(self, name: str):
+        return getattr(self._template, name)
+
+
+def layer_names(model: nn.Module, canonical: Callable[[str], str]) -> dict[str, list[str]]:
+    """Every stacked tensor of `model` (by its canonical name) -> the unstacked model's name for each layer."""
+    names: dict[str, list[str]] = {}
+    for path, module in model.named_modules():
+        if isinstance(module, ScannedLayers):
+            names.update(module.layer_names(canonical(path)))
+    return names
+
+
+def stacked_parameters(model: nn.Module) -> set[nn.Parameter]:
+    return {param for module in model.modules() if isinstance(module, ScannedLayers) for param in module.parameters()}

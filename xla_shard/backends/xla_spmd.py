@@ -68,18 +68,19 @@ class Layouts:
     optimizer: tuple
 
     @classmethod
-    def of(cls, param: torch.Tensor) -> Layouts:
-        from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
-
-        spec = _prepare_spmd_partition_spec(param, shard_maximal=True)  # FSDPv2's own rule: the largest dim
-        if not spec:
-            return cls((), (), ())  # a scalar: replicated
-        dim = spec.index("fsdp")
+    def of(cls, param: torch.Tensor, stacked: bool = False) -> Layouts:
+        """FSDPv2's rule: the largest dimension is split. A stacked parameter ([layers, ...], scanned layers) is
+        split inside each layer, as that layer alone would be: the scan slices the first dimension."""
+        shape = tuple(param.shape)
+        within = shape[1:] if stacked else shape
+        if not within:
+            return cls((None,) * len(shape), (None,) * len(shape), (None,) * len(shape))  # replicated
+        dim = len(shape) - len(within) + within.index(max(within))
 
         def over(*axes):
-            return spec[:dim] + (axes,) + spec[dim + 1:]
+            return tuple((axes if len(axes) > 1 else axes[0]) if d == dim else None for d in range(len(shape)))
 
-        return cls(spec, over("fsdp", "grads"), over("fsdp", "grads", "optimizer"))
+        return cls(over("fsdp"), over("fsdp", "grads"), over("fsdp", "grads", "optimizer"))
 
 
 class XlaSpmdBackend(xla_common.XlaBackend):
@@ -154,6 +155,7 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         return self.host_index, self.hosts  # each host writes the shards on its own devices
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        import torch_xla.distributed.spmd as xs
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
 
         if self.cfg.fsdp.scan_layers:
@@ -163,17 +165,21 @@ class XlaSpmdBackend(xla_common.XlaBackend):
             policy = None
         else:
             policy = self.prepare_wrap(model)
+        model = self.to_device(model)
+        stacked = xla_scan.stacked_parameters(model)
         if self.plan.params == 1:
-            wrapped = self.to_device(model)  # replicated parameters; the sharded batch makes it data-parallel
+            wrapped = model  # replicated parameters; the sharded batch makes it data-parallel
         else:
+            for param in stacked:  # FSDPv2 marks only the parameters nobody has marked yet
+                xs.mark_sharding(param, self.mesh, Layouts.of(param, stacked=True).params)
             wrapped = SpmdFullyShardedDataParallel(
-                self.to_device(model), mesh=self.mesh, shard_output=self._shard_output, auto_wrap_policy=policy,
+                model, mesh=self.mesh, shard_output=self._shard_output, auto_wrap_policy=policy,
                 extra_data_axis="replica")
         if not self.plan.replicate_only:
-            self._annotate(wrapped)
+            self._annotate(wrapped, stacked)
         return wrapped
 
-    def _annotate(self, model: nn.Module) -> None:
+    def _annotate(self, model: nn.Module, stacked: set[nn.Parameter]) -> None:
         """Give each parameter its layouts. FSDPv2 has marked the parameters (P > 1); replicated ones are
         marked here, or XLA would let them take the optimizer state's sharding after the first update. Left
         alone, GSPMD also materialises gradients replicated (an all-reduce, full size on every device):
@@ -188,7 +194,7 @@ class XlaSpmdBackend(xla_common.XlaBackend):
             return lambda param: mark(param.grad)
 
         for param in model.parameters():
-            layouts = self._layouts[param] = Layouts.of(param)
+            layouts = self._layouts[param] = Layouts.of(param, stacked=param in stacked)
             if self.plan.params == 1:
                 xs.mark_sharding(param, self.mesh, layouts.params)
             param.register_post_accumulate_grad_hook(shard(layouts.grads))
@@ -249,6 +255,9 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
 
         return SpmdFullyShardedDataParallel
+
+    def layer_names(self, model: nn.Module) -> dict[str, list[str]]:
+        return xla_scan.layer_names(model, self.canonical)
 
     def local_bytes(self, tensors: list[torch.Tensor]) -> list[int]:
         import torch_xla

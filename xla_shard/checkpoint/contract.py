@@ -9,6 +9,8 @@ hands its state out and takes it back as `StateTensor`s, through the `ShardedSta
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,6 +64,42 @@ class ShardedState(Protocol):
 
     def run_identity(self) -> dict[str, Any]:
         """Config keys and values a checkpoint must share for a resume to continue the same run."""
+
+
+def unstack(whole: StateTensor, names: list[str]) -> list[StateTensor]:
+    """A tensor kept stacked as [layers, ...] (scanned layers) as one StateTensor per layer, under the names
+    the unstacked model gives them: checkpoints and pretrained loads do not depend on how a run stores layers.
+
+    Each layer's boxes are the stacked tensor's boxes that hold it, less their first dimension. Saving copies the
+    stacked shards to the host once for all layers; loading collects every layer's values and fills the stacked
+    tensor once the last layer has arrived. A scalar (AdamW's `step` of a stacked parameter) is every layer's."""
+    if not whole.shape:
+        return [dataclasses.replace(whole, name=name, chunks=functools.cache(whole.chunks)) for name in names]
+    chunks, boxes = functools.cache(whole.chunks), functools.cache(whole.boxes)
+    received: dict[int, list[torch.Tensor]] = {}
+
+    def holding(layer: int) -> list[int]:
+        return [j for j, (offsets, sizes) in enumerate(boxes()) if offsets[0] <= layer < offsets[0] + sizes[0]]
+
+    def layer_chunks(layer: int) -> list[Chunk]:
+        return [(offsets[1:], data[layer - offsets[0]]) for offsets, data in chunks()
+                if offsets[0] <= layer < offsets[0] + data.shape[0]]
+
+    def layer_boxes(layer: int) -> list[Box]:
+        return [(boxes()[j][0][1:], boxes()[j][1][1:]) for j in holding(layer)]
+
+    def layer_fill(layer: int, values: list[torch.Tensor]) -> None:
+        received[layer] = values
+        if len(received) < len(names):
+            return
+        by_layer = {k: dict(zip(holding(k), received[k])) for k in received}
+        whole.fill([torch.stack([by_layer[k][j] for k in range(offsets[0], offsets[0] + sizes[0])])
+                    for j, (offsets, sizes) in enumerate(boxes())])
+        received.clear()
+
+    return [StateTensor(name, whole.shape[1:], whole.dtype, functools.partial(layer_chunks, layer),
+                        functools.partial(layer_boxes, layer), functools.partial(layer_fill, layer))
+            for layer, name in enumerate(names)]
 
 
 # ---- boxes --------------------------------------------------------------------------------------------
