@@ -37,12 +37,12 @@ class HostState:
     writer, is_main = (0, 1), True
 
     def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.tensors = tensors
+        self.held = tensors
 
-    def state(self, model, optimizer, stored=None):
+    def tensors(self, model, optimizer, stored=None):
         return [StateTensor(f"model/{n}", tuple(t.shape), t.dtype, lambda t=t: [((0,) * t.dim(), t.clone())],
                             lambda t=t: [((0,) * t.dim(), tuple(t.shape))], lambda v, t=t: t.copy_(v[0]))
-                for n, t in self.tensors.items()]
+                for n, t in self.held.items()]
 
     def rng_state(self):
         return {}
@@ -77,8 +77,7 @@ def _time(fn) -> float:
 
 def bench_target(url: str, tensors: dict[str, torch.Tensor], repeats: int) -> dict[str, float]:
     section = CheckpointSection(dir=url, async_save=False, keep_last=repeats)  # no deletes inside the timing
-    backend = HostState(tensors)
-    checkpointer = Checkpointer(section, backend, log=lambda _: None)
+    checkpointer = Checkpointer(section, HostState(tensors), log=lambda _: None)
     model = _model()
     raw = Storage(url + "/raw")
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -102,10 +101,10 @@ def bench_target(url: str, tensors: dict[str, torch.Tensor], repeats: int) -> di
 
 
 def bench_async(url: str, tensors: dict[str, torch.Tensor], repeats: int) -> dict[str, float]:
-    backend = HostState(tensors)
-    sync = Checkpointer(CheckpointSection(dir=url + "/sync", async_save=False, keep_last=1), backend,
+    state = HostState(tensors)
+    sync = Checkpointer(CheckpointSection(dir=url + "/sync", async_save=False, keep_last=1), state,
                         log=lambda _: None)
-    asyn = Checkpointer(CheckpointSection(dir=url + "/async", async_save=True, keep_last=1), backend,
+    asyn = Checkpointer(CheckpointSection(dir=url + "/async", async_save=True, keep_last=1), state,
                         log=lambda _: None)
     model = _model()
     sync_s, async_s = [], []

@@ -69,7 +69,7 @@ def worker(mode: str, directory: str, backend: str) -> None:
         growth = measured.bytes
     backend_obj.after_step()
     seconds = time.perf_counter() - start
-    print(json.dumps({"mode": mode, "rank": backend_obj.writer[0], "read": read, "growth": growth,
+    print(json.dumps({"mode": mode, "rank": backend_obj.processes.writer[0], "read": read, "growth": growth,
                       "seconds": seconds}), flush=True)
     backend_obj.shutdown()
 

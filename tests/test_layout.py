@@ -127,3 +127,20 @@ def test_no_code_outside_a_backend_compares_a_backend_name():
                 if any(isinstance(o, ast.Constant) and o.value in names for o in operands):
                     found.append(f"{module}:{node.lineno}")
     assert not found, found
+
+
+def test_the_backend_interface_stays_small_and_its_parts_are_objects_of_their_own():
+    """The step, the wrap and the runtime are the backend's; who the processes are and the sharded state that
+    checkpoints read are `backend.processes` and `backend.state`, each a class per backend where it differs."""
+    from xla_shard.backends.base import Backend
+    from xla_shard.backends.processes import Processes
+    from xla_shard.backends.state import BackendState
+    from xla_shard.checkpoint.contract import ShardedState
+
+    methods = [name for name, value in vars(Backend).items()
+               if not isinstance(value, type) and (callable(value) or isinstance(value, property))]
+    assert len(methods) <= 25, methods
+    protocol = {name for name in vars(ShardedState) if not name.startswith("_")}
+    assert protocol <= set(dir(BackendState)) and not protocol & set(dir(Backend))
+    assert not {"is_main", "writer", "any_rank", "barrier", "main_first"} & set(dir(Backend))
+    assert {"is_main", "writer", "any_rank", "barrier", "main_first", "local_leader"} <= set(dir(Processes))

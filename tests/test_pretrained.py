@@ -254,7 +254,7 @@ import torch, xla_shard
 cfg = xla_shard.load_config(None, ["model.name={model_dirs.llama}", "backend=xla_spmd", "cpu_devices=2"])
 backend = xla_shard.start_backend(cfg)
 model = xla_shard.load_model(cfg, backend)
-chunks = {{t.name[len("model/"):]: (t.shape, t.chunks()) for t in backend.state(model)}}
+chunks = {{t.name[len("model/"):]: (t.shape, t.chunks()) for t in backend.state.tensors(model)}}
 torch.save(chunks, "{tmp_path}/chunks.pt")
 """)
     import subprocess

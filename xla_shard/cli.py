@@ -310,10 +310,10 @@ def _train(args) -> int:
         print(f"xla-shard: {args.config} imported from {kind} ({len(notes)} note(s); `xla-shard config import "
               f"{args.config}` lists them)", file=sys.stderr)
     backend = backends.create(cfg)  # refuses what this backend cannot honour, before anything starts
-    launcher = launch.pick(backend.capabilities.launcher, argv=args.argv, nproc_per_node=args.nproc_per_node,
-                           nproc=backend.expected_devices(args.nproc_per_node), nnodes=cfg.launch.nnodes,
-                           prepare=backend.configure, backend=backend.name)
-    backends.check_devices(backend, args.nproc_per_node)
+    launch.refuse_nproc_flag(backend.capabilities.launcher, args.nproc_per_node, backend.name)
+    devices = backends.check_devices(backend, args.nproc_per_node)
+    launcher = launch.pick(backend.capabilities.launcher, argv=args.argv, nproc=devices, nnodes=cfg.launch.nnodes,
+                           prepare=backend.configure)
     train.preflight(cfg)
     return launcher.start(functools.partial(train.run, cfg))
 

@@ -83,16 +83,22 @@ class XmpSpawn:
         return 0
 
 
-def pick(kind: str, *, argv: list[str], nproc: int | None = None, nnodes: int = 1,
-         prepare: Callable[[], None] = lambda: None, nproc_per_node: int | None = None,
-         backend: str | None = None) -> Launcher:
-    """The launcher a backend's capabilities name (`Capabilities.launcher`). `nproc_per_node` is the CLI's
-    flag, which only torchrun takes; `nproc` the processes it starts."""
+def refuse_nproc_flag(kind: str, nproc_per_node: int | None, backend: str) -> None:
+    """`--nproc-per-node` is the CLI's flag for torchrun's process count; other launchers start what the
+    runtime needs."""
     if nproc_per_node is not None and kind != "torchrun":
         raise ConfigError(None, f"--nproc-per-node is torchrun's process count (backend torch_fsdp); {backend} runs "
                                 "one process per host (on a CPU, cpu_devices sets its devices)")
+
+
+def pick(kind: str, *, argv: list[str], nproc: int | None = None, nnodes: int = 1,
+         prepare: Callable[[], None] = lambda: None) -> Launcher:
+    """The launcher a backend's capabilities name (`Capabilities.launcher`); `nproc`: the processes torchrun
+    starts (the backend's expected devices)."""
     if kind == "torchrun":
-        return Torchrun(nproc or 1, argv, nnodes)
+        if nproc is None:
+            raise ValueError("torchrun needs its process count")
+        return Torchrun(nproc, argv, nnodes)
     if kind == "xmp_spawn":
         return XmpSpawn(prepare)
     return InProcess()

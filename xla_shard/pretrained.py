@@ -142,7 +142,7 @@ class PretrainedWeights:
     # ---- after sharding -------------------------------------------------------------------------------
     def load(self, backend, model: nn.Module) -> LoadReport:
         """Fill the wrapped model: each process reads the boxes of each tensor it holds, nothing else."""
-        targets = backend.state(model)
+        targets = backend.state.tensors(model)
         report = LoadReport(0, 0, sum(_stored_bytes(self.manifest.tensors[s]) for s in self.names.values()), 0,
                             fresh=sorted(self.fresh), skipped=sorted(self.skipped))
         reader = ChunkReader(self.storage, self.manifest, bridge_gaps=False)
@@ -178,9 +178,9 @@ class PretrainedWeights:
     def _load_buffers(self, backend, model: nn.Module, reader: ChunkReader, converted: dict[str, set[str]]) -> None:
         """Persistent buffers stored with the weights (replicated, small) are loaded whole; a stacked one
         (scanned layers) from each of its layers'."""
-        per_layer = backend.layer_names(model)
+        per_layer = backend.state.layer_names(model)
         for name, buffer in model.named_buffers():
-            name = backend.canonical(name)
+            name = backend.state.canonical(name)
             stored = [self.names.get(n) for n in per_layer.get(name, [name])]
             if None in stored:
                 continue

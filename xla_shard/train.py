@@ -147,7 +147,7 @@ class Trainer:
         check_sequence_length(model.config, cfg.train.seq_len)
         check_output_dir(cfg.output_dir)
         self.flops_per_token = train_flops_per_token(model, cfg.train.seq_len)
-        with backend.main_first():
+        with backend.processes.main_first():
             sources = datalib.build(cfg, model.config, source.directory)
         self.source, self.eval_source = sources.train, sources.eval
         self.total_steps = self._total_steps()
@@ -160,7 +160,7 @@ class Trainer:
                                                                   backend.accelerator))
         self.peak_per_device, self.mfu_basis = self._mfu_basis()
         if cfg.checkpoint.dir:
-            self.checkpointer = Checkpointer(cfg.checkpoint, backend, log=self._log)
+            self.checkpointer = Checkpointer(cfg.checkpoint, backend.state, log=self._log)
             self.start_step = self.checkpointer.restore(self.model, self.optimizer)
             key = "train.epochs" if cfg.train.epochs else "train.steps"
             if self.start_step > self.total_steps:
@@ -201,12 +201,13 @@ class Trainer:
                   + (f"; {len(report.skipped)} stored tensor(s) not used ({', '.join(report.skipped[:4])}"
                      f"{', ...' if len(report.skipped) > 4 else ''})" if report.skipped else ""))
         # Every process reports its own reads: the point is that each reads only its part.
-        print(f"xla-shard: [process {self.backend.writer[0]}/{self.backend.writer[1]}] pretrained load: "
+        index, count = self.backend.processes.writer
+        print(f"xla-shard: [process {index}/{count}] pretrained load: "
               f"{report.describe()}", file=sys.stderr, flush=True)
         self.load_report = report
 
     def _log(self, message: str) -> None:
-        if self.backend.is_main:
+        if self.backend.processes.is_main:
             print(f"xla-shard: {redact(message)}", file=sys.stderr, flush=True)
 
     def _mfu_basis(self) -> tuple[float | None, str]:
@@ -269,7 +270,7 @@ class Trainer:
 
     def run(self) -> list[dict[str, Any]]:
         cfg, ckpt, train = self.cfg, self.checkpointer, self.cfg.train
-        logger = StepLogger(cfg.output_dir, self.total_steps, enabled=self.backend.is_main,
+        logger = StepLogger(cfg.output_dir, self.total_steps, enabled=self.backend.processes.is_main,
                             start_step=self.start_step, tensorboard=train.tensorboard, log=self._log)
         for advisory in self.backend.advisories():
             logger.warn(advisory)
@@ -289,7 +290,7 @@ class Trainer:
                         self._evaluate(done, logger)
                     if done % cfg.checkpoint.every_steps == 0 or done == self.total_steps:
                         ckpt.save(done, self.model, self.optimizer)
-                    if self.backend.any_rank(preemption.requested):
+                    if self.backend.processes.any_rank(preemption.requested):
                         self._stop_for_preemption(done, preemption)
                         self.preempted = True
                         break
@@ -320,7 +321,7 @@ class Trainer:
     def _export_final(self) -> None:
         """FULL_STATE_DICT: the final checkpoint also becomes one Hugging Face model directory."""
         ckpt = self.checkpointer
-        if not self.backend.is_main or ckpt.last_committed is None:
+        if not self.backend.processes.is_main or ckpt.last_committed is None:
             return
         target = Path(self.cfg.output_dir) / "model"
         # The run's own output: a rerun that trains further replaces its earlier export (whole, never mixed).

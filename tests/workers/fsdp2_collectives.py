@@ -46,7 +46,7 @@ def main(out: str, steps: str, *overrides: str) -> None:
         losses.append(trainer.backend.mean_loss(trainer.step(step)))
         recording[0] = False
     memory = bytes_after_backward(trainer, int(steps))
-    if trainer.backend.is_main:
+    if trainer.backend.processes.is_main:
         with open(out, "w") as f:
             json.dump({"losses": losses, "collectives": dict(seen), "memory": memory}, f)
     trainer.backend.shutdown()

@@ -17,11 +17,11 @@ from xla_shard.train import Trainer
 def main(out: str, *overrides: str) -> None:
     trainer = Trainer(config.load(None, overrides)).setup()
     backend, model = trainer.backend, trainer.model
-    chunks = {t.name[len("model/"):]: (t.shape, t.chunks()) for t in backend.state(model)}
+    chunks = {t.name[len("model/"):]: (t.shape, t.chunks()) for t in backend.state.tensors(model)}
     with torch.no_grad(), backend.forward_context():
         loss = trainer.loss_fn(model, backend.local_batch(trainer.source.global_batch(0)))
     report = dataclasses.asdict(trainer.load_report) if trainer.load_report else None
-    index, _ = backend.writer
+    index, _ = backend.processes.writer
     torch.save({"chunks": chunks, "loss": backend.mean_loss(loss), "report": report,
                 "tied": [n for n, _ in model.named_parameters(remove_duplicate=False)]}, f"{out}.{index}.pt")
     backend.shutdown()

@@ -22,13 +22,13 @@ def main(out: str, *overrides: str) -> None:
         loss = model(**batch).loss
     loss.backward()
     backend.after_step()
-    grads = {name: backend.full_tensor(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+    grads = {name: backend.state.full_tensor(p.grad) for name, p in model.named_parameters() if p.grad is not None}
     loss_value = backend.mean_loss(loss)
     trainer.optimizer.step()
     backend.after_step()
     memory = dataclasses.asdict(trainer.memory_report())
     units = backend.sharded_units(model)
-    if backend.is_main:
+    if backend.processes.is_main:
         torch.save({"loss": loss_value, "grads": grads, "memory": memory, "units": units,
                     "devices": backend.num_devices}, out)
     backend.shutdown()

@@ -21,7 +21,7 @@ def main(url: str, times: str, *overrides: str) -> None:
     for attempt in range(int(times)):
         optimizer = backend.prepare_optimizer(make_optimizer(trainer.model.parameters(), cfg.train))
         assert ckpt.restore(trainer.model, optimizer) == trainer.start_step > 0
-        state = {t.name: backend.full_tensor(v) for t, v in _tensors(backend, trainer.model, optimizer)}
+        state = {t.name: backend.state.full_tensor(v) for t, v in _tensors(backend, trainer.model, optimizer)}
         if reference is None:
             reference = state
         assert all(torch.equal(reference[k], state[k]) for k in reference), f"load {attempt} differs"
@@ -29,7 +29,7 @@ def main(url: str, times: str, *overrides: str) -> None:
 
 
 def _tensors(backend, model, optimizer):
-    for name, param in backend.named_parameters(model):
+    for name, param in backend.state.named_parameters(model):
         yield type("T", (), {"name": f"model/{name}"}), param
         for key, value in optimizer.state[param].items():
             if torch.is_tensor(value) and value.dim():

@@ -58,12 +58,13 @@ def start(cfg: ShardConfig, backend: Backend | None = None) -> Backend:
     return backend
 
 
-def check_devices(backend: Backend, nproc_per_node: int | None = None) -> None:
+def check_devices(backend: Backend, nproc_per_node: int | None = None) -> int | None:
     """Before anything starts (`train`, `config check`): the plan must fit the devices the run will have,
-    where that is known already."""
+    where that is known already. Returns them (None: only the started runtime can tell)."""
     devices = backend.expected_devices(nproc_per_node)
     if devices is not None:
         settle(backend.cfg, devices, backend.capabilities, backend.device_kind)
+    return devices
 
 
 __all__ = ["AUTO", "BACKENDS", "Backend", "capabilities", "check_devices", "create", "platform", "resolve_name",

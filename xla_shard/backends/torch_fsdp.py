@@ -18,12 +18,83 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from xla_shard import launch
-from xla_shard.backends.base import Backend, apply_activation_checkpointing, on_meta, pack_bytes, unpack_bytes
+from xla_shard.backends.base import Backend, apply_activation_checkpointing, on_meta
+from xla_shard.backends.processes import Processes
+from xla_shard.backends.state import BackendState, pack_bytes, unpack_bytes
 from xla_shard.capabilities import Capabilities
 from xla_shard.checkpoint.contract import Box, Chunk
 from xla_shard.config.schema import ShardingStrategy
 from xla_shard.errors import ConfigError
 from xla_shard.wrap import checkpoint_targets, wrap_targets
+
+
+class TorchProcesses(Processes):
+    """torchrun's processes, one per device: a collective on the process group is how they agree."""
+
+    def __init__(self, rank: int, world: int, device: torch.device):
+        super().__init__(rank, world)
+        self.device = device  # NCCL reduces on the GPU
+
+    @property
+    def local_leader(self) -> bool:
+        return int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def any_rank(self, flag: bool) -> bool:
+        value = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+
+class Fsdp2State(BackendState):
+    """DTensor shards are boxes at the offset DTensor computes; replicas other than the first write nothing."""
+
+    def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
+
+    @staticmethod
+    def _local_box(tensor: DTensor) -> Box:
+        shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        return tuple(offset), tuple(shape)
+
+    def local_chunks(self, tensor: torch.Tensor) -> list[Chunk]:
+        if not isinstance(tensor, DTensor):
+            return super().local_chunks(tensor)
+        coordinate = tensor.device_mesh.get_coordinate()
+        if any(isinstance(p, Replicate) and coordinate[dim] != 0 for dim, p in enumerate(tensor.placements)):
+            return []  # another replica writes this box
+        local = tensor.to_local()
+        if local.numel() == 0:
+            return []
+        return [(self._local_box(tensor)[0], local.detach().to("cpu", copy=True))]
+
+    def local_boxes(self, tensor: torch.Tensor) -> list[Box]:
+        if not isinstance(tensor, DTensor):
+            return super().local_boxes(tensor)
+        return [self._local_box(tensor)] if tensor.to_local().numel() else []
+
+    @torch.no_grad()
+    def fill_local(self, tensor: torch.Tensor, values: list[torch.Tensor]) -> None:
+        if isinstance(tensor, DTensor):
+            if values:
+                tensor.to_local().copy_(values[0])
+        else:
+            tensor.copy_(values[0])
+
+    def rng_state(self) -> dict:
+        state = super().rng_state()
+        device = self.backend.device
+        if device.type == "cuda":
+            state["cuda"] = pack_bytes(torch.cuda.get_rng_state(device))
+        return state
+
+    def set_rng_state(self, state: dict) -> None:
+        super().set_rng_state(state)
+        device = self.backend.device
+        if device.type == "cuda" and "cuda" in state:
+            torch.cuda.set_rng_state(unpack_bytes(state["cuda"]), device)
 
 
 class TorchFsdpBackend(Backend):
@@ -34,12 +105,13 @@ class TorchFsdpBackend(Backend):
                           "shard them wider: pytorch/pytorch#148257",
         group_after_forward=None)  # fully_shard(reshard_after_forward=k)
     wrapper_prefixes = ("module",)  # DistributedDataParallel (NO_SHARD); fully_shard keeps names as they are
+    state_type = Fsdp2State
 
     def check(self) -> None:
         super().check()
         if self.cfg.fsdp.offload_params and not torch.cuda.is_available():
-            self.reject("fsdp.offload_params", "offloads parameters from GPU memory to the host; this machine has "
-                                               "no CUDA GPU, so there is nothing to offload: set it to false")
+            self.capabilities.refuse("fsdp.offload_params", "offloads parameters from GPU memory to the host; this "
+                                     "machine has no CUDA GPU, so there is nothing to offload: set it to false")
 
     def expected_devices(self, nproc_per_node: int | None = None) -> int | None:
         """Inside torchrun, its world; before it, the processes the launcher will start, per node."""
@@ -62,6 +134,7 @@ class TorchFsdpBackend(Backend):
             dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.num_devices = self.world
+        self.processes = TorchProcesses(self.rank, self.world, self.device)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         fsdp = self.cfg.fsdp
@@ -132,64 +205,8 @@ class TorchFsdpBackend(Backend):
             return t.to_local() if isinstance(t, DTensor) else t
         return [local(t).numel() * t.element_size() for t in tensors]
 
-    def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
-
     def unit_type(self) -> type[nn.Module]:
         return FSDPModule
-
-    @property
-    def local_leader(self) -> bool:
-        return int(os.environ.get("LOCAL_RANK", "0")) == 0
-
-    def barrier(self) -> None:
-        dist.barrier()
-
-    def any_rank(self, flag: bool) -> bool:
-        value = torch.tensor([int(flag)], device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
-
-    # ---- checkpoint state: DTensor shards are boxes at the offset DTensor computes --------------------
-    @staticmethod
-    def _local_box(tensor: DTensor) -> Box:
-        shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-        return tuple(offset), tuple(shape)
-
-    def local_chunks(self, tensor: torch.Tensor) -> list[Chunk]:
-        if not isinstance(tensor, DTensor):
-            return super().local_chunks(tensor)
-        coordinate = tensor.device_mesh.get_coordinate()
-        if any(isinstance(p, Replicate) and coordinate[dim] != 0 for dim, p in enumerate(tensor.placements)):
-            return []  # another replica writes this box
-        local = tensor.to_local()
-        if local.numel() == 0:
-            return []
-        return [(self._local_box(tensor)[0], local.detach().to("cpu", copy=True))]
-
-    def local_boxes(self, tensor: torch.Tensor) -> list[Box]:
-        if not isinstance(tensor, DTensor):
-            return super().local_boxes(tensor)
-        return [self._local_box(tensor)] if tensor.to_local().numel() else []
-
-    @torch.no_grad()
-    def fill_local(self, tensor: torch.Tensor, values: list[torch.Tensor]) -> None:
-        if isinstance(tensor, DTensor):
-            if values:
-                tensor.to_local().copy_(values[0])
-        else:
-            tensor.copy_(values[0])
-
-    def rng_state(self) -> dict:
-        state = super().rng_state()
-        if self.device.type == "cuda":
-            state["cuda"] = pack_bytes(torch.cuda.get_rng_state(self.device))
-        return state
-
-    def set_rng_state(self, state: dict) -> None:
-        super().set_rng_state(state)
-        if self.device.type == "cuda" and "cuda" in state:
-            torch.cuda.set_rng_state(unpack_bytes(state["cuda"]), self.device)
 
     def shutdown(self) -> None:
         if dist.is_initialized():

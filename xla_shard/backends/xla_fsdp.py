@@ -15,12 +15,104 @@ import torch
 from torch import nn
 
 from xla_shard.backends import xla_common
-from xla_shard.backends.base import optimizer_state
+from xla_shard.backends.processes import Processes
+from xla_shard.backends.state import BackendState, optimizer_state
 from xla_shard.capabilities import Capabilities
 from xla_shard.checkpoint.contract import StateTensor, range_to_boxes
 from xla_shard.config.schema import ShardingStrategy
 
 _HYBRID = "needs a 2-D mesh; use backend xla_spmd (replica x fsdp mesh) for hybrid sharding"
+
+
+class XlaProcesses(Processes):
+    """`xmp.spawn`'s processes, one per device: torch_xla's rendezvous and mesh_reduce are how they agree."""
+
+    @property
+    def local_leader(self) -> bool:
+        import torch_xla.runtime as xr
+
+        return xr.local_ordinal() == 0
+
+    def barrier(self) -> None:
+        import torch_xla.core.xla_model as xm
+
+        if self.count > 1:
+            xm.rendezvous("xla_shard.barrier")
+
+    def any_rank(self, flag: bool) -> bool:
+        import torch_xla.core.xla_model as xm
+
+        return flag if self.count == 1 else xm.mesh_reduce("preempt", flag, any)
+
+
+class FsdpV1State(BackendState):
+    """Each FSDPv1 parameter is a 1-D shard: rank r holds elements [r*L, (r+1)*L) of the original parameter
+    flattened (or, with flatten_parameters, of several originals laid end to end), then padding. Each
+    original's part of that range is a contiguous run of its elements, which is a few boxes of its shape."""
+
+    def _pieces(self, module_name: str, module, shard) -> list[tuple[str, tuple[int, ...], int, int, int]]:
+        """(original name, shape, start in the shard, start in the original's elements, count) per original."""
+        prefix = f"{module_name}." if module_name else ""
+        flat = module.module  # XlaFlattenParamsWrapper
+        base = shard._orig_name.rsplit(".", 1)
+        if base[-1].startswith("flat_param_"):
+            names, shapes, numels = flat.metadata(int(base[-1][len("flat_param_"):]))
+            owner = f"{prefix}{base[0]}." if len(base) == 2 else prefix
+            originals = [(f"{owner}{n}", tuple(sh), n_el) for n, sh, n_el in zip(names, shapes, numels)]
+        else:
+            originals = [(f"{prefix}{shard._orig_name}", tuple(shard._orig_size), math.prod(shard._orig_size))]
+        length = shard.numel()
+        rank = self.backend.rank
+        lo, hi = rank * length, (rank + 1) * length  # this rank's range of the full flat parameter
+        pieces, start = [], 0
+        for name, shape, numel in originals:
+            a, b = max(lo, start), min(hi, start + numel)
+            if a < b:
+                pieces.append((self.canonical(name), shape, a - lo, a - start, b - a))
+            start += numel
+        return pieces
+
+    def tensors(self, model, optimizer=None, stored=None) -> list[StateTensor]:
+        from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
+
+        tensors = []
+        for module_name, module in model.named_modules():
+            if not isinstance(module, XlaFullyShardedDataParallel):
+                continue
+            module_name = self.canonical(module_name)
+            for shard in module.sharded_params:
+                pieces = self._pieces(module_name, module, shard)
+                host = functools.lru_cache(maxsize=None)(lambda t: t.detach().cpu())
+                opt_state = optimizer.state[shard] if optimizer is not None else None
+                for name, shape, at, first, count in pieces:
+                    tensors.append(self._piece(f"model/{name}", shard, shape, at, first, count, host))
+                    if opt_state is None:
+                        continue
+                    for key, value in optimizer_state(opt_state, name, stored, shape,
+                                                      lambda shard=shard: torch.zeros_like(shard)):
+                        if value.dim() == 0:
+                            tensors += self.state_tensors([f"optim/{name}/{key}"], value, stacked=False)
+                        else:
+                            tensors.append(self._piece(f"optim/{name}/{key}", value, shape, at, first, count, host))
+        return tensors
+
+    def _piece(self, name, tensor, shape, at, first, count, host) -> StateTensor:
+        boxes = range_to_boxes(shape, first, first + count)
+
+        def chunks():
+            data, out, pos = host(tensor), [], at
+            for offsets, sizes in boxes:
+                n = math.prod(sizes)
+                out.append((offsets, data[pos:pos + n].reshape(sizes).clone()))
+                pos += n
+            return out
+
+        @torch.no_grad()
+        def fill(values):
+            flat = torch.cat([v.reshape(-1) for v in values]).to(tensor.dtype)
+            tensor[at:at + count].copy_(flat.to(tensor.device))
+
+        return StateTensor(name, shape, tensor.dtype, chunks, lambda: boxes, fill)
 
 
 class XlaFsdpBackend(xla_common.XlaBackend):
@@ -36,14 +128,15 @@ class XlaFsdpBackend(xla_common.XlaBackend):
         scan_layers="XlaFullyShardedDataParallel gathers each layer's flat parameters in hooks, which a scanned layer "
                     "does not run")
     wrapper_prefixes = ("_fsdp_wrapped_module", "_fpw_module")
+    state_type = FsdpV1State
 
     def check(self) -> None:
         super().check()
         self._check_xla_settings()
         if not xla_common.on_tpu() and self.cfg.cpu_devices != 1:
-            self.reject("cpu_devices", "FSDPv1 runs on XLA's CPU client at 1 device only "
-                                       f"(got {self.cfg.cpu_devices}): "
-                                       "its multi-replica collectives fail there. Use xla_spmd for CPU sharding")
+            self.capabilities.refuse("cpu_devices", f"FSDPv1 runs on XLA's CPU client at 1 device only (got "
+                                                    f"{self.cfg.cpu_devices}): its multi-replica collectives fail "
+                                                    "there. Use xla_spmd for CPU sharding")
 
     def _check_xla_settings(self) -> None:
         if not self.cfg.fsdp.xla_settings:
@@ -53,11 +146,12 @@ class XlaFsdpBackend(xla_common.XlaBackend):
 
         accepted = set(inspect.signature(XlaFullyShardedDataParallel.__init__).parameters) - {"self", "module"}
         owned = {"reshard_after_forward", "compute_dtype", "auto_wrap_policy", "auto_wrapper_callable"}
+        refuse = self.capabilities.refuse
         for key in self.cfg.fsdp.xla_settings:
             if key in owned:
-                self.reject(f"fsdp.xla_settings.{key}", "set by xla_shard from the fsdp section; remove it here")
+                refuse(f"fsdp.xla_settings.{key}", "set by xla_shard from the fsdp section; remove it here")
             if key not in accepted:
-                self.reject(f"fsdp.xla_settings.{key}", "not an argument of XlaFullyShardedDataParallel")
+                refuse(f"fsdp.xla_settings.{key}", "not an argument of XlaFullyShardedDataParallel")
 
     def start(self) -> None:
         self.configure()
@@ -68,6 +162,7 @@ class XlaFsdpBackend(xla_common.XlaBackend):
         self.device_kind = xla_common.device_kind()
         self.rank, self.world = xr.global_ordinal(), xr.world_size()
         self.num_devices = self.world
+        self.processes = XlaProcesses(self.rank, self.world)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
@@ -97,87 +192,3 @@ class XlaFsdpBackend(xla_common.XlaBackend):
 
     def local_bytes(self, tensors: list[torch.Tensor]) -> list[int]:
         return [t.numel() * t.element_size() for t in tensors]
-
-    @property
-    def local_leader(self) -> bool:
-        import torch_xla.runtime as xr
-
-        return xr.local_ordinal() == 0
-
-    def barrier(self) -> None:
-        import torch_xla.core.xla_model as xm
-
-        if self.world > 1:
-            xm.rendezvous("xla_shard.barrier")
-
-    def any_rank(self, flag: bool) -> bool:
-        import torch_xla.core.xla_model as xm
-
-        return flag if self.world == 1 else xm.mesh_reduce("preempt", flag, any)
-
-    # ---- checkpoint state ---------------------------------------------------------------------------
-    # Each FSDPv1 parameter is a 1-D shard: rank r holds elements [r*L, (r+1)*L) of the original parameter
-    # flattened (or, with flatten_parameters, of several originals laid end to end), then padding. Each
-    # original's part of that range is a contiguous run of its elements, which is a few boxes of its shape.
-    def _pieces(self, module_name: str, module, shard) -> list[tuple[str, tuple[int, ...], int, int, int]]:
-        """(original name, shape, start in the shard, start in the original's elements, count) per original."""
-        prefix = f"{module_name}." if module_name else ""
-        flat = module.module  # XlaFlattenParamsWrapper
-        base = shard._orig_name.rsplit(".", 1)
-        if base[-1].startswith("flat_param_"):
-            names, shapes, numels = flat.metadata(int(base[-1][len("flat_param_"):]))
-            owner = f"{prefix}{base[0]}." if len(base) == 2 else prefix
-            originals = [(f"{owner}{n}", tuple(sh), n_el) for n, sh, n_el in zip(names, shapes, numels)]
-        else:
-            originals = [(f"{prefix}{shard._orig_name}", tuple(shard._orig_size), math.prod(shard._orig_size))]
-        length = shard.numel()
-        lo, hi = self.rank * length, (self.rank + 1) * length  # this rank's range of the full flat parameter
-        pieces, start = [], 0
-        for name, shape, numel in originals:
-            a, b = max(lo, start), min(hi, start + numel)
-            if a < b:
-                pieces.append((self.canonical(name), shape, a - lo, a - start, b - a))
-            start += numel
-        return pieces
-
-    def state(self, model, optimizer=None, stored=None) -> list[StateTensor]:
-        from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
-
-        tensors = []
-        for module_name, module in model.named_modules():
-            if not isinstance(module, XlaFullyShardedDataParallel):
-                continue
-            module_name = self.canonical(module_name)
-            for shard in module.sharded_params:
-                pieces = self._pieces(module_name, module, shard)
-                host = functools.lru_cache(maxsize=None)(lambda t: t.detach().cpu())
-                opt_state = optimizer.state[shard] if optimizer is not None else None
-                for name, shape, at, first, count in pieces:
-                    tensors.append(self._piece(f"model/{name}", shard, shape, at, first, count, host))
-                    if opt_state is None:
-                        continue
-                    for key, value in optimizer_state(opt_state, name, stored, shape,
-                                                      lambda shard=shard: torch.zeros_like(shard)):
-                        if value.dim() == 0:
-                            tensors += self._state_tensors([f"optim/{name}/{key}"], value, stacked=False)
-                        else:
-                            tensors.append(self._piece(f"optim/{name}/{key}", value, shape, at, first, count, host))
-        return tensors
-
-    def _piece(self, name, tensor, shape, at, first, count, host) -> StateTensor:
-        boxes = range_to_boxes(shape, first, first + count)
-
-        def chunks():
-            data, out, pos = host(tensor), [], at
-            for offsets, sizes in boxes:
-                n = math.prod(sizes)
-                out.append((offsets, data[pos:pos + n].reshape(sizes).clone()))
-                pos += n
-            return out
-
-        @torch.no_grad()
-        def fill(values):
-            flat = torch.cat([v.reshape(-1) for v in values]).to(tensor.dtype)
-            tensor[at:at + count].copy_(flat.to(tensor.device))
-
-        return StateTensor(name, shape, tensor.dtype, chunks, lambda: boxes, fill)

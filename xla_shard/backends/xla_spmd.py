@@ -27,6 +27,8 @@ import torch
 from torch import nn
 
 from xla_shard.backends import xla_common, xla_scan
+from xla_shard.backends.processes import Processes
+from xla_shard.backends.state import BackendState
 from xla_shard.capabilities import Capabilities
 from xla_shard.checkpoint.contract import Box, Chunk
 from xla_shard.config.schema import ShardingStrategy
@@ -83,192 +85,13 @@ class Layouts:
         return cls(over("fsdp"), over("fsdp", "grads"), over("fsdp", "grads", "optimizer"))
 
 
-class XlaSpmdBackend(xla_common.XlaBackend):
-    name = "xla_spmd"
-    capabilities = Capabilities(
-        "xla_spmd", launcher="in_process", platforms=("tpu", "cpu"), offload_params=xla_common.XlaBackend.NO_OFFLOAD,
-        strategies={ShardingStrategy.SHARD_GRAD_OP: _NOT_UNDER_SPMD,
-                    ShardingStrategy.HYBRID_SHARD_ZERO2: _NOT_UNDER_SPMD},
-        nonuniform_triple=None,  # per-tensor annotations: any nested triple
-        group_after_forward="XLA's partitioner decides what it keeps from forward for backward",
-        scan_layers=None, gathers_per_tensor=True, reduces_every_micro_batch=True)
-    wrapper_prefixes = ("_orig_module",)
-
-    def check(self) -> None:
-        super().check()
-        if self.cfg.fsdp.scan_layers:
-            xla_scan.check_available()
-
-    def start(self) -> None:
-        self.configure()
-        import torch_xla
-        import torch_xla.runtime as xr
-
-        xr.use_spmd()
-        xla_common.import_torchax_quietly()
-        # FSDPv2 hangs a gradient barrier hook on the root too; transformers' ModelOutput root cannot take it.
-        warnings.filterwarnings("ignore", message="For backward hooks to be called")
-        self.num_devices = xr.global_runtime_device_count()
-        self.local_devices = xr.addressable_runtime_device_count()
-        self.device = torch_xla.device()
-        self.device_kind = xla_common.device_kind()
-        self.host_index, self.hosts = xr.process_index(), xr.process_count()
-        self._layouts: dict[torch.Tensor, Layouts] = {}
-        self._row_marks: dict[int, Callable[[torch.Tensor], None]] = {}  # by tensor rank
-        # Every host builds the same global batch from (seed, step); mark_sharding sends each device its rows.
-        self.rank, self.world = 0, 1
-        self._batch_axes = MESH_AXES
-
-    def setup(self, plan) -> None:
-        import torch_xla.distributed.spmd as xs
-
-        super().setup(plan)
-        self.mesh = self._build_mesh()
-        xs.set_global_mesh(self.mesh)
-
-    def _build_mesh(self):
-        """The plan's mesh. On a multi-slice TPU pod, torch_xla's HybridMesh with the slices as the outermost
-        axes (DCN) and the physical ICI order inside each slice; otherwise devices in id order."""
-        import torch_xla.distributed.spmd as xs
-        import torch_xla.runtime as xr
-
-        p, g, o, n = self.plan.params, self.plan.grads, self.plan.optimizer, self.num_devices
-        shape = (n // o, o // g, g // p, p)
-        attributes = xr.global_runtime_device_attributes() if xla_common.on_tpu() else []
-        slices = len({a.get("slice_index", 0) for a in attributes}) or 1
-        if slices == 1:
-            return xs.Mesh(np.arange(n), shape, MESH_AXES)
-        dcn = slices_outermost(shape, slices)
-        if dcn is None:
-            self.reject("fsdp.sharding", f"{self.plan.triple} on {slices} slices: the slices must split the outer mesh "
-                                         f"axes {dict(zip(MESH_AXES, shape))} (outermost first), so that only those "
-                                         "cross DCN")
-        return xs.HybridMesh(ici_mesh_shape=tuple(a // b for a, b in zip(shape, dcn)), dcn_mesh_shape=dcn,
-                             axis_names=MESH_AXES)
-
-    @property
-    def is_main(self) -> bool:
-        return self.host_index == 0
-
-    @property
-    def writer(self) -> tuple[int, int]:
-        return self.host_index, self.hosts  # each host writes the shards on its own devices
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        import torch_xla.distributed.spmd as xs
-        from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
-
-        if self.cfg.fsdp.scan_layers:
-            # Activation checkpointing happens inside the scan; the root wrapper marks every parameter with
-            # FSDPv2's rule, as each layer's own wrapper would have.
-            xla_scan.scan_stack(model, self.cfg.fsdp, checkpoint=self.cfg.fsdp.activation_checkpointing)
-            policy = None
-        else:
-            policy = self.prepare_wrap(model)
-        model = self.to_device(model)
-        stacked = xla_scan.stacked_parameters(model)
-        if self.plan.params == 1:
-            wrapped = model  # replicated parameters; the sharded batch makes it data-parallel
-        else:
-            for param in stacked:  # FSDPv2 marks only the parameters nobody has marked yet
-                xs.mark_sharding(param, self.mesh, Layouts.of(param, stacked=True).params)
-            wrapped = SpmdFullyShardedDataParallel(
-                model, mesh=self.mesh, shard_output=self._shard_output, auto_wrap_policy=policy,
-                extra_data_axis="replica")
-        if not self.plan.replicate_only:
-            self._annotate(wrapped, stacked)
-        return wrapped
-
-    def _annotate(self, model: nn.Module, stacked: set[nn.Parameter]) -> None:
-        """Give each parameter its layouts. FSDPv2 has marked the parameters (P > 1); replicated ones are
-        marked here, or XLA would let them take the optimizer state's sharding after the first update. Left
-        alone, GSPMD also materialises gradients replicated (an all-reduce, full size on every device):
-        annotating each gradient turns that into a reduce-scatter over G devices (and an all-reduce of the
-        shard across the other N/G). With micro-batches that happens for each one: XLA's sharding propagation
-        carries the annotation back through the accumulation (leaving the earlier micro-batches unannotated
-        changes nothing, measured), so the gradient traffic is k times FSDP2's, which reduces once."""
-        import torch_xla.distributed.spmd as xs
-
-        def shard(spec):
-            mark = annotator(self.mesh, spec)
-            return lambda param: mark(param.grad)
-
-        for param in model.parameters():
-            layouts = self._layouts[param] = Layouts.of(param, stacked=param in stacked)
-            if self.plan.params == 1:
-                xs.mark_sharding(param, self.mesh, layouts.params)
-            param.register_post_accumulate_grad_hook(shard(layouts.grads))
-
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Where the plan shards optimizer state apart from the parameters, the optimizer's per-parameter state
-        (AdamW's exp_avg, exp_avg_sq) is annotated with its own layout once, right after the step that creates
-        it (before that step's graph is compiled), so XLA keeps it sharded over OS devices; in-place updates
-        keep the annotation, and the parameter keeps its own (P), so the updated shard is gathered back to it.
-
-        Under a uniform triple (FULL_SHARD, HYBRID_SHARD) nothing is annotated: the state takes its parameter's
-        layout through the update by itself. Annotating it after every step, as this once did, made FULL_SHARD's
-        step 1.31x raw FSDPv2's instead of 1.07x (bench/step_overhead.py, 4 XLA CPU devices)."""
-        import torch_xla.distributed.spmd as xs
-
-        if self.plan.replicate_only or self.plan.uniform:
-            return optimizer
-        annotated: set[int] = set()
-
-        def shard_state(opt, args, kwargs) -> None:
-            for param, state in opt.state.items():
-                layouts = self._layouts.get(param)
-                for value in state.values():
-                    if (layouts and isinstance(value, torch.Tensor) and id(value) not in annotated
-                            and value.shape == param.shape and value.device.type == "xla"):
-                        xs.mark_sharding(value, self.mesh, layouts.optimizer)
-                        annotated.add(id(value))
-
-        optimizer.register_step_post_hook(shard_state)
-        return optimizer
-
-    def _by_rows(self, tensor: torch.Tensor) -> None:
-        """Shard a tensor by its first dimension (rows of the batch) over every mesh axis."""
-        if tensor.dim() not in self._row_marks:
-            self._row_marks[tensor.dim()] = annotator(self.mesh, (self._batch_axes,) + (None,) * (tensor.dim() - 1))
-        self._row_marks[tensor.dim()](tensor)
-
-    def _shard_output(self, output, mesh) -> None:
-        """Inner layers return hidden states, the root a ModelOutput: shard whichever tensor leads, by batch."""
-        self._by_rows(output if isinstance(output, torch.Tensor) else (
-            output[0] if isinstance(output, tuple) else output.logits))
-
-    def place(self, rows):
-        """The host's rows (one host: the whole global batch), sharded by rows over every device of the mesh."""
-        if isinstance(rows, dict):
-            return {key: self.place(value) for key, value in rows.items()}
-        batch = rows.to(self.device)
-        self._by_rows(batch)
-        return batch
-
-    def forward_context(self):
-        return torch.autocast("xla", dtype=torch.bfloat16, enabled=self.cfg.fsdp.mixed_precision == "bf16")
-
-    def mean_loss(self, loss: torch.Tensor) -> float:
-        return loss.item()  # already the global-batch mean: SPMD computes one global program
-
-    def unit_type(self) -> type[nn.Module]:
-        from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
-
-        return SpmdFullyShardedDataParallel
+class SpmdState(BackendState):
+    """Each host reads and writes the shards on its own devices; a stacked tensor (scanned layers) goes out as
+    its layers."""
 
     def layer_names(self, model: nn.Module) -> dict[str, list[str]]:
         return xla_scan.layer_names(model, self.canonical)
 
-    def local_bytes(self, tensors: list[torch.Tensor]) -> list[int]:
-        import torch_xla
-        import torch_xla.core.xla_model as xm
-
-        xm.wait_device_ops()  # shard handles are unreadable while the step is still executing
-        shards = torch_xla._XLAC._get_local_shards(list(tensors))
-        return [max(data.numel() for data, _ in per_tensor) * t.element_size()
-                for t, per_tensor in zip(tensors, shards)]
-
-    # ---- checkpoint state: each host reads and writes the shards on its own devices ---------------
     @staticmethod
     def _shard_boxes(tensor: torch.Tensor) -> list[tuple[int, Box]]:
         """(replica id, box) for each local device's shard, in the runtime's device order."""
@@ -329,9 +152,9 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         import torch_xla.distributed.spmd as xs
 
         zeros = torch.zeros_like(param)
-        layouts = self._layouts.get(param)
+        layouts = self.backend.layouts.get(param)
         if layouts:
-            xs.mark_sharding(zeros, self.mesh, layouts.optimizer)
+            xs.mark_sharding(zeros, self.backend.mesh, layouts.optimizer)
         torch_xla.sync()  # shards exist only once the tensor is materialised
         return zeros
 
@@ -346,3 +169,179 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         super().set_rng_state(state)
         if "xla" in state:
             xm.set_rng_state(state["xla"])
+
+
+class XlaSpmdBackend(xla_common.XlaBackend):
+    capabilities = Capabilities(
+        "xla_spmd", launcher="in_process", platforms=("tpu", "cpu"), offload_params=xla_common.XlaBackend.NO_OFFLOAD,
+        strategies={ShardingStrategy.SHARD_GRAD_OP: _NOT_UNDER_SPMD,
+                    ShardingStrategy.HYBRID_SHARD_ZERO2: _NOT_UNDER_SPMD},
+        nonuniform_triple=None,  # per-tensor annotations: any nested triple
+        group_after_forward="XLA's partitioner decides what it keeps from forward for backward",
+        scan_layers=None, gathers_per_tensor=True, reduces_every_micro_batch=True)
+    wrapper_prefixes = ("_orig_module",)
+    state_type = SpmdState
+
+    def check(self) -> None:
+        super().check()
+        if self.cfg.fsdp.scan_layers:
+            xla_scan.check_available()
+
+    def start(self) -> None:
+        self.configure()
+        import torch_xla
+        import torch_xla.runtime as xr
+
+        xr.use_spmd()
+        xla_common.import_torchax_quietly()
+        # FSDPv2 hangs a gradient barrier hook on the root too; transformers' ModelOutput root cannot take it.
+        warnings.filterwarnings("ignore", message="For backward hooks to be called")
+        self.num_devices = xr.global_runtime_device_count()
+        self.local_devices = xr.addressable_runtime_device_count()
+        self.device = torch_xla.device()
+        self.device_kind = xla_common.device_kind()
+        # Each host writes the shards on its own devices.
+        self.processes = Processes(xr.process_index(), xr.process_count())
+        self.layouts: dict[torch.Tensor, Layouts] = {}
+        self._row_marks: dict[int, Callable[[torch.Tensor], None]] = {}  # by tensor rank
+        # Every host builds the same global batch from (seed, step); mark_sharding sends each device its rows.
+        self.rank, self.world = 0, 1
+        self._batch_axes = MESH_AXES
+
+    def setup(self, plan) -> None:
+        import torch_xla.distributed.spmd as xs
+
+        super().setup(plan)
+        self.mesh = self._build_mesh()
+        xs.set_global_mesh(self.mesh)
+
+    def _build_mesh(self):
+        """The plan's mesh. On a multi-slice TPU pod, torch_xla's HybridMesh with the slices as the outermost
+        axes (DCN) and the physical ICI order inside each slice; otherwise devices in id order."""
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
+
+        p, g, o, n = self.plan.params, self.plan.grads, self.plan.optimizer, self.num_devices
+        shape = (n // o, o // g, g // p, p)
+        attributes = xr.global_runtime_device_attributes() if xla_common.on_tpu() else []
+        slices = len({a.get("slice_index", 0) for a in attributes}) or 1
+        if slices == 1:
+            return xs.Mesh(np.arange(n), shape, MESH_AXES)
+        dcn = slices_outermost(shape, slices)
+        if dcn is None:
+            self.capabilities.refuse(
+                "fsdp.sharding", f"{self.plan.triple} on {slices} slices: the slices must split the outer mesh axes "
+                                 f"{dict(zip(MESH_AXES, shape))} (outermost first), so that only those cross DCN")
+        return xs.HybridMesh(ici_mesh_shape=tuple(a // b for a, b in zip(shape, dcn)), dcn_mesh_shape=dcn,
+                             axis_names=MESH_AXES)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        import torch_xla.distributed.spmd as xs
+        from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
+
+        if self.cfg.fsdp.scan_layers:
+            # Activation checkpointing happens inside the scan; the root wrapper marks every parameter with
+            # FSDPv2's rule, as each layer's own wrapper would have.
+            xla_scan.scan_stack(model, self.cfg.fsdp, checkpoint=self.cfg.fsdp.activation_checkpointing)
+            policy = None
+        else:
+            policy = self.prepare_wrap(model)
+        model = self.to_device(model)
+        stacked = xla_scan.stacked_parameters(model)
+        if self.plan.params == 1:
+            wrapped = model  # replicated parameters; the sharded batch makes it data-parallel
+        else:
+            for param in stacked:  # FSDPv2 marks only the parameters nobody has marked yet
+                xs.mark_sharding(param, self.mesh, Layouts.of(param, stacked=True).params)
+            wrapped = SpmdFullyShardedDataParallel(
+                model, mesh=self.mesh, shard_output=self._shard_output, auto_wrap_policy=policy,
+                extra_data_axis="replica")
+        if not self.plan.replicate_only:
+            self._annotate(wrapped, stacked)
+        return wrapped
+
+    def _annotate(self, model: nn.Module, stacked: set[nn.Parameter]) -> None:
+        """Give each parameter its layouts. FSDPv2 has marked the parameters (P > 1); replicated ones are
+        marked here, or XLA would let them take the optimizer state's sharding after the first update. Left
+        alone, GSPMD also materialises gradients replicated (an all-reduce, full size on every device):
+        annotating each gradient turns that into a reduce-scatter over G devices (and an all-reduce of the
+        shard across the other N/G). With micro-batches that happens for each one: XLA's sharding propagation
+        carries the annotation back through the accumulation (leaving the earlier micro-batches unannotated
+        changes nothing, measured), so the gradient traffic is k times FSDP2's, which reduces once."""
+        import torch_xla.distributed.spmd as xs
+
+        def shard(spec):
+            mark = annotator(self.mesh, spec)
+            return lambda param: mark(param.grad)
+
+        for param in model.parameters():
+            layouts = self.layouts[param] = Layouts.of(param, stacked=param in stacked)
+            if self.plan.params == 1:
+                xs.mark_sharding(param, self.mesh, layouts.params)
+            param.register_post_accumulate_grad_hook(shard(layouts.grads))
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Where the plan shards optimizer state apart from the parameters, the optimizer's per-parameter state
+        (AdamW's exp_avg, exp_avg_sq) is annotated with its own layout once, right after the step that creates
+        it (before that step's graph is compiled), so XLA keeps it sharded over OS devices; in-place updates
+        keep the annotation, and the parameter keeps its own (P), so the updated shard is gathered back to it.
+
+        Under a uniform triple (FULL_SHARD, HYBRID_SHARD) nothing is annotated: the state takes its parameter's
+        layout through the update by itself. Annotating it after every step, as this once did, made FULL_SHARD's
+        step 1.31x raw FSDPv2's instead of 1.07x (bench/step_overhead.py, 4 XLA CPU devices)."""
+        import torch_xla.distributed.spmd as xs
+
+        if self.plan.replicate_only or self.plan.uniform:
+            return optimizer
+        annotated: set[int] = set()
+
+        def shard_state(opt, args, kwargs) -> None:
+            for param, state in opt.state.items():
+                layouts = self.layouts.get(param)
+                for value in state.values():
+                    if (layouts and isinstance(value, torch.Tensor) and id(value) not in annotated
+                            and value.shape == param.shape and value.device.type == "xla"):
+                        xs.mark_sharding(value, self.mesh, layouts.optimizer)
+                        annotated.add(id(value))
+
+        optimizer.register_step_post_hook(shard_state)
+        return optimizer
+
+    def _by_rows(self, tensor: torch.Tensor) -> None:
+        """Shard a tensor by its first dimension (rows of the batch) over every mesh axis."""
+        if tensor.dim() not in self._row_marks:
+            self._row_marks[tensor.dim()] = annotator(self.mesh, (self._batch_axes,) + (None,) * (tensor.dim() - 1))
+        self._row_marks[tensor.dim()](tensor)
+
+    def _shard_output(self, output, mesh) -> None:
+        """Inner layers return hidden states, the root a ModelOutput: shard whichever tensor leads, by batch."""
+        self._by_rows(output if isinstance(output, torch.Tensor) else (
+            output[0] if isinstance(output, tuple) else output.logits))
+
+    def place(self, rows):
+        """The host's rows (one host: the whole global batch), sharded by rows over every device of the mesh."""
+        if isinstance(rows, dict):
+            return {key: self.place(value) for key, value in rows.items()}
+        batch = rows.to(self.device)
+        self._by_rows(batch)
+        return batch
+
+    def forward_context(self):
+        return torch.autocast("xla", dtype=torch.bfloat16, enabled=self.cfg.fsdp.mixed_precision == "bf16")
+
+    def mean_loss(self, loss: torch.Tensor) -> float:
+        return loss.item()  # already the global-batch mean: SPMD computes one global program
+
+    def unit_type(self) -> type[nn.Module]:
+        from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
+
+        return SpmdFullyShardedDataParallel
+
+    def local_bytes(self, tensors: list[torch.Tensor]) -> list[int]:
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()  # shard handles are unreadable while the step is still executing
+        shards = torch_xla._XLAC._get_local_shards(list(tensors))
+        return [max(data.numel() for data, _ in per_tensor) * t.element_size()
+                for t, per_tensor in zip(tensors, shards)]

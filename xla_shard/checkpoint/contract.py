@@ -37,7 +37,8 @@ class StateTensor:
 
 
 class ShardedState(Protocol):
-    """Something that can hand out and take back a run's sharded state: a backend, after setup."""
+    """Something that can hand out and take back a run's sharded state: a backend's `backend.state`, after
+    setup."""
 
     @property
     def writer(self) -> tuple[int, int]:
@@ -47,8 +48,8 @@ class ShardedState(Protocol):
     def is_main(self) -> bool:
         """The one process that commits manifests, applies retention and logs."""
 
-    def state(self, model, optimizer, stored: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
-              ) -> list[StateTensor]:
+    def tensors(self, model, optimizer, stored: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
+                ) -> list[StateTensor]:
         """Model parameters as `model/<name>`, optimizer state as `optim/<name>/<key>`; when loading, `stored`
         names what the checkpoint holds (so lazily created optimizer state can be made)."""
 

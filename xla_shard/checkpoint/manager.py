@@ -97,15 +97,15 @@ class Checkpointer:
     """One per training process. `restore` picks up where `checkpoint.resume` says; `save` returns once the
     step may go on; `wait` surfaces any failure.
 
-    `section` is the config's `checkpoint` section; `backend` hands out and takes back the sharded state. A
-    checkpoint whose run identity (`backend.run_identity()`: model, optimizer, seed, data, batch) or model
-    architecture (the model's transformers config, read from the model) differs from this run's is refused
-    by `restore`, naming the key: it would not continue that run.
+    `section` is the config's `checkpoint` section; `state` (a backend's `backend.state`) hands out and takes
+    back the sharded state. A checkpoint whose run identity (`state.run_identity()`: model, optimizer, seed,
+    data, batch) or model architecture (the model's transformers config, read from the model) differs from this
+    run's is refused by `restore`, naming the key: it would not continue that run.
     """
 
-    def __init__(self, section, backend: ShardedState, log: Callable[[str], None] = print):
+    def __init__(self, section, state: ShardedState, log: Callable[[str], None] = print):
         self.section = section
-        self.backend = backend
+        self.state = state
         self.log = log
         self.storage = Storage(section.dir, section.retry_deadline_s)
         self.runs = Runs(self.storage)
@@ -131,8 +131,8 @@ class Checkpointer:
         self.wait()  # at most one save in flight; an earlier failure surfaces here
         self._extra = _snapshot(extra) if extra else None
         self._hf_config = hf_config(model)
-        entries = [layout.Entry(t.name, t.shape, t.dtype, t.chunks()) for t in self.backend.state(model, optimizer)]
-        rng = self.backend.rng_state()
+        entries = [layout.Entry(t.name, t.shape, t.dtype, t.chunks()) for t in self.state.tensors(model, optimizer)]
+        rng = self.state.rng_state()
         self.saving_step = self.last_saved = step
         if self.section.async_save and not block:
             self._thread = threading.Thread(target=self._background, args=(step, entries, rng),
@@ -171,7 +171,7 @@ class Checkpointer:
             raise CheckpointError(f"{self.storage.url_of(directory)} is already committed (run "
                                   f"{self.runs.run_of(step)}); a committed checkpoint is never rewritten in place. "
                                   "Another run is writing to this checkpoint.dir")
-        rank, world = self.backend.writer
+        rank, world = self.state.writer
         parts, index = layout.encode_shard(entries)
         shard = layout.shard_file(rank, world)
         with ThreadPoolExecutor(1) as pool:  # checksum while uploading: both release the GIL
@@ -180,7 +180,7 @@ class Checkpointer:
             checksums.result()
         index.update(file=shard, writer=rank, writers=world, rng=rng)
         self.storage.write(f"{directory}/{layout.index_file(rank, world)}", json.dumps(index).encode())
-        if self.backend.is_main:
+        if self.state.is_main:
             self._commit(step, world)
             self._retain(step)
 
@@ -195,7 +195,7 @@ class Checkpointer:
                 raise CheckpointError(f"step {step}: tensor {name} has {stored} of {math.prod(meta['shape'])} "
                                       "elements in its shards; not committing")
         manifest = {"format": layout.FORMAT, "step": step, "writers": world, "created": time.time(),
-                    "run": self.run, **self.backend.describe(), "hf_config": self._hf_config, "versions": versions(),
+                    "run": self.run, **self.state.describe(), "hf_config": self._hf_config, "versions": versions(),
                     "files": files, "rng": rng, "tensors": tensors}
         if self._extra is not None:
             manifest["extra"] = self._extra
@@ -256,7 +256,7 @@ class Checkpointer:
                 manifest, error = self._load(url, model, optimizer, extra), None
             except CorruptCheckpointError as exc:
                 manifest, error = None, exc
-            if self.backend.any_rank(error is not None):  # each process reads only its own chunks: agree
+            if self.state.any_rank(error is not None):  # each process reads only its own chunks: agree
                 skipped.append(f"step {step}: {error or 'failed verification on another process'}")
                 self._set_aside(step, skipped[-1])
                 continue
@@ -302,7 +302,7 @@ class Checkpointer:
         """Remove uncommitted step directories past the resume point, so that no shard or index of a save that
         died can be mistaken for one of this run's. Every rank is still before its first step, which it cannot
         finish without the main process, so this happens before any of them saves."""
-        if not self.backend.is_main:
+        if not self.state.is_main:
             return
         committed = set(committed_steps(self.storage))
         for step in all_steps(self.storage):
@@ -313,8 +313,8 @@ class Checkpointer:
         """A committed checkpoint that fails verification moves out of the step-* namespace (nothing deletes it)."""
         aside = f"corrupt-{layout.step_dir(step)}-{int(time.time())}"
         self.log(f"checkpoint {why}; falling back to the previous committed checkpoint"
-                 + (f" (set aside as {self.storage.url_of(aside)})" if self.backend.is_main else ""))
-        if self.backend.is_main:
+                 + (f" (set aside as {self.storage.url_of(aside)})" if self.state.is_main else ""))
+        if self.state.is_main:
             self.storage.move(layout.step_dir(step), aside)
             self.runs.forget(step)
 
@@ -329,15 +329,15 @@ class Checkpointer:
         self._check_identity(manifest, hf_config(model))
         stored = {name: (tuple(meta["shape"]), layout.TORCH_DTYPES[meta["dtype"]])
                   for name, meta in manifest.tensors.items()}
-        targets = self.backend.state(model, optimizer, stored=stored)
+        targets = self.state.tensors(model, optimizer, stored=stored)
         _match(manifest, stored, targets)
         _check_extra(manifest, extra)
         fill(ChunkReader(storage, manifest), targets)
         _load_extra(manifest, extra)
-        rank, world = self.backend.writer
+        rank, world = self.state.writer
         if manifest.data["writers"] == world and str(rank) in manifest.data["rng"]:
             try:
-                self.backend.set_rng_state(manifest.data["rng"][str(rank)])
+                self.state.set_rng_state(manifest.data["rng"][str(rank)])
             except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # binascii.Error is a ValueError
                 raise CorruptCheckpointError(f"{manifest.url}/{layout.MANIFEST} is damaged: rng[{str(rank)!r}] is "
                                              f"not a random-number state ({type(exc).__name__})") from None
@@ -348,7 +348,7 @@ class Checkpointer:
 
     def _check_identity(self, manifest: Manifest, architecture: dict[str, Any] | None) -> None:
         saved = manifest.data["config"]
-        for key, value in self.backend.run_identity().items():
+        for key, value in self.state.run_identity().items():
             was = _dotted(saved, key)
             if was != value:
                 raise ConfigError(key, f"is {value!r} but the checkpoint {manifest.url} was written with {was!r}; "

@@ -33,8 +33,8 @@ class DataSources:
 def build(cfg, model_config, model_directory: str | None = None) -> DataSources:
     """The sources for a run: `model_config` is the transformers config of the model being trained (its
     vocabulary and labels), `model_directory` the directory it came from, whose tokenizer is the default.
-    Processes of one host call it one after the other (`Backend.main_first`): the first tokenizes and fills
-    the `datasets` cache, the others read it."""
+    Processes of one host call it one after the other (`backend.processes.main_first`): the first tokenizes and
+    fills the `datasets` cache, the others read it."""
     data, train = cfg.data, cfg.train
     task = cfg.model.task
     labels = model_config.num_labels if task == "sequence_classification" else None
