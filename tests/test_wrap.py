@@ -1,13 +1,20 @@
 """Auto-wrap decides the same FSDP units for every backend; checked here on the model itself."""
 
 import pytest
+from torch import nn
+from transformers import (
+    DistilBertConfig,
+    DistilBertForSequenceClassification,
+    ElectraConfig,
+    ElectraForSequenceClassification,
+)
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP
 
 from xla_shard import config
 from xla_shard.errors import ConfigError
 from xla_shard.models import build_model
-from xla_shard.wrap import checkpoint_targets, wrap_targets
+from xla_shard.wrap import checkpoint_targets, inferred_layers, wrap_targets
 
 
 def _model(name="tiny-llama", **overrides):
@@ -72,3 +79,35 @@ def test_unknown_layer_class_names_key_and_alternatives():
 def test_checkpointing_targets_layers_whatever_the_wrap_policy():
     model = _model()
     assert checkpoint_targets(model, _fsdp(auto_wrap_policy="NO_WRAP")) == list(model.model.layers)
+
+
+@pytest.mark.parametrize("make, stack", [
+    (lambda: ElectraForSequenceClassification(ElectraConfig(
+        vocab_size=64, embedding_size=16, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
+        intermediate_size=32)), "electra.encoder.layer"),
+    (lambda: DistilBertForSequenceClassification(DistilBertConfig(
+        vocab_size=64, dim=16, n_layers=3, n_heads=2, hidden_dim=32)), "distilbert.transformer.layer"),
+])
+def test_a_model_without_no_split_modules_wraps_the_blocks_of_its_layer_list(make, stack):
+    """ELECTRA and DistilBERT declare no `_no_split_modules`: their largest list of repeated blocks is the stack,
+    for wrapping and activation checkpointing alike, and the log says which it took."""
+    model = make()
+    assert not model._no_split_modules
+    layers = list(model.get_submodule(stack))
+    assert wrap_targets(model, _fsdp()) == layers
+    assert checkpoint_targets(model, _fsdp(auto_wrap_policy="NO_WRAP")) == layers
+    said = inferred_layers(model, _fsdp())
+    assert f"{type(layers[0]).__name__} blocks of {stack} (3)" in said and "no _no_split_modules" in said
+    assert inferred_layers(model, _fsdp(transformer_layer_cls_to_wrap=[type(layers[0]).__name__])) is None
+    assert inferred_layers(model, _fsdp(auto_wrap_policy="SIZE_BASED_WRAP")) is None  # no layers used
+
+
+def test_a_model_without_no_split_modules_or_a_layer_list_is_refused_naming_the_key():
+    class Flat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    with pytest.raises(ConfigError) as err:
+        wrap_targets(Flat(), _fsdp())
+    assert err.value.key == "fsdp.transformer_layer_cls_to_wrap" and "no list of repeated blocks" in str(err.value)

@@ -32,7 +32,7 @@ from xla_shard.models import check_sequence_length, model_config, resolve_source
 from xla_shard.preemption import PreemptionGuard
 from xla_shard.pretrained import PretrainedWeights, build_for
 from xla_shard.schedule import lr_factor
-from xla_shard.wrap import checkpoint_targets, wrap_targets
+from xla_shard.wrap import checkpoint_targets, inferred_layers, wrap_targets
 
 
 def make_optimizer(params, train: TrainSection, accelerator: str = "cpu") -> torch.optim.Optimizer:
@@ -154,6 +154,9 @@ class Trainer:
         self._log(f"data: {sources.description}; {self.total_steps} steps"
                   + (f" ({cfg.train.epochs:g} epoch(s))" if cfg.train.epochs else ""))
         model_class = type(model).__name__  # before wrapping (FSDP2 renames the class)
+        inferred = inferred_layers(model, cfg.fsdp)
+        if inferred:
+            self._log(f"wrap: {inferred}")
         self.model = backend.wrap(model)
         self.model.train()
         self.optimizer = backend.prepare_optimizer(make_optimizer(self.model.parameters(), cfg.train,

@@ -13,11 +13,16 @@ from xla_shard.errors import ConfigError
 
 
 def layer_classes(model: nn.Module, names: list[str]) -> tuple[type[nn.Module], ...]:
-    """Resolve class names against the model's own modules; empty means the model's `_no_split_modules`."""
+    """Resolve class names against the model's own modules. Empty means the model's `_no_split_modules`, or,
+    where it declares none, the blocks of its repeated layer list (`repeated_blocks`)."""
     wanted = list(names) or sorted(getattr(model, "_no_split_modules", None) or [])
     if not wanted:
-        raise ConfigError("fsdp.transformer_layer_cls_to_wrap",
-                          f"{type(model).__name__} declares no _no_split_modules; name the layer class to wrap")
+        found = repeated_blocks(model)
+        if found is None:
+            raise ConfigError("fsdp.transformer_layer_cls_to_wrap",
+                              f"{type(model).__name__} declares no _no_split_modules and holds no list of repeated "
+                              "blocks; name the layer class to wrap")
+        return found[1]
     present = {type(m).__name__: type(m) for m in model.modules()}
     missing = [name for name in wanted if name not in present]
     if missing:
@@ -26,6 +31,32 @@ def layer_classes(model: nn.Module, names: list[str]) -> tuple[type[nn.Module], 
                           f"no module of {type(model).__name__} is a {missing[0]!r}; "
                           f"layer-like classes in this model: {', '.join(candidates)}")
     return tuple(present[name] for name in wanted)
+
+
+def repeated_blocks(model: nn.Module) -> tuple[str, tuple[type[nn.Module], ...]] | None:
+    """(name, entry classes) of the model's largest `nn.ModuleList` (by parameters) of two or more entries: its
+    layer stack, for models that do not declare `_no_split_modules` (ELECTRA, DistilBERT). None if it has none."""
+    lists = [(sum(p.numel() for p in m.parameters()), name, m) for name, m in model.named_modules()
+             if isinstance(m, nn.ModuleList) and len(m) > 1]
+    if not lists:
+        return None
+    _, name, stack = max(lists, key=lambda entry: entry[0])
+    return name, tuple(dict.fromkeys(type(block) for block in stack))
+
+
+def inferred_layers(model: nn.Module, fsdp: FsdpSection) -> str | None:
+    """What the log says when the layer classes were found from the model's structure, not named by it."""
+    uses_layers = (fsdp.auto_wrap_policy is WrapPolicy.TRANSFORMER_BASED_WRAP or fsdp.activation_checkpointing
+                   or fsdp.scan_layers)
+    if not uses_layers or fsdp.transformer_layer_cls_to_wrap or getattr(model, "_no_split_modules", None):
+        return None
+    found = repeated_blocks(model)
+    if found is None:
+        return None
+    name, classes = found
+    return (f"{type(model).__name__} declares no _no_split_modules: its layers are the "
+            f"{'/'.join(c.__name__ for c in classes)} blocks of {name} ({len(model.get_submodule(name))}); "
+            "fsdp.transformer_layer_cls_to_wrap names others")
 
 
 def wrap_targets(model: nn.Module, fsdp: FsdpSection) -> list[nn.Module]:
