@@ -105,6 +105,11 @@ def _template(name: str) -> string.Template:
     return string.Template(path.read_text())
 
 
+def _checkout() -> str:
+    """The deploy scripts' first step: archive HEAD of the xla_shard checkout for the workers."""
+    return _template("checkout.sh.tmpl").substitute().rstrip("\n")
+
+
 def _check_common(cfg: ShardConfig, hosts: int) -> None:
     ckpt = cfg.checkpoint.dir
     if ckpt and hosts > 1 and "://" not in ckpt:
@@ -179,7 +184,7 @@ def _render_tpu(cfg: ShardConfig, target: str, config_name: str) -> Rendering:
     follow = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", node, *where, "--worker=0", "--command=tail -F ~/train.log"]
     rendering.commands = [create, *( [poll] if poll else []), copy, setup, launch, follow, *delete]
     common = _common(cfg, target, config_name)
-    values = dict(common=common, create=_shell(create), copy=_shell(copy), setup=_shell(setup),
+    values = dict(common=common, checkout=_checkout(), create=_shell(create), copy=_shell(copy), setup=_shell(setup),
                   launch=_shell(launch), poll=_shell(poll)[4:] if poll else "", **_messages(d.name, follow))
     script = "tpu_vm.sh.tmpl" if target == "tpu-vm" else "queued_resource.sh.tmpl"
     rendering.files["deploy.sh"] = _template(script).substitute(values)
@@ -231,7 +236,7 @@ def _render_gpu(cfg: ShardConfig, config_name: str) -> Rendering:
     rendering = Rendering("gpu-vm", [create, *copies, *setups, *launches, follow, delete])
     common = _common(cfg, "gpu-vm", config_name)
     rendering.files["deploy.sh"] = _template("gpu_vm.sh.tmpl").substitute(
-        common=common, create=_shell(create), copy="\n".join(map(_shell, copies)),
+        common=common, checkout=_checkout(), create=_shell(create), copy="\n".join(map(_shell, copies)),
         setup="\n".join(map(_shell, setups)), launch="\n".join(map(_shell, launches)), **_messages(d.name, follow))
     rendering.files["teardown.sh"] = _template("teardown.sh.tmpl").substitute(common=common, delete=_shell(delete))
     rendering.files["startup.sh"] = _startup("gpu-vm", d.remote_user, d.remote_dir, launch_env, config_name)
