@@ -73,11 +73,14 @@ class Layouts:
     def of(cls, param: torch.Tensor, stacked: bool = False) -> Layouts:
         """FSDPv2's rule: the largest dimension is split. A stacked parameter ([layers, ...], scanned layers) is
         split inside each layer, as that layer alone would be: the scan slices the first dimension."""
-        shape = tuple(param.shape)
-        within = shape[1:] if stacked else shape
-        if not within:
+        from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
+
+        shape, lead = tuple(param.shape), int(stacked)
+        # FSDPv2's own rule (the largest dim), asked of one layer's shape for a stack.
+        spec = _prepare_spmd_partition_spec(torch.empty(shape[lead:], device="meta"), shard_maximal=True)
+        if not spec:
             return cls((None,) * len(shape), (None,) * len(shape), (None,) * len(shape))  # replicated
-        dim = len(shape) - len(within) + within.index(max(within))
+        dim = lead + spec.index("fsdp")
 
         def over(*axes):
             return tuple((axes if len(axes) > 1 else axes[0]) if d == dim else None for d in range(len(shape)))
