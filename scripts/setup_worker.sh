@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Set up one machine to run xla_shard: a virtualenv with the package as pyproject.toml pins it.
-#   scripts/setup_worker.sh tpu   # torch + torch_xla[tpu] (libtpu), on every worker of a Cloud TPU VM
-#   scripts/setup_worker.sh gpu   # torch with CUDA, on a GPU VM
+#   scripts/setup_worker.sh tpu        # torch 2.9 + torch_xla[tpu] (libtpu), on every worker of a Cloud TPU VM
+#   scripts/setup_worker.sh torchtpu   # TorchTPU (torch_tpu, libtpu) on the newest torch it supports, likewise
+#   scripts/setup_worker.sh gpu        # the newest torch (CUDA), on a GPU VM
 # Run from the unpacked repository. DRY_RUN=1 prints the commands instead. VENV picks the virtualenv path.
 set -euo pipefail
-kind="${1:?usage: setup_worker.sh tpu|gpu}"
+kind="${1:?usage: setup_worker.sh tpu|torchtpu|gpu}"
 DRY_RUN="${DRY_RUN:-0}"
 VENV="${VENV:-$HOME/venv}"
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,8 +17,9 @@ run() {
 
 case "$kind" in
   tpu) extra="[tpu]" ;;
+  torchtpu) extra="[torchtpu]" ;;
   gpu) extra="" ;;
-  *) echo "setup_worker.sh: unknown kind '$kind' (tpu or gpu)" >&2; exit 2 ;;
+  *) echo "setup_worker.sh: unknown kind '$kind' (tpu, torchtpu or gpu)" >&2; exit 2 ;;
 esac
 
 run python3 -m venv "$VENV"

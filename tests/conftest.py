@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import subprocess
 import sys
@@ -10,6 +11,10 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 WORKERS = Path(__file__).resolve().parent / "workers"
 sys.path.insert(0, str(REPO))  # bench/'s harnesses (measure.py, gcs_emulator.py) import as `bench.*`
 
+# TorchTPU (in the newest-torch environment) registers itself for torch's device-backend autoload, so every
+# `import torch` would load it; without a TPU its runtime then asks the GCP metadata server for the TPU's shape
+# at the first backward (30 tries a key). The torch_tpu backend imports it explicitly when it starts.
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 # Nothing may reach the Hugging Face hub; XLA's CPU client stays quiet.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -44,11 +49,32 @@ def run_probe(out: Path, *overrides: str, nproc: int = 0, timeout: int = 600) ->
     return torch.load(out)
 
 
+HAS_XLA = importlib.util.find_spec("torch_xla") is not None
+
+
+def needs_xla(backend: str) -> bool:
+    return backend.startswith("xla")
+
+
+def backend_params(names) -> list:
+    """Backend names as pytest parameters, the torch_xla ones marked `xla` (skipped without torch_xla)."""
+    return [pytest.param(name, marks=pytest.mark.xla) if needs_xla(name) else name for name in names]
+
+
+def runnable(backends: dict) -> dict:
+    """The entries of a {backend: ...} table this environment can run (a fixture that runs each)."""
+    return {name: value for name, value in backends.items() if HAS_XLA or not needs_xla(name)}
+
+
 def pytest_collection_modifyitems(items):
-    """A slow test is an end-to-end one, whether or not it says so: the unit tier stays fast."""
+    """A slow test is an end-to-end one, whether or not it says so: the unit tier stays fast. Without torch_xla
+    (the base install, on the newest torch) the tests that need it skip."""
+    no_xla = pytest.mark.skip(reason="needs torch_xla (pip install 'xla_shard[xla]')")
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("e2e"):
             item.add_marker(pytest.mark.e2e)
+        if item.get_closest_marker("xla") and not HAS_XLA:
+            item.add_marker(no_xla)
 
 
 @pytest.fixture

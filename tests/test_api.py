@@ -18,6 +18,7 @@ def _readme_program() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
+@pytest.mark.xla
 @pytest.mark.e2e
 def test_the_readme_program_trains_evaluates_and_resumes_exactly(tmp_path: Path, model_dirs):
     """The README's own loop, with its model directory and data file: run whole in one directory; in another,
@@ -56,6 +57,7 @@ def test_the_readme_program_trains_evaluates_and_resumes_exactly(tmp_path: Path,
     assert (tmp_path / "resumed/runs/my_loop/ckpt/step-00000004/manifest.json").exists()
 
 
+@pytest.mark.xla
 @pytest.mark.e2e
 def test_restore_refuses_a_checkpoint_without_the_extra_state_it_asks_for(tmp_path: Path, model_dirs):
     program = _readme_program().replace("for step in range(start, train.steps):", "for step in range(start, 1):")

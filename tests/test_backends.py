@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from tests.conftest import backend_params, runnable
 from xla_shard import config
 from xla_shard.data import SyntheticSource
 from xla_shard.models import build_model
@@ -46,7 +47,7 @@ def sgd_runs(tmp_path_factory):
 
     common = TINY + ["train.optimizer=sgd", "train.lr=0.5", f"train.steps={SGD_STEPS}"]
     runs = {"eager": _eager_losses(common)}
-    for name, (sets, nproc) in BACKENDS.items():
+    for name, (sets, nproc) in runnable(BACKENDS).items():
         out = tmp_path_factory.mktemp(name)
         args = ["train"] + [a for s in common + sets + [f"output_dir={out}"] for a in ("--set", s)]
         if nproc:
@@ -58,7 +59,7 @@ def sgd_runs(tmp_path_factory):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", backend_params(BACKENDS))
 def test_loss_curve_matches_unsharded_eager(sgd_runs, backend):
     reference = sgd_runs["eager"]
     losses = [r["loss"] for r in sgd_runs[backend]]
@@ -68,7 +69,7 @@ def test_loss_curve_matches_unsharded_eager(sgd_runs, backend):
         assert math.isclose(got, want, rel_tol=1e-4), f"{backend} step {step + 1}: {got} vs eager {want}"
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", backend_params(BACKENDS))
 def test_metrics_lines(sgd_runs, backend):
     records = sgd_runs[backend]
     assert [r["step"] for r in records] == list(range(1, SGD_STEPS + 1))
@@ -92,7 +93,7 @@ def probes(tmp_path_factory):
     from conftest import run_probe
 
     results = {}
-    for name, (sets, nproc) in BACKENDS.items():
+    for name, (sets, nproc) in runnable(BACKENDS).items():
         for ckpt in (False, True):
             out = tmp_path_factory.mktemp(f"{name}_{ckpt}") / "probe.pt"
             results[name, ckpt] = run_probe(out, *TINY, *sets, "train.optimizer=adamw",
@@ -101,7 +102,7 @@ def probes(tmp_path_factory):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", backend_params(BACKENDS))
 def test_activation_checkpointing_gradients_are_exact(probes, backend):
     plain, checkpointed = probes[backend, False], probes[backend, True]
     assert plain["loss"] == pytest.approx(checkpointed["loss"], rel=1e-6)
@@ -111,14 +112,14 @@ def test_activation_checkpointing_gradients_are_exact(probes, backend):
         torch.testing.assert_close(checkpointed["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", backend_params(BACKENDS))
 def test_auto_wrap_units(probes, backend):
     layers = config.load(None, TINY).model
     expected = [""] + [f"model.layers.{i}" for i in range(build_model(layers, 0).config.num_hidden_layers)]
     assert sorted(probes[backend, False]["units"]) == sorted(expected)
 
 
-@pytest.mark.parametrize("backend", ["xla_spmd", "torch_fsdp"])
+@pytest.mark.parametrize("backend", backend_params(["xla_spmd", "torch_fsdp"]))
 def test_full_shard_holds_one_nth_per_device(probes, backend):
     result = probes[backend, False]
     n = result["devices"]
@@ -144,7 +145,7 @@ def tied_runs(tmp_path_factory):
     from conftest import run_cli
 
     runs = {"eager": _eager_losses(TIED + ["train.steps=3"])}
-    for name, (sets, nproc) in BACKENDS.items():
+    for name, (sets, nproc) in runnable(BACKENDS).items():
         out = tmp_path_factory.mktemp(f"tied-{name}")
         args = ["train"] + [a for s in TIED + sets + ["train.steps=3", f"output_dir={out}", f"checkpoint.dir={out}/ck"]
                             for a in ("--set", s)]
@@ -157,7 +158,7 @@ def tied_runs(tmp_path_factory):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", backend_params(BACKENDS))
 def test_tied_weights_stay_tied_on_every_backend(tied_runs, backend):
     """Moving a model to an XLA device unties lm_head from the embedding; every backend re-ties, so a tied
     model trains the same on all of them and its checkpoints hold the shared matrix once."""
@@ -170,6 +171,7 @@ def test_tied_weights_stay_tied_on_every_backend(tied_runs, backend):
 
 
 @pytest.mark.e2e
+@pytest.mark.xla
 def test_a_tied_checkpoint_resumes_on_another_backend_and_exports_tied(tied_runs, tmp_path):
     from conftest import run_cli
     from transformers import AutoModelForCausalLM

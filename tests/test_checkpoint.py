@@ -22,6 +22,11 @@ def losses(output_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}  # a resumed run appends; the last record of a step wins
 
 
+def _first_shard(step_dir):
+    """The first of a checkpoint's shard files (one per writing process: 00000-of-00001 under xla_spmd)."""
+    return sorted((step_dir / "shards").glob("*.safetensors"))[0]
+
+
 def train(cli, output_dir, *sets, steps=STEPS):
     done = cli("train", CONFIG, "--set", f"train.steps={steps}", "--set", f"output_dir={output_dir}",
                *[arg for s in sets for arg in ("--set", s)])
@@ -31,7 +36,8 @@ def train(cli, output_dir, *sets, steps=STEPS):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One uninterrupted xla_spmd run that checkpoints every step: the losses every resumed run must match."""
+    """One uninterrupted run of the main job's config (xla_spmd; torch_fsdp where torch_xla is not installed) that
+    checkpoints every step: the losses every resumed run must match."""
     from tests.conftest import run_cli
 
     root = tmp_path_factory.mktemp("reference")
@@ -60,8 +66,9 @@ def test_retention_keeps_the_last_k_and_every_nth(reference):
 @pytest.mark.e2e
 @pytest.mark.parametrize("backend, sets", [
     ("torch_fsdp", ["backend=torch_fsdp", "cpu_devices=2"]),   # 1 SPMD host -> 2 FSDP2 ranks
-    ("xla_fsdp", ["backend=xla_fsdp", "cpu_devices=1"]),       # -> FSDPv1 flat 1-D shards
-    ("xla_spmd", ["mesh.fsdp=2", "cpu_devices=2"]),            # -> 2 SPMD devices instead of 4
+    pytest.param("xla_fsdp", ["backend=xla_fsdp", "cpu_devices=1"], marks=pytest.mark.xla),  # FSDPv1 flat shards
+    pytest.param("xla_spmd", ["backend=xla_spmd", "mesh.fsdp=2", "cpu_devices=2"],  # 2 SPMD devices instead of 4
+                 marks=pytest.mark.xla),
 ])
 def test_a_checkpoint_loads_on_another_backend_and_world_size(cli, tmp_path, reference, backend, sets):
     ckpt, expected = reference
@@ -77,6 +84,7 @@ def test_a_checkpoint_loads_on_another_backend_and_world_size(cli, tmp_path, ref
     assert sorted(losses(tmp_path / "back")) == [STEPS + 1]
 
 
+@pytest.mark.xla
 @pytest.mark.e2e
 def test_a_checkpoint_resumes_under_parameters_gradients_and_optimizer_state_sharded_apart(cli, tmp_path, reference):
     """The reference's FULL_SHARD (4/4/4) checkpoint continues under 1/2/4 (replicated parameters, gradients
@@ -98,6 +106,7 @@ def test_a_checkpoint_resumes_under_parameters_gradients_and_optimizer_state_sha
     assert sorted(losses(tmp_path / "back")) == [STEPS + 1]
 
 
+@pytest.mark.xla
 @pytest.mark.e2e
 def test_scanned_layers_train_exactly_and_share_checkpoints_with_the_unrolled_model(cli, tmp_path, reference):
     """fsdp.scan_layers (one XLA loop over the decoder layers), with activation checkpointing inside the scan:
@@ -199,16 +208,16 @@ def test_verify_and_resume_refuse_a_corrupt_shard(cli, tmp_path, reference):
     ckpt, _ = reference
     copy = tmp_path / "ckpt"
     shutil.copytree(ckpt / "step-00000006", copy / "step-00000006")
-    shard = copy / "step-00000006" / "shards" / "00000-of-00001.safetensors"
+    shard = _first_shard(copy / "step-00000006")
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x55
     shard.write_bytes(bytes(data))
     verified = cli("ckpt", "verify", str(copy))
-    assert verified.returncode == 2 and "00000-of-00001.safetensors is corrupt" in verified.stderr
+    assert verified.returncode == 2 and f"{shard.name} is corrupt" in verified.stderr
     resumed = cli("train", CONFIG, "--set", f"output_dir={tmp_path / 'run'}", "--set", f"checkpoint.dir={copy}",
                   "--set", "train.steps=8")
     assert resumed.returncode == 2
-    assert "00000-of-00001.safetensors is corrupt" in resumed.stderr and "Traceback" not in resumed.stderr
+    assert f"{shard.name} is corrupt" in resumed.stderr and "Traceback" not in resumed.stderr
 
 
 @pytest.mark.e2e
@@ -320,7 +329,7 @@ def test_auto_resume_falls_back_past_a_checkpoint_that_fails_verification(cli, t
     ref, expected = reference
     ckpt = tmp_path / "ckpt"
     shutil.copytree(ref, ckpt)
-    shard = ckpt / "step-00000006" / "shards" / "00000-of-00001.safetensors"
+    shard = _first_shard(ckpt / "step-00000006")
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x55
     shard.write_bytes(bytes(data))
@@ -336,7 +345,7 @@ def test_auto_resume_falls_back_past_a_checkpoint_that_fails_verification(cli, t
         (ckpt / f"step-0000000{step}" / "manifest.json").write_text(json.dumps(manifest))
     done = train(cli, tmp_path / "run", f"checkpoint.dir={ckpt}", "checkpoint.every_steps=100", steps=STEPS)
     log = done.stderr
-    assert "step-00000007/manifest.json says step 4" in log and "00000-of-00001.safetensors is corrupt" in log
+    assert "step-00000007/manifest.json says step 4" in log and f"{shard.name} is corrupt" in log
     assert "step-00000008/manifest.json is damaged: rng: expected a JSON object, got nothing" in log
     assert "step-00000009/manifest.json is damaged: tensors[" in log and "got a string" in log
     assert "resumed from" in log and f"{ckpt / 'step-00000005'} at step 5" in log
@@ -346,6 +355,7 @@ def test_auto_resume_falls_back_past_a_checkpoint_that_fails_verification(cli, t
     assert (ckpt / "step-00000006" / "manifest.json").exists()  # the new, good step 6
 
 
+@pytest.mark.xla
 @pytest.mark.e2e
 def test_xla_spmd_resumes_many_times_on_a_busy_machine(tmp_path, reference):
     """Restoring creates sharded optimizer state on the device asynchronously; reading shard indices while

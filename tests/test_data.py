@@ -137,7 +137,7 @@ def test_eval_rows_are_held_out_of_training(model_dirs):
 def test_epochs_set_the_number_of_steps(model_dirs, tmp_path):
     out = tmp_path / "run"
     sets = [f"model.name={model_dirs.llama}", f"data.path={CORPUS}", "train.seq_len=32", "train.epochs=1.5",
-            "train.global_batch_size=8", f"output_dir={out}", "backend=xla_spmd", "cpu_devices=2"]
+            "train.global_batch_size=8", f"output_dir={out}", "cpu_devices=2"]
     done = run_cli("train", *[a for s in sets for a in ("--set", s)])
     assert done.returncode == 0, done.stderr[-3000:]
     rows = sources(model_dirs.llama, f"data.path={CORPUS}").train.rows_per_epoch

@@ -113,11 +113,21 @@ def test_dry_run_prints_and_runs_nothing(tmp_path):
     (["deploy.accelerator_type=v4-16", "checkpoint.dir=/home/me/ckpt"], "checkpoint.dir", "/home/me/ckpt"),
     (["deploy.valid_until=30m"], "deploy.valid_until", "30m"),
     (["backend=torch_fsdp"], "backend", "torch_fsdp"),
+    (["backend=torch_tpu", "deploy.accelerator_type=v4-16"], "backend", "2-host"),
 ])
 def test_bad_deployment_configs_name_the_value(sets, key, value):
     with pytest.raises(ConfigError) as raised:
         render(config.load(TPU, sets), "queued-resource")
     assert raised.value.key == key and value in str(raised.value)
+
+
+def test_a_torch_tpu_slice_sets_up_torchtpu_and_no_torch_xla_variables():
+    """The runtime a TPU VM installs follows the backend: TorchTPU for torch_tpu, torch_xla[tpu] otherwise."""
+    for backend, kind in (("torch_tpu", "torchtpu"), ("xla_spmd", "tpu")):
+        rendering = render(config.load(TPU, [f"backend={backend}"]), "tpu-vm")
+        script = rendering.files["deploy.sh"] + rendering.files["startup.sh"]
+        assert f"scripts/setup_worker.sh {kind}'" in script, backend
+        assert ("PJRT_DEVICE" in script) == (backend != "torch_tpu"), backend
 
 
 def test_train_loop_restarts_after_preemption_until_training_finishes(tmp_path):

@@ -67,9 +67,9 @@ def test_malformed_config_files(tmp_path, capsys, suffix, content, words):
     (["train.seq_len=4096"], ["train.seq_len", "512 positions"]),
     (["backend=torch_fsdp", "fsdp.offload_params=true"], ["fsdp.offload_params", "torch_fsdp", "no CUDA"]),
     (["fsdp.state_dict_type=FULL_STATE_DICT", "checkpoint.dir=null"], ["fsdp.state_dict_type", "checkpoint.dir"]),
-    (["launch.nproc_per_node=2"], ["'launch'", "xla_spmd", "torchrun"]),
+    (["backend=xla_spmd", "launch.nproc_per_node=2"], ["'launch'", "xla_spmd", "torchrun"]),
     # what `train` would refuse at start-up, `config check` refuses too
-    (["mesh.fsdp=3"], ["'mesh'", "xla_spmd", "4 devices"]),
+    (["backend=xla_spmd", "mesh.fsdp=3"], ["'mesh'", "xla_spmd", "4 devices"]),
     (["backend=torch_fsdp", "cpu_devices=3"], ["train.global_batch_size", "3 torchrun processes"]),
     (["backend=torch_fsdp", "launch.nproc_per_node=3"], ["train.global_batch_size", "3 torchrun processes"]),
 ])

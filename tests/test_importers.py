@@ -189,7 +189,8 @@ def test_the_fsdp_config_file_transformers_reads_imports_the_same(tmp_path):
 # ---- each family trains -----------------------------------------------------------------------------------
 @pytest.mark.e2e
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["accelerate-fsdp2", "accelerate-xla", "training-args", "fsdp-config"])
+@pytest.mark.parametrize("family", ["accelerate-fsdp2", pytest.param("accelerate-xla", marks=pytest.mark.xla),
+                                    "training-args", pytest.param("fsdp-config", marks=pytest.mark.xla)])
 def test_an_imported_config_trains(tmp_path, family):
     if family == "accelerate-fsdp2":
         path = _accelerate_yaml(tmp_path / "c.yaml", version=2, strategy="FULL_SHARD", wrap="TRANSFORMER_BASED_WRAP",

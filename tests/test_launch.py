@@ -44,7 +44,7 @@ def _alive(pids: set[int]) -> set[int]:
 @pytest.mark.e2e
 @pytest.mark.parametrize("backend, sets, extra", [
     ("torch_fsdp", ["backend=torch_fsdp"], ["--nproc-per-node", "2"]),  # torchrun and its 2 workers
-    ("xla_fsdp", ["backend=xla_fsdp", "cpu_devices=1"], []),            # xmp.spawn's process
+    pytest.param("xla_fsdp", ["backend=xla_fsdp", "cpu_devices=1"], [], marks=pytest.mark.xla),  # xmp.spawn's
 ])
 def test_sigkill_of_the_launcher_takes_its_workers_with_it(tmp_path, backend, sets, extra):
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"

@@ -33,7 +33,7 @@ def test_attention_through_overrides_is_refused_naming_the_key():
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("backend, sets, extra", [
-    ("xla_spmd", ["backend=xla_spmd", "cpu_devices=4"], []),
+    pytest.param("xla_spmd", ["backend=xla_spmd", "cpu_devices=4"], [], marks=pytest.mark.xla),
     ("torch_fsdp", ["backend=torch_fsdp"], ["--nproc-per-node", "2"]),
 ])
 def test_sdpa_trains_on_the_backends_like_eager(tmp_path, backend, sets, extra):
@@ -68,6 +68,7 @@ def test_a_kernel_the_device_lacks_is_refused_naming_the_key(kernel, device):
     assert raised.value.key == "model.attn_implementation" and kernel in str(raised.value)
 
 
+@pytest.mark.xla
 def test_xla_pallas_feeds_the_pallas_kernel_what_it_expects(monkeypatch):
     """The TPU kernel cannot run here; in its place, the math it computes (causal softmax attention over
     [batch, heads, seq, dim] with equal head counts). The model with `xla_pallas` must then equal eager: heads
@@ -97,6 +98,7 @@ def test_xla_pallas_feeds_the_pallas_kernel_what_it_expects(monkeypatch):
 
 
 @pytest.mark.tpu
+@pytest.mark.xla
 def test_xla_pallas_matches_eager_on_a_tpu():
     import torch_xla
 

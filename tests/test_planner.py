@@ -322,6 +322,7 @@ def triples_run(request, tmp_path_factory):
     return request.param, run_triples(tmp, TRIPLES, f"train.optimizer={request.param}")
 
 
+@pytest.mark.xla
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("triple", TRIPLES, ids=lambda t: "/".join(map(str, t)))
@@ -345,6 +346,7 @@ def test_each_triple_allocates_communicates_and_trains_as_predicted(triples_run,
     assert row["measured"]["losses"] == pytest.approx(baseline, rel=1e-5)
 
 
+@pytest.mark.xla
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_with_micro_batches_xla_reduces_gradients_for_each_and_the_model_says_so(tmp_path):
@@ -361,6 +363,7 @@ def test_with_micro_batches_xla_reduces_gradients_for_each_and_the_model_says_so
     assert rows[(2, 4, 8)]["measured"]["losses"] == pytest.approx(rows[(8, 8, 8)]["measured"]["losses"], rel=1e-5)
 
 
+@pytest.mark.xla
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("sets, triple, post_hooks, first_step", [

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import run_cli, run_load_probe
+from conftest import backend_params, run_cli, run_load_probe, runnable
 from model_dirs import assemble, stored_tensors
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -41,12 +41,12 @@ def loaded(model_dirs, tmp_path_factory):
     """The split Llama set up (loaded, no step taken) on each backend: what every process held and read."""
     root = tmp_path_factory.mktemp("loaded")
     return {name: run_load_probe(root / name, f"model.name={model_dirs.llama}", "train.seq_len=32", *sets, nproc=nproc)
-            for name, (sets, nproc) in {**BACKENDS, **SCANNED}.items()}
+            for name, (sets, nproc) in runnable({**BACKENDS, **SCANNED}).items()}
 
 
 @pytest.mark.e2e
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", list(BACKENDS) + list(SCANNED))
+@pytest.mark.parametrize("backend", backend_params([*BACKENDS, *SCANNED]))
 def test_pretrained_weights_load_bitwise_and_give_from_pretrained_loss(model_dirs, loaded, backend):
     stored = stored_tensors(model_dirs.llama)
     held = assemble(loaded[backend])
@@ -58,6 +58,7 @@ def test_pretrained_weights_load_bitwise_and_give_from_pretrained_loss(model_dir
 
 
 @pytest.mark.slow
+@pytest.mark.xla
 def test_each_process_reads_only_its_own_part(model_dirs, loaded):
     stored = sum(t.numel() * t.element_size() for t in stored_tensors(model_dirs.llama).values())
     # torch_fsdp on 2 processes: each reads the rows of each tensor it holds, together every byte exactly once.
@@ -91,6 +92,7 @@ def test_no_process_ever_holds_a_full_copy(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.xla
 def test_weights_from_a_bucket_are_read_by_range(model_dirs, gcs, tmp_path):
     """The split Llama served by the GCS emulator: the same parameters as from disk, each byte read once."""
     from xla_shard.io.storage import Storage
@@ -109,6 +111,7 @@ def test_weights_from_a_bucket_are_read_by_range(model_dirs, gcs, tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.xla
 def test_bf16_weights_become_fp32_master_weights_and_the_load_says_so(model_dirs, tmp_path):
     saved = run_load_probe(tmp_path / "probe", f"model.name={model_dirs.llama_bf16}", "train.seq_len=32",
                            *BACKENDS["xla_spmd"][0])
@@ -176,6 +179,7 @@ def test_a_causal_lm_becomes_a_classifier_with_a_new_head(model_dirs):
 
 
 @pytest.mark.e2e
+@pytest.mark.xla
 def test_a_bare_encoder_gets_a_new_classifier_head_from_the_seed(model_dirs, tmp_path):
     from xla_shard.models import build_model, resolve_source
     from xla_shard.pretrained import PretrainedWeights
@@ -195,7 +199,7 @@ def test_a_bare_encoder_gets_a_new_classifier_head_from_the_seed(model_dirs, tmp
 
 @pytest.mark.e2e
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", backend_params(BACKENDS))
 def test_a_classifier_trains_checkpoints_resumes_and_exports(model_dirs, tmp_path, backend):
     sets, nproc = BACKENDS[backend]
     out = tmp_path / "run"
@@ -229,6 +233,7 @@ def test_a_classifier_trains_checkpoints_resumes_and_exports(model_dirs, tmp_pat
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.xla
 def test_export_carries_tokenizer_generation_config_and_use_cache(model_dirs, tmp_path):
     out = tmp_path / "run"
     sets = [f"model.name={model_dirs.llama_tied}", "train.seq_len=32", "train.steps=1", f"output_dir={out}",
@@ -246,6 +251,7 @@ def test_export_carries_tokenizer_generation_config_and_use_cache(model_dirs, tm
 
 
 @pytest.mark.e2e
+@pytest.mark.xla
 def test_load_model_gives_your_own_loop_the_pretrained_weights(model_dirs, tmp_path):
     """`xla_shard.load_model` (README, "Use from Python"): the same shard-by-shard load as the trainer's."""
     program = tmp_path / "loop.py"

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FIXTURES, WORKERS, _env, run_cli
+from conftest import FIXTURES, WORKERS, _env, backend_params, run_cli, runnable
 
 from xla_shard import config
 from xla_shard.data import SyntheticSource
@@ -93,12 +93,12 @@ def clipped_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("clipped")
     return {(name, micro): train(root / f"{name}-{micro}", [*TINY, *sets, "train.steps=3", "train.max_grad_norm=0.5",
                                                            f"train.grad_accum_steps={micro}"], extra)
-            for name, (sets, extra) in BACKENDS.items() for micro in (1, 2)}
+            for name, (sets, extra) in runnable(BACKENDS).items() for micro in (1, 2)}
 
 
 @pytest.mark.e2e
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", backend_params(BACKENDS))
 def test_the_clipped_norm_is_the_global_norm_on_every_backend(clipped_runs, backend):
     losses, norms = _eager_steps(3, 1, 0.5)
     records = clipped_runs[(backend, 1)]
@@ -108,7 +108,7 @@ def test_the_clipped_norm_is_the_global_norm_on_every_backend(clipped_runs, back
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", backend_params(BACKENDS))
 def test_two_micro_batches_make_the_same_update_as_one_batch(clipped_runs, backend):
     whole, split = clipped_runs[(backend, 1)], clipped_runs[(backend, 2)]
     assert [r["loss"] for r in split] == pytest.approx([r["loss"] for r in whole], rel=1e-5)
@@ -134,6 +134,7 @@ def test_fsdp2_reduces_gradients_once_per_step_whatever_the_micro_batches(tmp_pa
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.xla
 def test_lr_is_logged_each_step_and_a_schedule_compiles_nothing_new(tmp_path):
     records = train(tmp_path / "run", [*TINY, *BACKENDS["xla_spmd"][0], "train.steps=6", "train.lr_schedule=cosine",
                                        "train.lr_warmup_steps=2", "train.recompile_warmup_steps=3"])
@@ -145,7 +146,7 @@ def test_lr_is_logged_each_step_and_a_schedule_compiles_nothing_new(tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", backend_params(BACKENDS))
 def test_the_tutorial_job_bert_on_premise_hypothesis_pairs(model_dirs, tmp_path, backend):
     """The data-parallelism tutorial's job: fine-tune a BERT classifier on an NLI file with its tokenizer, with
     eval accuracy reported; under XLA the second evaluation compiles nothing new."""
@@ -170,6 +171,7 @@ def test_the_tutorial_job_bert_on_premise_hypothesis_pairs(model_dirs, tmp_path,
 @pytest.mark.slow
 @pytest.mark.parametrize("reading", [["data.eval_fraction=0.2"],
                                      ["data.streaming=true", f"data.eval_path={FIXTURES / 'corpus.jsonl'}"]])
+@pytest.mark.xla
 def test_a_causal_lm_fine_tune_on_jsonl_with_packing_and_eval_resumes_exactly(model_dirs, tmp_path, reading):
     sets = [f"model.name={model_dirs.llama}", f"data.path={FIXTURES / 'corpus.jsonl'}", *reading,
             "train.seq_len=32", "train.eval_every=2", "train.optimizer=adamw", "train.lr_schedule=linear",
@@ -188,7 +190,7 @@ def test_a_causal_lm_fine_tune_on_jsonl_with_packing_and_eval_resumes_exactly(mo
 
 @pytest.mark.e2e
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["xla_spmd", "torch_fsdp"])
+@pytest.mark.parametrize("backend", backend_params(["xla_spmd", "torch_fsdp"]))
 def test_evaluation_covers_every_row_and_counts_only_real_labels(model_dirs, tmp_path, backend):
     """11 held-out documents of different lengths, one padded row each, in batches of 8: the second batch is 3
     rows and 5 of filler (under torch_fsdp one process gets only filler). With lr 1e-30 the weights stay the
@@ -224,6 +226,7 @@ def test_more_virtual_xla_devices_than_cores_is_warned_about():
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.xla
 def test_mfu_is_never_above_one(tmp_path):
     """Against a stated peak the run beats (1 kFLOP/s), MFU stops with one warning naming the basis, instead of
     logging a utilisation above 100%; against a peak it cannot reach, it is reported and below 1."""
@@ -278,6 +281,7 @@ def test_one_metrics_series_per_run(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.xla
 def test_hooks_see_every_step_and_evaluation_and_the_trainer_grows_no_attributes(model_dirs, tmp_path):
     """`on_step_end` runs after every optimizer step (with the record on logged steps, None between them),
     `on_evaluate` after each evaluation with its record; every attribute exists from `__init__` on; without

@@ -489,7 +489,7 @@ def test_export_to_a_bucket_writes_there_and_loads(tmp_path, capsys, checkpoint,
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("sets", [["backend=torch_fsdp", "cpu_devices=2"],   # torchrun, 2 workers
-                                  ["backend=xla_fsdp", "cpu_devices=1"]])    # xmp.spawn
+                                  pytest.param(["backend=xla_fsdp", "cpu_devices=1"], marks=pytest.mark.xla)])
 def test_a_worker_error_under_each_launcher_is_one_line_and_exit_2(tmp_path, checkpoint, sets):
     step, _ = checkpoint
     edit_manifest(step, lambda m: _emb(m).update(shape="32"))

@@ -2,9 +2,9 @@
 attention function.
 
 `model.attn_implementation: auto` picks the fastest kernel that computes the same thing on the device: the
-Pallas flash attention kernel on TPUs, SDPA (fused kernels) on CUDA GPUs, and eager on CPUs, where the
-backends are cross-checked against each other and eager is one formula on all of them (XLA lowers SDPA to the
-same math there). Anything else the user names is used as named, or refused.
+Pallas flash attention kernel on TPUs under torch_xla, SDPA on CUDA GPUs and under TorchTPU (fused kernels),
+and eager on CPUs, where the backends are cross-checked against each other and eager is one formula on all of
+them (XLA lowers SDPA to the same math there). Anything else the user names is used as named, or refused.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ import functools
 import torch
 
 XLA_PALLAS = "xla_pallas"
-# What `auto` resolves to, by device type (tpu: a TPU through torch_xla; cuda; anything else).
-_AUTO = {"tpu": XLA_PALLAS, "cuda": "sdpa"}
+# What `auto` resolves to, by accelerator (tpu: a TPU through torch_xla; torchtpu: a TPU through TorchTPU,
+# which routes SDPA to its splash attention kernel; cuda; anything else).
+_AUTO = {"tpu": XLA_PALLAS, "torchtpu": "sdpa", "cuda": "sdpa"}
 
 
 def choose(requested: str, device_type: str | None) -> str:
-    """The kernel for `device_type` ('tpu', 'cuda', 'cpu', or None before the runtime is known: eager)."""
+    """The kernel for `device_type` ('tpu', 'torchtpu', 'cuda', 'cpu', or None before the runtime is known:
+    eager)."""
     if requested != "auto":
         return requested
     return _AUTO.get(device_type or "", "eager")

@@ -39,6 +39,8 @@ class Capabilities:
     # Parameters kept split over a smaller group between forward and backward (FSDP2's int reshard).
     group_after_forward: str | None = "its reshard_after_forward is a bool"
     scan_layers: str | None = "it runs no compiled loop over layers (torch_xla's scan runs under SPMD)"
+    compile: str | None = ("torch_xla traces each step and compiles it into one XLA graph already; torch.compile's "
+                           "openxla backend does not run its FSDP wrappers")
     # Cost-model facts: per-tensor gathers (backward skips an embedding table, which needs only the ids) and a
     # gradient reduction per micro-batch (GSPMD cannot keep partial sums: see the README).
     gathers_per_tensor: bool = False
@@ -62,6 +64,8 @@ class Capabilities:
             self.refuse("fsdp.mixed_precision", "fp16 needs loss scaling, which xla_shard does not do; use bf16")
         if fsdp.scan_layers and self.scan_layers:
             self.refuse("fsdp.scan_layers", f"{self.scan_layers}; use backend xla_spmd or set it to false")
+        if cfg.train.compile and self.compile:
+            self.refuse("train.compile", f"{self.compile}; set it to false")
         if fsdp.xla_settings and self.xla_settings:
             self.refuse("fsdp.xla_settings", self.xla_settings)
         if self.launcher != "torchrun" and (cfg.launch.nproc_per_node is not None or cfg.launch.nnodes != 1):

@@ -312,6 +312,7 @@ def _train(args) -> int:
     backend = backends.create(cfg)  # refuses what this backend cannot honour, before anything starts
     launch.refuse_nproc_flag(backend.capabilities.launcher, args.nproc_per_node, backend.name)
     devices = backends.check_devices(backend, args.nproc_per_node)
+    backend.check_runtime()
     launcher = launch.pick(backend.capabilities.launcher, argv=args.argv, nproc=devices, nnodes=cfg.launch.nnodes,
                            prepare=backend.configure)
     train.preflight(cfg)

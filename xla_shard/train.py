@@ -380,9 +380,9 @@ class Trainer:
                 self._compiled_after_warmup = compiles
             elif self._compiled_after_warmup is not None and compiles > self._compiled_after_warmup:
                 record["recompiles"] = compiles - self._compiled_after_warmup
-                logger.warn(f"step {done}: XLA compiled {record['recompiles']} new graph(s) after warm-up; the "
-                            "step is not static (changing shapes or Python-side control flow). Set "
-                            "PT_XLA_DEBUG_LEVEL=2 to see why.")
+                logger.warn(f"step {done}: {record['recompiles']} new graph(s) compiled after warm-up; the step "
+                            "is not static (changing shapes or Python-side control flow). Set PT_XLA_DEBUG_LEVEL=2 "
+                            "(torch_xla) or TORCH_LOGS=recompiles (train.compile) to see why.")
         self.records.append(record)
         logger.log(record)
         self._interval = (time.perf_counter(), 0)

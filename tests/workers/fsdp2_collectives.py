@@ -16,9 +16,12 @@ from bench.measure import bytes_after_backward
 from xla_shard import config
 from xla_shard.train import Trainer
 
-# torch.distributed function: (op, the result tensor's parameter name and position)
+# torch.distributed function: (op, the result tensor's parameter name and position). FSDP2 calls the *_tensor
+# forms up to torch 2.14 and the *_single forms from 2.15; each torch has the names it has.
 RECORDED = {"all_gather_into_tensor": ("all-gather", "output_tensor", 0),
-            "reduce_scatter_tensor": ("reduce-scatter", "output", 0), "all_reduce": ("all-reduce", "tensor", 0)}
+            "all_gather_single": ("all-gather", "output_tensor", 0),
+            "reduce_scatter_tensor": ("reduce-scatter", "output", 0),
+            "reduce_scatter_single": ("reduce-scatter", "output", 0), "all_reduce": ("all-reduce", "tensor", 0)}
 
 
 def main(out: str, steps: str, *overrides: str) -> None:
@@ -39,7 +42,8 @@ def main(out: str, steps: str, *overrides: str) -> None:
         return recorded
 
     for name, (op, result, result_at) in RECORDED.items():
-        setattr(dist, name, wrap(op, result, result_at, getattr(dist, name)))
+        if hasattr(dist, name):
+            setattr(dist, name, wrap(op, result, result_at, getattr(dist, name)))
     trainer = Trainer(config.load(None, overrides)).setup()
     losses = []
     for step in range(int(steps)):

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
+from xla_shard.backends import fsdp2_devices
 from xla_shard.backends.base import Backend
 from xla_shard.backends.torch_fsdp import TorchFsdpBackend
+from xla_shard.backends.torchtpu import TorchTpuBackend
 from xla_shard.backends.xla_fsdp import XlaFsdpBackend
 from xla_shard.backends.xla_spmd import XlaSpmdBackend
 from xla_shard.capabilities import Capabilities
@@ -15,11 +19,19 @@ from xla_shard.io.device import on_tpu
 from xla_shard.plan import Triple
 from xla_shard.planner.settle import settle
 
-BACKENDS: dict[str, type[Backend]] = {cls.capabilities.name: cls
-                                      for cls in (XlaSpmdBackend, XlaFsdpBackend, TorchFsdpBackend)}
-# `backend: auto`, by the platform a run is on (or is planned for): a TPU runs SPMD FSDPv2, GPUs run FSDP2, a
-# plain CPU runs SPMD on virtual devices.
+BACKENDS: dict[str, type[Backend]] = {
+    cls.capabilities.name: cls for cls in (XlaSpmdBackend, XlaFsdpBackend, TorchFsdpBackend, TorchTpuBackend)}
+# `backend: auto`, by the platform a run is planned for: a TPU runs SPMD FSDPv2 (what `[tpu]` installs and the
+# deployments set up), GPUs run FSDP2, a plain CPU runs SPMD on virtual devices.
 AUTO = {"tpu": "xla_spmd", "cuda": "torch_fsdp", "cpu": "xla_spmd"}
+
+
+def _installed() -> dict[str, str]:
+    """`backend: auto` on this machine, by what is installed: on a TPU VM TorchTPU where it is importable,
+    else torch_xla; on a CPU, torch_xla's SPMD where torch_xla is installed, else FSDP2 over gloo."""
+    xla = importlib.util.find_spec("torch_xla") is not None
+    return {"tpu": "torch_tpu" if fsdp2_devices.TPU.installed() else "xla_spmd", "cuda": "torch_fsdp",
+            "cpu": "xla_spmd" if xla else "torch_fsdp"}
 
 
 def platform() -> str:
@@ -28,10 +40,11 @@ def platform() -> str:
 
 
 def resolve_name(cfg: ShardConfig, on: str | None = None) -> str:
-    """The backend `cfg` names; for `auto`, the one for platform `on` (default: this machine's)."""
+    """The backend `cfg` names; for `auto`, the one for platform `on`, or for this machine and what it has
+    installed."""
     if cfg.backend is not BackendName.AUTO:
         return cfg.backend.value
-    return AUTO[on or platform()]
+    return AUTO[on] if on else _installed()[platform()]
 
 
 def capabilities(name: str) -> Capabilities:
@@ -53,6 +66,7 @@ def create(cfg: ShardConfig) -> Backend:
 def start(cfg: ShardConfig, backend: Backend | None = None) -> Backend:
     """The config's backend ready to wrap a model: runtime started, plan settled for its devices, set up."""
     backend = backend or create(cfg)
+    backend.check_runtime()
     backend.start()
     backend.setup(settle(cfg, backend.num_devices, backend.capabilities, backend.device_kind))
     return backend

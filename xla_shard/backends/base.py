@@ -58,6 +58,10 @@ class Backend(abc.ABC):
         """Reject, with a ConfigError naming key and backend, every option this backend cannot honour."""
         self.capabilities.check(self.cfg)
 
+    def check_runtime(self) -> None:
+        """Refuse, naming `backend`, to start where this machine lacks what the backend runs on (its package, its
+        device). Apart from `check`: a config is checked, planned and rendered for a TPU on a machine without one."""
+
     def advisories(self) -> list[str]:
         """Warnings about how this run is set up (not errors), printed once it has started."""
         return []

@@ -1,4 +1,6 @@
-"""Native PyTorch FSDP2 (`fully_shard`): NCCL on GPUs, gloo on CPU. One process per device, via torchrun."""
+"""Native PyTorch FSDP2 (`fully_shard`), one process per device via torchrun: NCCL on GPUs and gloo on CPUs
+(torch_fsdp), `tpu_dist` on TPUs through TorchTPU (torch_tpu). The two backends are this code under another
+device profile (`fsdp2_devices`)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from xla_shard import launch
+from xla_shard.backends import fsdp2_devices
 from xla_shard.backends.base import Backend, apply_activation_checkpointing, on_meta
+from xla_shard.backends.fsdp2_devices import DeviceProfile
 from xla_shard.backends.processes import Processes
 from xla_shard.backends.state import BackendState, pack_bytes, unpack_bytes
 from xla_shard.capabilities import Capabilities
@@ -85,16 +89,17 @@ class Fsdp2State(BackendState):
 
     def rng_state(self) -> dict:
         state = super().rng_state()
-        device = self.backend.device
-        if device.type == "cuda":
-            state["cuda"] = pack_bytes(torch.cuda.get_rng_state(device))
+        backend = self.backend
+        device_state = backend.profile.get_rng_state(backend.device)
+        if device_state is not None:
+            state[backend.device.type] = pack_bytes(device_state)
         return state
 
     def set_rng_state(self, state: dict) -> None:
         super().set_rng_state(state)
-        device = self.backend.device
-        if device.type == "cuda" and "cuda" in state:
-            torch.cuda.set_rng_state(unpack_bytes(state["cuda"]), device)
+        backend = self.backend
+        if backend.device.type in state and backend.device.type != "cpu":
+            backend.profile.set_rng_state(unpack_bytes(state[backend.device.type]), backend.device)
 
 
 class TorchFsdpBackend(Backend):
@@ -103,35 +108,49 @@ class TorchFsdpBackend(Backend):
         offload_params=None,  # FSDP2's CPUOffloadPolicy, on a machine with GPUs
         nonuniform_triple="FSDP2 keeps gradients and optimizer state in the parameters' DTensor layout and cannot "
                           "shard them wider: pytorch/pytorch#148257",
-        group_after_forward=None)  # fully_shard(reshard_after_forward=k)
+        group_after_forward=None, compile=None)  # fully_shard(reshard_after_forward=k)
     wrapper_prefixes = ("module",)  # DistributedDataParallel (NO_SHARD); fully_shard keeps names as they are
     state_type = Fsdp2State
 
+    @property
+    def profile(self) -> DeviceProfile:
+        """A GPU where this machine has one, else the CPU."""
+        return fsdp2_devices.CUDA if fsdp2_devices.CUDA.present() else fsdp2_devices.CPU
+
     def check(self) -> None:
         super().check()
-        if self.cfg.fsdp.offload_params and not torch.cuda.is_available():
-            self.capabilities.refuse("fsdp.offload_params", "offloads parameters from GPU memory to the host; this "
-                                     "machine has no CUDA GPU, so there is nothing to offload: set it to false")
+        if self.cfg.fsdp.offload_params and not self.profile.offload:
+            self.capabilities.refuse("fsdp.offload_params", "moves parameters from GPU memory to the host; with "
+                                     "no CUDA GPU here they are in host memory already: set it to false")
+
+    def advisories(self) -> list[str]:
+        if fsdp2_devices.TPU.loaded() and not fsdp2_devices.TPU.present():
+            return ["TorchTPU is installed, and torch loads it with every `import torch` (device-backend autoload); "
+                    "with no TPU here its runtime asks the GCP metadata server for one at the first backward, 30 "
+                    "tries a key. Set TORCH_DEVICE_BACKEND_AUTOLOAD=0 (or uninstall torch_tpu) on this machine"]
+        return []
+
+    def local_device_count(self) -> int | None:
+        """The processes torchrun starts per node where the command line does not say."""
+        return torch.cuda.device_count() if self.profile is fsdp2_devices.CUDA else self.cfg.cpu_devices
 
     def expected_devices(self, nproc_per_node: int | None = None) -> int | None:
         """Inside torchrun, its world; before it, the processes the launcher will start, per node."""
         if launch.torchrun_worker():
             return int(os.environ.get("WORLD_SIZE", "1"))
-        nproc = (nproc_per_node or self.cfg.launch.nproc_per_node
-                 or (torch.cuda.device_count() if torch.cuda.is_available() else self.cfg.cpu_devices))
+        nproc = nproc_per_node or self.cfg.launch.nproc_per_node or self.local_device_count()
+        if nproc is None:
+            return None
         if nproc < 1:
             raise ConfigError(None, f"--nproc-per-node {nproc}: need at least one process")
         return nproc * self.cfg.launch.nnodes
 
     def start(self) -> None:
-        cuda = torch.cuda.is_available()
-        if cuda:
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            torch.cuda.set_device(local_rank)
-            self.device = torch.device("cuda", local_rank)
-            self.device_kind = torch.cuda.get_device_name(local_rank)
+        profile = self.profile
+        profile.import_runtime()
+        self.device, self.device_kind = profile.select(int(os.environ.get("LOCAL_RANK", "0")))
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
+            dist.init_process_group(profile.process_group, timeout=timedelta(minutes=10))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.num_devices = self.world
         self.processes = TorchProcesses(self.rank, self.world, self.device)
@@ -142,11 +161,14 @@ class TorchFsdpBackend(Backend):
             # Non-reentrant checkpointing: kwargs and tensors nested in tuples get exact gradients.
             apply_activation_checkpointing(checkpoint_targets(model, fsdp),
                                            functools.partial(checkpoint, use_reentrant=False))
+        units = wrap_targets(model, fsdp)
+        if self.cfg.train.compile:
+            self._compile(units or [model])
         empty = on_meta(model)  # to be filled by a pretrained load: shard first, then allocate only the shards
         if not empty or self.data_parallel:
             model = self.to_device(model)
         if self.data_parallel:
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            device_ids = [self.device.index] if self.device.type != "cpu" else None
             return DistributedDataParallel(model, device_ids=device_ids,
                                            bucket_cap_mb=fsdp.bucket_cap_mb)
         kwargs = dict(mesh=self._mesh(), reshard_after_forward=self.plan.reshard_after_forward)
@@ -154,12 +176,19 @@ class TorchFsdpBackend(Backend):
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if fsdp.offload_params:
             kwargs["offload_policy"] = CPUOffloadPolicy()
-        for module in wrap_targets(model, fsdp):
+        for module in units:
             fully_shard(module, **kwargs)
         fully_shard(model, **kwargs)
         if empty:  # offloaded shards live in host memory
             model = self.to_device(model, "cpu" if fsdp.offload_params else None)
         return model
+
+    def _compile(self, modules: list[nn.Module]) -> None:
+        """torch.compile in place (`Module.compile`: parameter names stay as they are, so checkpoints and
+        pretrained loads do not see it), before sharding as torchtitan does: FSDP2's hooks run outside the
+        compiled graphs (dynamo skips them)."""
+        for module in modules:
+            module.compile(backend=self.profile.compile_backend)
 
     @property
     def data_parallel(self) -> bool:
@@ -200,6 +229,14 @@ class TorchFsdpBackend(Backend):
         dist.all_reduce(total)
         return total.item() / self.world
 
+    def compilations(self) -> int | None:
+        """Graphs torch.compile made so far in this process (train.compile), else None."""
+        if not self.cfg.train.compile:
+            return None
+        from torch._dynamo.utils import counters
+
+        return counters["stats"]["unique_graphs"]
+
     def local_bytes(self, tensors: list[torch.Tensor]) -> list[int]:
         def local(t: torch.Tensor) -> torch.Tensor:
             return t.to_local() if isinstance(t, DTensor) else t
@@ -207,6 +244,10 @@ class TorchFsdpBackend(Backend):
 
     def unit_type(self) -> type[nn.Module]:
         return FSDPModule
+
+    @property
+    def accelerator(self) -> str:
+        return self.profile.accelerator
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -67,6 +67,10 @@ def oversubscribed(devices: int, cores: int) -> str | None:
             "the batch and the mesh)")
 
 
+def xla_installed() -> bool:
+    return importlib.util.find_spec("torch_xla") is not None
+
+
 def device_kind() -> str:
     import torch_xla.runtime as xr
 
@@ -88,6 +92,12 @@ class XlaBackend(Backend):
     """torch_xla, either way: lazy graphs cut once per step, compilations counted, no CPU offload."""
 
     NO_OFFLOAD = "torch_xla FSDP has no CPU offload"
+
+    def check_runtime(self) -> None:
+        if not xla_installed():
+            self.capabilities.refuse("backend", "needs torch_xla, which is not installed: pip install "
+                                     "'xla_shard[xla]' (CPU) or 'xla_shard[tpu]' (a Cloud TPU VM); both pin torch "
+                                     "2.9. On the newest torch use torch_fsdp, or torch_tpu on a TPU")
 
     def configure(self) -> None:
         configure_runtime(self.cfg.cpu_devices)

@@ -139,7 +139,9 @@ class XlaFsdpBackend(xla_common.XlaBackend):
                                                     "there. Use xla_spmd for CPU sharding")
 
     def _check_xla_settings(self) -> None:
-        if not self.cfg.fsdp.xla_settings:
+        """Each key an argument of the installed XlaFullyShardedDataParallel (without torch_xla, `check_runtime`
+        refuses the run before anything could pass them on)."""
+        if not self.cfg.fsdp.xla_settings or not xla_common.xla_installed():
             return
         self.configure()
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel

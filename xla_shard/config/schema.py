@@ -74,6 +74,7 @@ class Backend(str, enum.Enum):
     XLA_SPMD = "xla_spmd"
     XLA_FSDP = "xla_fsdp"
     TORCH_FSDP = "torch_fsdp"
+    TORCH_TPU = "torch_tpu"
 
 
 class ShardingTriple(_Section):
@@ -232,6 +233,10 @@ class TrainSection(_Section):
     max_grad_norm: float | None = Field(default=None, gt=0)
     # Micro-batches per optimizer step: the same update as one batch of global_batch_size rows, in less memory.
     grad_accum_steps: int = Field(default=1, ge=1)
+    # torch.compile each wrapped block (the units fsdp.auto_wrap_policy picks; the whole model if none), as
+    # torchtitan does: one graph per layer, reused by every layer. FSDP2 backends only (torch_fsdp, torch_tpu):
+    # torch_xla compiles each step into one XLA graph already.
+    compile: bool = False
     seed: int = 0
     log_every: int = Field(default=1, ge=1)
     # Evaluate every N steps (and after the last) on data.eval_path / data.eval_fraction; null: only at the end.

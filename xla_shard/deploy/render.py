@@ -136,21 +136,27 @@ def render(cfg: ShardConfig, target: str, config_name: str = "config.yaml") -> R
     return _render_tpu(cfg, target, config_name)
 
 
-def _check_tpu_backend(cfg: ShardConfig) -> None:
+def _check_tpu_backend(cfg: ShardConfig, hosts: int) -> str:
+    """The backend the slice runs (auto: torch_xla's SPMD, what `[tpu]` installs), refused if it cannot."""
     from xla_shard import backends
 
     name = backends.resolve_name(cfg, on="tpu")
-    if "tpu" not in backends.capabilities(name).platforms:
+    capabilities = backends.capabilities(name)
+    if "tpu" not in capabilities.platforms:
         on_tpu = [n for n, cls in backends.BACKENDS.items() if "tpu" in cls.capabilities.platforms]
         raise ConfigError("backend", f"{name} does not run on a TPU; use {' or '.join(on_tpu)} "
                                      "(or --target gpu-vm)")
+    if capabilities.launcher == "torchrun" and hosts > 1:
+        raise ConfigError("backend", f"{name} on a {hosts}-host slice needs torchrun's rendezvous across the "
+                                     "hosts, which the TPU deployments do not render yet; use a single-host "
+                                     "slice or xla_spmd")
+    return name
 
 
 def _render_tpu(cfg: ShardConfig, target: str, config_name: str) -> Rendering:
     d = cfg.deploy
     tpu_slice = tpu.parse(d.accelerator_type, d.zone, d.allow_unlisted_zone)
     _check_common(cfg, tpu_slice.hosts)
-    _check_tpu_backend(cfg)
     where = [f"--zone={d.zone}", f"--project={d.project}"]
     node = f"{d.remote_user}@{d.name}"
     ssh = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", node, *where, "--worker=all"]
@@ -178,8 +184,10 @@ def _render_tpu(cfg: ShardConfig, target: str, config_name: str) -> Rendering:
         delete = [["gcloud", "compute", "tpus", "queued-resources", "delete", d.name, *where, "--force", "--quiet"]]
     copy = ["gcloud", "compute", "tpus", "tpu-vm", "scp", f"{HERE}/xla_shard.tar.gz", f"{HERE}/{config_name}",
             f"{node}:~/", *where, "--worker=all"]
-    launch_env = {"PJRT_DEVICE": "TPU"}
-    setup = ssh + [f"--command={_setup(d.remote_dir, 'tpu')}"]
+    # torch_xla reads PJRT_DEVICE; TorchTPU needs no variable, and its setup installs torch_tpu instead.
+    torchtpu = _check_tpu_backend(cfg, tpu_slice.hosts) == "torch_tpu"
+    launch_env = {} if torchtpu else {"PJRT_DEVICE": "TPU"}
+    setup = ssh + [f"--command={_setup(d.remote_dir, 'torchtpu' if torchtpu else 'tpu')}"]
     launch = ssh + [f"--command={_remote(d.remote_dir, _launch(launch_env, config_name, '> ~/train.log'))}"]
     follow = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", node, *where, "--worker=0", "--command=tail -F ~/train.log"]
     rendering.commands = [create, *( [poll] if poll else []), copy, setup, launch, follow, *delete]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -16,6 +17,18 @@ def declare_xla_device() -> None:
     """torch_xla reads PJRT_DEVICE when it is first imported, and transformers imports it (through accelerate)
     long before a backend configures the runtime; without it torch_xla logs a warning on every command. XLA's
     C++ log level is read then too: at 2 it drops the GSPMD deprecation warning XLA prints at every compile
-    (TF_CPP_MIN_LOG_LEVEL=0 in the environment shows everything again)."""
+    (TF_CPP_MIN_LOG_LEVEL=0 in the environment shows everything again). Without torch_xla installed it sets
+    nothing: other libraries in the process see the environment as it was."""
+    if importlib.util.find_spec("torch_xla") is None:
+        return
     os.environ.setdefault("PJRT_DEVICE", "TPU" if on_tpu() else "CPU")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def tpu_chips() -> int:
+    """This host's TPU chips, counted from their device files (asking a runtime would claim them)."""
+    accel = list(Path("/dev").glob("accel[0-9]*"))
+    if accel:
+        return len(accel)
+    vfio = Path("/dev/vfio")
+    return len([p for p in vfio.iterdir() if p.name.isdigit()]) if vfio.is_dir() else 0

@@ -1,0 +1,41 @@
+"""Installing xla_shard changes nothing for other libraries: a plain transformers.Trainer run in a process that
+imported and used xla_shard does what it does alone."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import HAS_XLA, WORKERS, _env
+
+# With torch_xla importable, transformers itself moves a Trainer onto the XLA device (and its fused AdamW
+# refuses XLA tensors); USE_TORCH_XLA=0 is the opt-out the README gives. xla_shard's own part then is to tell
+# torch_xla which PJRT device it is on, before transformers imports it: those two variables, nothing else.
+XLA_VARIABLES = {"PJRT_DEVICE", "TF_CPP_MIN_LOG_LEVEL"}
+
+
+def _plain_trainer(model_dir, mode: str) -> dict:
+    env = _env()
+    if HAS_XLA:
+        env["USE_TORCH_XLA"] = "0"
+    done = subprocess.run([sys.executable, str(WORKERS / "plain_trainer.py"), str(model_dir), mode], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=os.path.dirname(model_dir))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.e2e
+def test_a_plain_transformers_trainer_runs_as_without_xla_shard(model_dirs):
+    alone = _plain_trainer(model_dirs.llama, "without")
+    beside = _plain_trainer(model_dirs.llama, "with")
+    assert alone["device"] == beside["device"] == "cpu"
+    assert len(alone["losses"]) == 3 and beside["losses"] == alone["losses"]
+    changed = beside["changed"]
+    if HAS_XLA:
+        assert set(changed) <= {"environ"}
+        before, after = changed.get("environ", [{}, {}])
+        assert {key for key in set(before) | set(after) if before.get(key) != after.get(key)} <= XLA_VARIABLES
+    else:
+        assert changed == {}, "the base install changed the process for other libraries"
