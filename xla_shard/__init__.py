@@ -3,7 +3,7 @@
 The public API, for your own training loop (see the README's "Use from Python"):
 
     load_config / ShardConfig      the one config schema (also reads accelerate and transformers FSDP configs)
-    start_backend                  the backend the config asks for (xla_spmd, xla_fsdp or torch_fsdp), started,
+    start_backend                  the backend the config asks for (xla_spmd, xla_fsdp, torch_fsdp, torch_tpu), started,
                                    its plan settled for the devices it has (`backend.plan`)
     create_backend                 the same, checked but not started
     ShardingPlan                   how the backend shards

@@ -41,6 +41,8 @@ class Capabilities:
     scan_layers: str | None = "it runs no compiled loop over layers (torch_xla's scan runs under SPMD)"
     compile: str | None = ("torch_xla traces each step and compiles it into one XLA graph already; torch.compile's "
                            "openxla backend does not run its FSDP wrappers")
+    # What `scripts/setup_worker.sh KIND` installs on a TPU VM for it: torch_xla[tpu] ("tpu") or TorchTPU.
+    tpu_setup: str = "tpu"
     # Cost-model facts: per-tensor gathers (backward skips an embedding table, which needs only the ids) and a
     # gradient reduction per micro-batch (GSPMD cannot keep partial sums: see the README).
     gathers_per_tensor: bool = False

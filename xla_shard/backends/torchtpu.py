@@ -16,7 +16,7 @@ class TorchTpuBackend(TorchFsdpBackend):
         "torch_tpu", launcher="torchrun", platforms=("tpu",), unit="torchrun processes",
         offload_params="TorchTPU has no pinned host memory for FSDP2's CPUOffloadPolicy",
         nonuniform_triple=TorchFsdpBackend.capabilities.nonuniform_triple,
-        group_after_forward=None, compile=None)
+        group_after_forward=None, compile=None, tpu_setup="torchtpu")
 
     @property
     def profile(self) -> DeviceProfile:

@@ -18,6 +18,7 @@ import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from xla_shard.capabilities import Capabilities
 from xla_shard.config import dump
 from xla_shard.config.presets import PRESETS
 from xla_shard.config.schema import ShardConfig
@@ -136,8 +137,9 @@ def render(cfg: ShardConfig, target: str, config_name: str = "config.yaml") -> R
     return _render_tpu(cfg, target, config_name)
 
 
-def _check_tpu_backend(cfg: ShardConfig, hosts: int) -> str:
-    """The backend the slice runs (auto: torch_xla's SPMD, what `[tpu]` installs), refused if it cannot."""
+def _check_tpu_backend(cfg: ShardConfig, hosts: int) -> Capabilities:
+    """What the slice's backend can do (auto: torch_xla's SPMD, what `[tpu]` installs), refused if it cannot
+    run there."""
     from xla_shard import backends
 
     name = backends.resolve_name(cfg, on="tpu")
@@ -150,7 +152,7 @@ def _check_tpu_backend(cfg: ShardConfig, hosts: int) -> str:
         raise ConfigError("backend", f"{name} on a {hosts}-host slice needs torchrun's rendezvous across the "
                                      "hosts, which the TPU deployments do not render yet; use a single-host "
                                      "slice or xla_spmd")
-    return name
+    return capabilities
 
 
 def _render_tpu(cfg: ShardConfig, target: str, config_name: str) -> Rendering:
@@ -185,9 +187,9 @@ def _render_tpu(cfg: ShardConfig, target: str, config_name: str) -> Rendering:
     copy = ["gcloud", "compute", "tpus", "tpu-vm", "scp", f"{HERE}/xla_shard.tar.gz", f"{HERE}/{config_name}",
             f"{node}:~/", *where, "--worker=all"]
     # torch_xla reads PJRT_DEVICE; TorchTPU needs no variable, and its setup installs torch_tpu instead.
-    torchtpu = _check_tpu_backend(cfg, tpu_slice.hosts) == "torch_tpu"
-    launch_env = {} if torchtpu else {"PJRT_DEVICE": "TPU"}
-    setup = ssh + [f"--command={_setup(d.remote_dir, 'torchtpu' if torchtpu else 'tpu')}"]
+    kind = _check_tpu_backend(cfg, tpu_slice.hosts).tpu_setup
+    launch_env = {"PJRT_DEVICE": "TPU"} if kind == "tpu" else {}
+    setup = ssh + [f"--command={_setup(d.remote_dir, kind)}"]
     launch = ssh + [f"--command={_remote(d.remote_dir, _launch(launch_env, config_name, '> ~/train.log'))}"]
     follow = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", node, *where, "--worker=0", "--command=tail -F ~/train.log"]
     rendering.commands = [create, *( [poll] if poll else []), copy, setup, launch, follow, *delete]
