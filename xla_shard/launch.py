@@ -59,7 +59,7 @@ class Torchrun:
     def start(self, entry: Entry) -> int:
         if torchrun_worker():
             as_torchrun_worker()
-            return entry()
+            exit_without_finalizing(entry() or 0)
         if self.nnodes > 1:
             raise ConfigError("launch.nnodes", f"{self.nnodes} nodes: start `torchrun --nnodes={self.nnodes} "
                                                "--nproc-per-node=N --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT -m "
@@ -119,6 +119,19 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if parent_pid is not None and os.getppid() != parent_pid:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def exit_without_finalizing(status: int) -> None:
+    """End a torchrun worker that finished (its process group destroyed, its files closed) without the
+    interpreter's finalization: on torch 2.15 a gloo worker then aborted now and then in C++ teardown
+    ("terminate called without an active exception", exit -6) after its run had succeeded, and torchrun
+    failed the run for it."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def run_torchrun(nproc: int, argv: list[str]) -> int:

@@ -447,10 +447,7 @@ def run(cfg: ShardConfig) -> int:
     trainer = Trainer(cfg)
     try:
         trainer.setup().run()
-        # Every process done (the writer's last commit included) before any tears its process group down: on
-        # torch 2.15 a gloo worker that exited while the writer still committed aborted now and then
-        # ("terminate called without an active exception"), and torchrun then killed the writer.
-        trainer.backend.processes.barrier()
+        trainer.backend.processes.barrier()  # every process done (the writer's last commit too) before teardown
     finally:
         trainer.backend.shutdown()
     return launch.PREEMPTED_EXIT if trainer.preempted else 0
