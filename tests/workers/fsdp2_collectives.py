@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from bench.measure import bytes_after_backward
 from xla_shard import config
+from xla_shard.launch import exit_without_finalizing
 from xla_shard.train import Trainer
 
 # torch.distributed function: (op, the result tensor's parameter name and position). FSDP2 calls the *_tensor
@@ -58,3 +59,4 @@ def main(out: str, steps: str, *overrides: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    exit_without_finalizing(0)  # as xla-shard's own torchrun workers end: no gloo teardown at finalization

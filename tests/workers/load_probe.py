@@ -11,6 +11,7 @@ import sys
 import torch
 
 from xla_shard import config
+from xla_shard.launch import exit_without_finalizing
 from xla_shard.train import Trainer
 
 
@@ -29,3 +30,4 @@ def main(out: str, *overrides: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    exit_without_finalizing(0)  # as xla-shard's own torchrun workers end: no gloo teardown at finalization
