@@ -121,13 +121,14 @@ def model_dirs(tmp_path_factory):
     import types
 
     import torch
-    from model_dirs import bert_classifier_dir, llama_dir
+    from model_dirs import CHAT_TEMPLATE, bert_classifier_dir, llama_dir
 
     root = tmp_path_factory.mktemp("pretrained")
     return types.SimpleNamespace(
         llama=llama_dir(root / "llama", files=2),  # two safetensors files and an index
         llama_tied=llama_dir(root / "llama_tied", tied=True),
         llama_bf16=llama_dir(root / "llama_bf16", dtype=torch.bfloat16),
+        llama_chat=llama_dir(root / "llama_chat", chat_template=CHAT_TEMPLATE),
         bert=bert_classifier_dir(root / "bert"),
         bert_base=bert_classifier_dir(root / "bert_base", base_only=True),
     )

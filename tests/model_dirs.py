@@ -20,17 +20,30 @@ from transformers import (
 CORPUS = Path(__file__).resolve().parent / "fixtures" / "corpus.txt"
 VOCAB = 320
 LABELS = {0: "entailment", 1: "neutral", 2: "contradiction"}
+# A ChatML template whose assistant turns carry {% generation %} markers (what TRL's assistant_only_loss needs),
+# and the same template without them: the two must label the same tokens.
+CHAT_TEMPLATE_MARKED = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>\n' }}"
+    "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHAT_TEMPLATE = CHAT_TEMPLATE_MARKED.replace("{% generation %}", "").replace("{% endgeneration %}", "")
 
 
-def bpe_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level BPE (a Llama-style tokenizer) with <s> and </s>."""
+def bpe_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """Byte-level BPE (a Llama-style tokenizer) with <s> and </s>; with a chat template, also ChatML's
+    <|im_start|> and <|im_end|>."""
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train([str(CORPUS)], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    if chat_template:
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def wordpiece_tokenizer() -> PreTrainedTokenizerFast:
@@ -50,9 +63,9 @@ def wordpiece_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def llama_dir(path: Path, tied: bool = False, files: int = 1, dtype: torch.dtype = torch.float32,
-              hidden: int = 64, layers: int = 2, seed: int = 7) -> Path:
+              hidden: int = 64, layers: int = 2, seed: int = 7, chat_template: str | None = None) -> Path:
     """A Llama causal LM as `save_pretrained` writes it; `files` > 1 splits the weights with an index."""
-    tokenizer = bpe_tokenizer()
+    tokenizer = bpe_tokenizer(chat_template)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=256, tie_word_embeddings=tied, bos_token_id=tokenizer.bos_token_id,

@@ -111,8 +111,9 @@ class Trainer:
     """The whole training job for one config.
 
     Seams: `loss_fn(model, batch) -> loss` replaces the model's own loss (`batch` holds `input_ids` and `labels`:
-    this process's rows, on its device); `on_step_end` and `on_evaluate` hooks (see `StepHook`, `EvalHook`) see
-    every step and evaluation. `setup()` builds everything below; `run()` trains."""
+    this process's rows, on its device; its values are averaged over micro-batches and processes as they are,
+    while the model's own loss is weighted by each micro-batch's labelled tokens, see `_token_weights`);
+    `on_step_end` and `on_evaluate` hooks (see `StepHook`, `EvalHook`) see every step and evaluation. `setup()` builds everything below; `run()` trains."""
 
     def __init__(self, cfg: ShardConfig, backend: Backend | None = None, loss_fn: LossFn = model_loss,
                  on_step_end: list[StepHook] | None = None, on_evaluate: list[EvalHook] | None = None):
@@ -250,13 +251,16 @@ class Trainer:
         backend, train = self.backend, self.cfg.train
         micro_batches = micro_batches or self.micro_batches(step)
         k = len(micro_batches)
+        weights = self._token_weights(micro_batches) if self.loss_fn is model_loss else None
         total = None
         for j, rows in enumerate(micro_batches):
             batch = backend.place(rows)
             with backend.grad_sync(self.model, enabled=j == k - 1):
                 with backend.forward_context():
                     loss = self.loss_fn(self.model, batch)
-                (loss / k if k > 1 else loss).backward()
+                if weights is not None:  # a device scalar, not a Python one: XLA would compile each value apart
+                    loss = loss * torch.tensor(weights[j], dtype=loss.dtype, device=loss.device)
+                (loss / k if k > 1 and weights is None else loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
         self.grad_norm = (backend.clip_grad_norm(self.model, train.max_grad_norm)
                           if train.max_grad_norm is not None else None)
@@ -266,7 +270,21 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         backend.after_step()
-        return total / k if k > 1 else total
+        return total / k if k > 1 and weights is None else total
+
+    def _token_weights(self, micro_batches: list[Batch]) -> list[float] | None:
+        """Each micro-batch's share of the step's loss, or None where the plain mean over micro-batches and
+        processes is already right. transformers' loss is a mean over a micro-batch's labelled tokens; where
+        micro-batches hold different numbers (answers only, padded rows), the step's loss is the mean over all
+        of the step's labelled tokens, on every process together: what one process training the whole batch
+        gets, on every backend alike. Gradients are averaged over processes, hence the `world` factor."""
+        shift = 1 if self.cfg.model.task == "causal_lm" else 0  # a causal LM's first label is never predicted
+        counts = [int((rows["labels"][:, shift:] != IGNORE).sum()) for rows in micro_batches]
+        world, k = self.backend.world, len(micro_batches)
+        tokens = self.backend.processes.total(sum(counts))
+        if tokens == 0 or all(count * world * k == tokens for count in counts):
+            return None
+        return [count * world / tokens for count in counts]
 
     def evaluate(self) -> dict[str, float]:
         return evaluate(self.model, self.backend, self.eval_source, self.cfg)

@@ -36,6 +36,10 @@ class Processes:
         """True on every process if `flag` is set on any, so that all stop at the same step (preemption)."""
         return flag
 
+    def total(self, count: int) -> int:
+        """The sum of `count` over every process (labelled tokens of a step, to weight the loss by)."""
+        return count
+
     @contextlib.contextmanager
     def main_first(self):
         """The block runs on this host's first process before the others, which then find what it cached

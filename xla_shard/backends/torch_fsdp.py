@@ -51,6 +51,11 @@ class TorchProcesses(Processes):
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item())
 
+    def total(self, count: int) -> int:
+        value = torch.tensor([count], device=self.device)
+        dist.all_reduce(value)
+        return int(value.item())
+
 
 class Fsdp2State(BackendState):
     """DTensor shards are boxes at the offset DTensor computes; replicas other than the first write nothing."""

@@ -44,6 +44,11 @@ class XlaProcesses(Processes):
 
         return flag if self.count == 1 else xm.mesh_reduce("preempt", flag, any)
 
+    def total(self, count: int) -> int:
+        import torch_xla.core.xla_model as xm
+
+        return count if self.count == 1 else xm.mesh_reduce("tokens", count, sum)
+
 
 class FsdpV1State(BackendState):
     """Each FSDPv1 parameter is a 1-D shard: rank r holds elements [r*L, (r+1)*L) of the original parameter

@@ -288,8 +288,17 @@ class DataSection(_Section):
     format: Literal["json", "jsonl", "csv", "parquet", "txt"] | None = None
     # A tokenizer directory (local or URL); null: the model directory's own.
     tokenizer: str | None = None
+    # causal_lm: what a row is. text: plain text in `text_field`; chat: a list of {role, content} messages in
+    # `messages_field`, rendered with the tokenizer's chat template; prompt_completion: a prompt and its answer in
+    # `prompt_field` and `completion_field` (strings, or lists of messages).
+    kind: Literal["text", "chat", "prompt_completion"] = "text"
     # causal_lm: the column holding the text (txt files: each line is a row of `text`).
     text_field: str = "text"
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    # chat and prompt_completion: the loss covers the assistant turns / the completion only (null: true for them).
+    completion_only_loss: bool | None = None
     # sequence_classification: one text column, or a pair such as [premise, hypothesis]; and the label column
     # (integers, or strings mapped through the model config's label2id).
     text_fields: list[str] = Field(default_factory=lambda: ["text"], min_length=1, max_length=2)
@@ -311,6 +320,17 @@ class DataSection(_Section):
             raise ValueError("set data.eval_path or data.eval_fraction, not both")
         if self.path == "synthetic" and (self.eval_path or self.eval_fraction):
             raise ValueError("data.path is synthetic: there is nothing to evaluate on (set data.path to a file)")
+        if self.kind != "text" and self.path == "synthetic":
+            raise ValueError(f"data.kind {self.kind} reads rows from a file: set data.path")
+        if self.kind == "text" and self.completion_only_loss:
+            raise ValueError("data.completion_only_loss applies to data.kind chat and prompt_completion; a text row "
+                             "has no prompt to leave out of the loss")
+        if self.kind != "text" and self.streaming:
+            raise ValueError(f"data.streaming reads plain text only; data.kind {self.kind} rows are prepared up front "
+                             "(set data.streaming: false)")
+        if self.kind != "text" and self.format == "txt":
+            raise ValueError(f"data.format txt holds one line of text per row; data.kind {self.kind} needs named "
+                             "columns (jsonl, json, parquet or csv)")
         if self.streaming and self.eval_fraction:
             raise ValueError("data.streaming reads the rows once, in order: hold evaluation rows out in a file "
                              "(data.eval_path), not data.eval_fraction")
@@ -434,7 +454,7 @@ class ShardConfig(_Section):
     # Keys that must agree for a resumed run to continue the same model, optimizer state and data stream.
     RESUME_KEYS: ClassVar[tuple[str, ...]] = ("model.name", "model.overrides", "model.task", "train.optimizer",
                                               "train.seed", "train.global_batch_size", "train.seq_len", "data.path",
-                                              "data.tokenizer", "data.packing", "data.eval_fraction")
+                                              "data.kind", "data.tokenizer", "data.packing", "data.eval_fraction")
 
     def run_identity(self) -> dict[str, Any]:
         """{dotted key: value} of RESUME_KEYS, as written into and compared against checkpoint manifests."""
@@ -450,6 +470,9 @@ class ShardConfig(_Section):
     def _eval_needs_data(self) -> ShardConfig:
         if self.data.path == "synthetic" and self.train.eval_every is not None:
             raise ValueError("train.eval_every is set but data.path is synthetic: nothing to evaluate on")
+        if self.data.kind != "text" and self.model.task != "causal_lm":
+            raise ValueError(f"data.kind {self.data.kind} trains a causal LM on answers; model.task is "
+                             f"{self.model.task} (its rows are data.text_fields and data.label_field)")
         return self
 
     @field_validator("model", mode="before")

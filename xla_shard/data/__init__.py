@@ -51,7 +51,7 @@ def build(cfg, model_config, model_directory: str | None = None) -> DataSources:
     if data.streaming:
         return _streamed(cfg, tokenizer, model_config)
     try:
-        train_rows, eval_rows = _tokenized(cfg, tokenizer, model_config, task)
+        train_rows, eval_rows, dropped = _tokenized(cfg, tokenizer, model_config, task)
     except UnicodeDecodeError as exc:  # arrow hands undecodable text on when the rows are first read
         raise ConfigError("data.path", f"{data.path} (or data.eval_path) is not UTF-8 text: byte {exc.start} of a "
                                        f"value cannot be decoded ({exc.reason})") from None
@@ -65,10 +65,17 @@ def build(cfg, model_config, model_directory: str | None = None) -> DataSources:
     if rows < train.global_batch_size:
         raise ConfigError("data.path", f"{data.path} gives {rows} training rows of {train.seq_len} tokens, fewer "
                                        f"than one batch of train.global_batch_size={train.global_batch_size}")
-    what = "blocks of packed tokens" if task == "causal_lm" and data.packing else "rows"
+    what = "rows"
+    if task == "causal_lm" and data.packing:
+        what = "blocks of packed tokens" if data.kind == "text" else f"rows of packed {data.kind} examples"
+    elif data.kind != "text":
+        what = f"{data.kind} examples, padded"
+    scope = {"text": "", "chat": "; loss on the assistant turns", "prompt_completion": "; loss on the completions"}
     return DataSources(DatasetSource(train_rows, train.global_batch_size, train.seed), evaluation,
                        f"{data.path}: {rows} training {what} of {train.seq_len} tokens"
-                       + (f", {len(eval_rows)} for evaluation" if eval_rows is not None else ""))
+                       + (f", {len(eval_rows)} for evaluation" if eval_rows is not None else "")
+                       + (scope[data.kind] if data.completion_only_loss is not False else "")
+                       + (f"; {dropped} example(s) dropped: nothing to learn within train.seq_len" if dropped else ""))
 
 
 def _streamed(cfg, tokenizer, model_config) -> DataSources:
@@ -117,7 +124,14 @@ def _tokenized(cfg, tokenizer, model_config, task):
         split = raw.train_test_split(test_size=data.eval_fraction, seed=train.seed, shuffle=True)
         raw, raw_eval = split["train"], split["test"]
 
+    dropped = 0
+
     def encode(rows, path):
+        nonlocal dropped
+        if data.kind != "text":
+            rows, cut = _sft_rows(cfg, tokenizer, model_config, rows, path)
+            dropped += cut
+            return rows
         if task == "causal_lm":
             return tokenize.causal_lm(rows, tokenizer, data.text_field, train.seq_len, data.packing, data.num_proc,
                                       path)
@@ -125,7 +139,22 @@ def _tokenized(cfg, tokenizer, model_config, task):
                                        dict(model_config.label2id or {}), model_config.num_labels, train.seq_len,
                                        data.num_proc, path)
 
-    return encode(raw, data.path), (encode(raw_eval, data.eval_path or data.path) if raw_eval is not None else None)
+    encoded = encode(raw, data.path), (encode(raw_eval, data.eval_path or data.path) if raw_eval is not None else None)
+    return (*encoded, dropped)
+
+
+def _sft_rows(cfg, tokenizer, model_config, rows, path):
+    """Chat or prompt/completion rows, tokenized as TRL does, then packed or padded to seq_len."""
+    from xla_shard.data import sft, tokenize
+
+    data, seq_len = cfg.data, cfg.train.seq_len
+    workers = tokenize.worker_count(len(rows), data.num_proc)
+    examples, dropped = sft.examples(rows, tokenizer, sft.fields_of(data), seq_len, workers, path)
+    pad = sft.pad_id(tokenizer)
+    if data.packing:
+        sft.require_position_ids(model_config)
+        return sft.packed(examples, seq_len, pad, workers), dropped
+    return sft.padded(examples, seq_len, pad, workers), dropped
 
 
 def load_tokenizer(location: str | None, model_config, explicit: bool, model_name: str):

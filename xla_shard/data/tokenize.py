@@ -20,7 +20,7 @@ def with_eos(doc: list[int], eos: int) -> list[int]:
     return doc if doc[-1:] == [eos] else doc + [eos]
 
 
-def _workers(rows: int, num_proc: int | None) -> int | None:
+def worker_count(rows: int, num_proc: int | None) -> int | None:
     if num_proc is not None:
         return num_proc if num_proc > 1 else None
     return min(os.cpu_count() or 1, 8) if rows >= _PARALLEL_FROM else None
@@ -38,7 +38,7 @@ def causal_lm(rows, tokenizer, text_field: str, seq_len: int, packing: bool, num
     `seq_len`, padded, with the padding masked and left out of the loss."""
     require_columns(rows, [text_field], "data.text_field", path)
     _require_text(rows, text_field, path, "data.text_field")
-    workers = _workers(len(rows), num_proc)
+    workers = worker_count(len(rows), num_proc)
     if packing:
         eos = tokenizer.eos_token_id
         if eos is None:
@@ -91,7 +91,7 @@ def classification(rows, tokenizer, text_fields: list[str], label_field: str, la
         encoded["labels"] = [to_id[label] for label in batch[label_field]]
         return dict(encoded)
 
-    return rows.map(encode, batched=True, remove_columns=rows.column_names, num_proc=_workers(len(rows), num_proc))
+    return rows.map(encode, batched=True, remove_columns=rows.column_names, num_proc=worker_count(len(rows), num_proc))
 
 
 def _label_map(labels: list[Any], label2id: dict[str, int], num_labels: int, field: str, path: str) -> dict:

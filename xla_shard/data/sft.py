@@ -1,0 +1,244 @@
+"""Supervised fine-tuning rows: chat conversations or prompt/completion pairs -> token ids and labels.
+
+Tokenized as TRL's `SFTTrainer` tokenizes them (the reference users know, and what tests compare against):
+- chat: the `messages` list rendered by the tokenizer's chat template; with `completion_only_loss` only the
+  assistant turns are labelled. A template with `{% generation %}` markers says which tokens those are (TRL's
+  `assistant_only_loss`); any other template is rendered turn by turn, each assistant turn being the tokens
+  its rendering adds after the prompt that asks for it, and a template that renders a conversation's start
+  differently once more turns follow is refused (it has no well-defined answer tokens).
+- prompt_completion: the tokens of prompt + completion (+ EOS for text), labelled from where the tokenized
+  prompt stops being a prefix of them; prompts and completions may also be lists of messages.
+
+Each example is cut at `seq_len` (its start kept); one left with no labelled token is dropped and counted.
+Rows then get one length, so XLA compiles one step: packing puts whole examples one after the other into
+`seq_len` rows (next fit) with `position_ids` restarting at 0 per example, which transformers turns into a
+block-diagonal causal mask (eager, SDPA) or variable-length attention (flash attention 2), so an example never
+attends to another (transformers looks for packed examples only when no KV cache is in use, and training runs
+without one: `train_without_cache`); without packing each example is padded.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+
+from xla_shard.data.tokenize import IGNORE, require_columns
+from xla_shard.errors import ConfigError, one_line
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' own test for assistant-mask support
+
+
+@dataclass(frozen=True)
+class SftFields:
+    """Which columns hold what, and whether the prompt tokens are left out of the loss."""
+
+    kind: str  # chat | prompt_completion
+    messages: str
+    prompt: str
+    completion: str
+    completion_only: bool
+
+
+def fields_of(data) -> SftFields:
+    only = data.completion_only_loss is not False  # null: true for chat and prompt_completion
+    return SftFields(data.kind, data.messages_field, data.prompt_field, data.completion_field, only)
+
+
+def examples(rows, tokenizer, fields: SftFields, seq_len: int, num_proc: int | None, path: str):
+    """(`datasets.Dataset` of input_ids and labels, one example per row and of any length up to `seq_len`,
+    how many rows were dropped because truncation left them no labelled token)."""
+    if fields.kind == "chat":
+        require_columns(rows, [fields.messages], "data.messages_field", path)
+        encode = _ChatEncoder(tokenizer, fields, path)
+    else:
+        require_columns(rows, [fields.prompt, fields.completion], "data.prompt_field", path)
+        encode = _PromptCompletionEncoder(tokenizer, fields, path)
+
+    def tokenize(row, index):
+        ids, labels = encode(row, index)
+        return {"input_ids": ids[:seq_len], "labels": labels[:seq_len]}
+
+    tokenized = rows.map(tokenize, with_indices=True, remove_columns=rows.column_names, num_proc=num_proc)
+    kept = tokenized.filter(lambda row: any(label != IGNORE for label in row["labels"]), num_proc=num_proc)
+    if len(kept) == 0:
+        raise ConfigError("train.seq_len", f"{path}: no row keeps a token to learn from within {seq_len} tokens "
+                                           "(every answer starts past it)")
+    return kept, len(tokenized) - len(kept)
+
+
+def packed(rows, seq_len: int, pad_id: int, num_proc: int | None):
+    """Whole examples placed one after another into rows of exactly `seq_len` tokens (a new row when the next
+    does not fit), the rest padded; each example's positions start at 0 and its first token is not a target
+    (it would be predicted from the previous example's last one). Padding is an example of its own, unlabelled."""
+    def pack(batch):
+        out = {"input_ids": [], "labels": [], "position_ids": []}
+        ids: list[int] = []
+        labels: list[int] = []
+        positions: list[int] = []
+
+        def flush():
+            if ids:
+                fill = seq_len - len(ids)
+                out["input_ids"].append(ids + [pad_id] * fill)
+                out["labels"].append(labels + [IGNORE] * fill)
+                out["position_ids"].append(positions + list(range(fill)))
+
+        for example_ids, example_labels in zip(batch["input_ids"], batch["labels"]):
+            if len(ids) + len(example_ids) > seq_len:
+                flush()
+                ids, labels, positions = [], [], []
+            ids = ids + example_ids
+            labels = labels + [IGNORE] + example_labels[1:]
+            positions = positions + list(range(len(example_ids)))
+        flush()
+        return out
+
+    return rows.map(pack, batched=True, batch_size=1000, remove_columns=rows.column_names, num_proc=num_proc)
+
+
+def padded(rows, seq_len: int, pad_id: int, num_proc: int | None):
+    """One example per row, padded to `seq_len`; the padding is masked and unlabelled."""
+    def pad(row):
+        fill = seq_len - len(row["input_ids"])
+        return {"input_ids": row["input_ids"] + [pad_id] * fill, "labels": row["labels"] + [IGNORE] * fill,
+                "attention_mask": [1] * len(row["input_ids"]) + [0] * fill}
+
+    return rows.map(pad, num_proc=num_proc)
+
+
+def pad_id(tokenizer) -> int:
+    """The id padding positions hold: masked and unlabelled, so any id serves; the tokenizer's own if it has one."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return candidate
+    return 0
+
+
+def require_position_ids(model_config) -> None:
+    """Packed examples are kept apart through `position_ids`; a model whose forward takes none cannot be told
+    where one ends."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model_class = AutoModelForCausalLM._model_mapping[type(model_config)]
+    except KeyError:
+        return  # no causal LM for this config: building the model says so, naming model.task
+    if "position_ids" not in inspect.signature(model_class.forward).parameters:
+        raise ConfigError("data.packing", f"{model_class.__name__} takes no position_ids, so packed examples would "
+                                          "attend to each other: set data.packing: false (one padded example per "
+                                          "row)")
+
+
+class _ChatEncoder:
+    def __init__(self, tokenizer, fields: SftFields, path: str):
+        if not tokenizer.chat_template:
+            raise ConfigError("data.kind", f"chat renders {fields.messages!r} with the tokenizer's chat template, and "
+                                           f"the tokenizer ({tokenizer.name_or_path}) has none: name a tokenizer "
+                                           "with one (data.tokenizer)")
+        self.tokenizer, self.fields, self.path = tokenizer, fields, path
+        self.marked = bool(_GENERATION.search(tokenizer.chat_template))
+
+    def __call__(self, row, index: int) -> tuple[list[int], list[int]]:
+        messages = check_messages(row[self.fields.messages], "data.messages_field", self.fields.messages,
+                                  self.path, index)
+        if not self.fields.completion_only:
+            ids = _render(self.tokenizer, messages, self.path, index)["input_ids"]
+            return ids, list(ids)
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ConfigError("data.messages_field", f"{self.path}: row {index} has no assistant turn, so nothing to "
+                                                     "learn (completion_only_loss)")
+        if self.marked:
+            rendered = _render(self.tokenizer, messages, self.path, index, return_assistant_tokens_mask=True)
+            ids, mask = rendered["input_ids"], rendered["assistant_masks"]
+        else:
+            ids = _render(self.tokenizer, messages, self.path, index)["input_ids"]
+            mask = self._turn_mask(messages, ids, index)
+        return ids, [t if m else IGNORE for t, m in zip(ids, mask)]
+
+    def _turn_mask(self, messages: list[dict], ids: list[int], index: int) -> list[int]:
+        mask = [0] * len(ids)
+        for turn, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            asked = _render(self.tokenizer, messages[:turn], self.path, index, add_generation_prompt=True)["input_ids"]
+            answered = _render(self.tokenizer, messages[:turn + 1], self.path, index)["input_ids"]
+            if answered[:len(asked)] != asked or ids[:len(answered)] != answered:
+                raise ConfigError("data.kind", f"{self.path}: row {index}: the chat template renders the conversation "
+                                               f"before assistant turn {turn} differently once the turn follows, so "
+                                               "its answer tokens are not defined; give the template {% generation %} "
+                                               "markers, or set data.completion_only_loss: false")
+            mask[len(asked):len(answered)] = [1] * (len(answered) - len(asked))
+        return mask
+
+
+class _PromptCompletionEncoder:
+    def __init__(self, tokenizer, fields: SftFields, path: str):
+        self.tokenizer, self.fields, self.path = tokenizer, fields, path
+
+    def __call__(self, row, index: int) -> tuple[list[int], list[int]]:
+        prompt, completion = row[self.fields.prompt], row[self.fields.completion]
+        if isinstance(prompt, str) and isinstance(completion, str):
+            eos = self.tokenizer.eos_token
+            if eos is None:
+                raise ConfigError("data.kind", "prompt_completion ends each completion with EOS, and the tokenizer "
+                                               f"({self.tokenizer.name_or_path}) has no EOS token")
+            if not completion.endswith(eos):
+                completion += eos
+            prompt_ids = self.tokenizer(text=prompt)["input_ids"]
+            ids = self.tokenizer(text=prompt + completion)["input_ids"]
+        elif isinstance(prompt, list) and isinstance(completion, list):
+            if not self.tokenizer.chat_template:
+                raise ConfigError("data.kind", f"row {index} of {self.path} holds messages, which are rendered with "
+                                               "the tokenizer's chat template, and the tokenizer has none")
+            prompt = check_messages(prompt, "data.prompt_field", self.fields.prompt, self.path, index)
+            completion = check_messages(completion, "data.completion_field", self.fields.completion, self.path, index)
+            prompt_ids = _render(self.tokenizer, prompt, self.path, index, add_generation_prompt=True)["input_ids"]
+            ids = _render(self.tokenizer, prompt + completion, self.path, index)["input_ids"]
+        else:
+            raise ConfigError("data.prompt_field", f"{self.path}: row {index}: {self.fields.prompt!r} and "
+                                                   f"{self.fields.completion!r} must both be text or both be lists of "
+                                                   f"messages, not {_kind(prompt)} and {_kind(completion)}")
+        start = _common_prefix(prompt_ids, ids)  # where the completion's tokens start (TRL's rule)
+        if not self.fields.completion_only:
+            return ids, list(ids)
+        return ids, [IGNORE] * start + ids[start:]
+
+
+def check_messages(messages, key: str, field: str, path: str, index: int) -> list[dict]:
+    """The row's messages as {role, content} dicts, or one line naming the key, the row and what is wrong."""
+    where = f"{path}: row {index}"
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(key, f"{where}: {field!r} is {_kind(messages)}, not a list of messages")
+    for turn, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ConfigError(key, f"{where}: message {turn} of {field!r} has no role")
+        if message["role"] not in ROLES:
+            raise ConfigError(key, f"{where}: message {turn} has the unknown role {message['role']!r} "
+                                   f"(roles: {', '.join(ROLES)})")
+        if not isinstance(message.get("content"), str):
+            raise ConfigError(key, f"{where}: message {turn} ({message['role']}) has no text content")
+    # Arrow gives every message of a column the union of their keys (None where absent): drop those again.
+    return [{k: v for k, v in message.items() if v is not None} for message in messages]
+
+
+def _render(tokenizer, messages: list[dict], path: str, index: int, **options) -> dict:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **options)
+    except Exception as exc:  # noqa: BLE001 - a template's raise_exception, or a jinja error: the user's to fix
+        raise ConfigError("data.kind", f"{path}: row {index}: the chat template cannot render it: "
+                                       f"{type(exc).__name__}: {one_line(exc)[:300]}") from None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _kind(value) -> str:
+    return "missing" if value is None else type(value).__name__
