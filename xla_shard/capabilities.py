@@ -41,6 +41,8 @@ class Capabilities:
     scan_layers: str | None = "it runs no compiled loop over layers (torch_xla's scan runs under SPMD)"
     compile: str | None = ("torch_xla traces each step and compiles it into one XLA graph already; torch.compile's "
                            "openxla backend does not run its FSDP wrappers")
+    # LoRA adapters beside frozen weights (model.lora).
+    lora: str | None = None
     # What `scripts/setup_worker.sh KIND` installs on a TPU VM for it: torch_xla[tpu] ("tpu") or TorchTPU.
     tpu_setup: str = "tpu"
     # Cost-model facts: per-tensor gathers (backward skips an embedding table, which needs only the ids) and a
@@ -66,6 +68,8 @@ class Capabilities:
             self.refuse("fsdp.mixed_precision", "fp16 needs loss scaling, which xla_shard does not do; use bf16")
         if fsdp.scan_layers and self.scan_layers:
             self.refuse("fsdp.scan_layers", f"{self.scan_layers}; use backend xla_spmd or set it to false")
+        if cfg.model.lora is not None and self.lora:
+            self.refuse("model.lora", f"{self.lora}; use backend xla_spmd or torch_fsdp")
         if cfg.train.compile and self.compile:
             self.refuse("train.compile", f"{self.compile}; set it to false")
         if fsdp.xla_settings and self.xla_settings:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from xla_shard import lora
 from xla_shard.checkpoint import hf_dir, layout
 from xla_shard.checkpoint.contract import StateTensor, region
 from xla_shard.checkpoint.reader import ChunkReader, fill
@@ -89,25 +90,32 @@ class PretrainedWeights:
             return None
 
     # ---- before sharding ------------------------------------------------------------------------------
-    def match(self, model: nn.Module, seed: int) -> None:
+    def match(self, model: nn.Module, seed: int, adapters: dict[str, torch.Tensor] | None = None) -> None:
         """Pair every parameter (and stored buffer) with a stored tensor; parameters of a head the directory
-        lacks get fresh values from `seed`. Anything else missing, unexpected or of another shape is refused."""
-        params = dict(model.named_parameters())
-        wanted = {**{n: tuple(p.shape) for n, p in params.items()},
+        lacks get fresh values from `seed`, LoRA `adapters` the values given. Anything else missing, unexpected
+        or of another shape is refused. A LoRA-wrapped layer's parameters are matched under their stored names
+        (`lora.stored_name`); a module trained whole beside adapters has two copies, both read from the file."""
+        adapters = adapters or {}
+        params = {n: p for n, p in model.named_parameters() if n not in adapters}
+        aliases: dict[str, list[str]] = {}
+        for name in [*params, *(n for n, _ in _persistent_buffers(model))]:
+            aliases.setdefault(lora.stored_name(name), []).append(name)
+        shapes = {**{n: tuple(p.shape) for n, p in params.items()},
                   **{n: tuple(b.shape) for n, b in _persistent_buffers(model)}}
-        rename = _renamer(model)
+        wanted = {key: shapes[names[0]] for key, names in aliases.items()}
+        rename = _renamer(model, list(wanted))
         tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
         ignored = _ignored_unexpected(model)
         unexpected = []
         for stored in self.manifest.tensors:
             key = rename(stored[len("model/"):])
             if key in wanted:
-                self.names[key] = stored
+                self.names.update((name, stored) for name in aliases[key])
             elif key in tied or ignored(key):
                 self.skipped.append(key)
             else:
                 unexpected.append(key)
-        missing = sorted(set(params) - set(self.names))
+        missing = sorted({lora.stored_name(n) for n in set(params) - set(self.names)})
         base = _base_prefix(model)
         head = [k for k in missing if base and not k.startswith(base)]
         lost = [k for k in missing if k not in head]
@@ -124,12 +132,12 @@ class PretrainedWeights:
                                             f"{self._saved_as(model)}")
         for key, stored in self.names.items():
             have = tuple(self.manifest.tensors[stored]["shape"])
-            if have != wanted[key]:
+            if have != shapes[key]:
                 hint = " (set model.num_labels to match it)" if key in head or "classifier" in key else ""
-                raise ConfigError("model.name", f"{where}: {key} is {list(have)} there, {list(wanted[key])} in the "
+                raise ConfigError("model.name", f"{where}: {key} is {list(have)} there, {list(shapes[key])} in the "
                                                 f"model{hint}")
         self.skipped += other_heads
-        self.fresh = _fresh_values(model, head, seed)
+        self.fresh = {**_fresh_values(model, [n for n in params if lora.stored_name(n) in head], seed), **adapters}
 
     def _saved_as(self, model: nn.Module) -> str:
         saved = self.source.fields.get("architectures") or []
@@ -140,9 +148,11 @@ class PretrainedWeights:
         return f" (it was saved from a {saved[0]}{hint})"
 
     # ---- after sharding -------------------------------------------------------------------------------
-    def load(self, backend, model: nn.Module) -> LoadReport:
-        """Fill the wrapped model: each process reads the boxes of each tensor it holds, nothing else."""
-        targets = backend.state.tensors(model)
+    def load(self, backend, model: nn.Module, frozen_only: bool = False) -> LoadReport:
+        """Fill the wrapped model: each process reads the boxes of each tensor it holds, nothing else.
+        `frozen_only`: only the parameters not trained (a resumed LoRA run: its checkpoint holds the rest)."""
+        frozen = {f"model/{n}" for n, p in backend.state.named_parameters(model) if not p.requires_grad}
+        targets = [t for t in backend.state.tensors(model) if not frozen_only or t.name in frozen]
         report = LoadReport(0, 0, sum(_stored_bytes(self.manifest.tensors[s]) for s in self.names.values()), 0,
                             fresh=sorted(self.fresh), skipped=sorted(self.skipped))
         reader = ChunkReader(self.storage, self.manifest, bridge_gaps=False)
@@ -199,8 +209,13 @@ def build_for(cfg, accelerator: str | None = None):
     source = resolve_source(cfg.model, deadline)
     weights = PretrainedWeights.find(source, cfg.model.init, deadline)
     model = build_model(cfg.model, cfg.train.seed, empty=weights is not None, source=source, accelerator=accelerator)
+    adapters = None
+    if cfg.model.lora is not None:
+        adapters, _ = lora.inject(model, cfg.model.lora, cfg.model.task, cfg.train.seed)
+        if weights is None:
+            lora.materialize(model, adapters)
     if weights is not None:
-        weights.match(model, cfg.train.seed)
+        weights.match(model, cfg.train.seed, adapters)
     return model, weights, source
 
 
@@ -214,17 +229,18 @@ def load_model(cfg, backend) -> nn.Module:
     return wrapped
 
 
-def _renamer(model: nn.Module) -> Callable[[str], str]:
-    """A stored key as this model names it: transformers' renamings for the class (legacy gamma/beta and
-    the like) and its base-model prefix added or removed. Keys that need transformers to rebuild tensors
-    (fusing experts, splitting qkv) cannot be read as stored ranges and are refused."""
+def _renamer(model: nn.Module, names: list[str]) -> Callable[[str], str]:
+    """A stored key as this model names it (`names`: its tensors' names as saved): transformers' renamings for
+    the class (legacy gamma/beta and the like) and its base-model prefix added or removed. Keys that need
+    transformers to rebuild tensors (fusing experts, splitting qkv) cannot be read as stored ranges and are
+    refused."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, rename_source_key
 
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    meta_state = model.state_dict()
+    meta_state = dict.fromkeys(names, True)  # transformers tests `.get(key) is not None`
     prefix = getattr(model, "base_model_prefix", None) or None
 
     def rename(key: str) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from xla_shard import backends, launch, metrics
+from xla_shard import backends, launch, lora, metrics
 from xla_shard import data as datalib
 from xla_shard.backends.base import Backend
 from xla_shard.checkpoint import Checkpointer, CheckpointError, NoCheckpoints, layout
@@ -113,7 +113,8 @@ class Trainer:
     Seams: `loss_fn(model, batch) -> loss` replaces the model's own loss (`batch` holds `input_ids` and `labels`:
     this process's rows, on its device; its values are averaged over micro-batches and processes as they are,
     while the model's own loss is weighted by each micro-batch's labelled tokens, see `_token_weights`);
-    `on_step_end` and `on_evaluate` hooks (see `StepHook`, `EvalHook`) see every step and evaluation. `setup()` builds everything below; `run()` trains."""
+    `on_step_end` and `on_evaluate` hooks (see `StepHook`, `EvalHook`) see every step and evaluation. `setup()`
+    builds everything below; `run()` trains."""
 
     def __init__(self, cfg: ShardConfig, backend: Backend | None = None, loss_fn: LossFn = model_loss,
                  on_step_end: list[StepHook] | None = None, on_evaluate: list[EvalHook] | None = None):
@@ -155,6 +156,8 @@ class Trainer:
         self._log(f"data: {sources.description}; {self.total_steps} steps"
                   + (f" ({cfg.train.epochs:g} epoch(s))" if cfg.train.epochs else ""))
         model_class = type(model).__name__  # before wrapping (FSDP2 renames the class)
+        if cfg.model.lora is not None:
+            self._log(f"model.lora: {lora.describe(model, cfg.model.lora)}")
         inferred = inferred_layers(model, cfg.fsdp)
         if inferred:
             self._log(f"wrap: {inferred}")
@@ -164,7 +167,8 @@ class Trainer:
                                                                   backend.accelerator))
         self.peak_per_device, self.mfu_basis = self._mfu_basis()
         if cfg.checkpoint.dir:
-            self.checkpointer = Checkpointer(cfg.checkpoint, backend.state, log=self._log)
+            self.checkpointer = Checkpointer(cfg.checkpoint, backend.state, log=self._log,
+                                             trained_only=cfg.model.lora is not None)
             self.start_step = self.checkpointer.restore(self.model, self.optimizer)
             key = "train.epochs" if cfg.train.epochs else "train.steps"
             if self.start_step > self.total_steps:
@@ -181,6 +185,10 @@ class Trainer:
                       else f"random init from train.seed={cfg.train.seed}")
             self._log(f"model: {model_class}, " + origin
                       + ("" if source.directory is None else f" (model.init={cfg.model.init})"))
+        elif self.start_step and cfg.model.lora is not None:  # the checkpoint held what is trained, not the base
+            report = weights.load(backend, self.model, frozen_only=True)
+            self._log(f"model: resumed the LoRA adapters; the frozen weights read from {source.directory} "
+                      f"({report.describe()})")
         elif self.start_step:
             weights.load_buffers(backend, self.model)  # checkpoints hold parameters; stored buffers come from here
             self._log(f"model: resumed, so the pretrained weights of {source.directory} were not read")
@@ -200,8 +208,11 @@ class Trainer:
 
     def _load_pretrained(self, weights: PretrainedWeights, model_class: str) -> None:
         report = weights.load(self.backend, self.model)
+        head = [name for name in report.fresh if not lora.is_adapter(name)]
+        adapters = len(report.fresh) - len(head)
         self._log(f"model: {model_class}, pretrained weights from {weights.source.directory}"
-                  + (f"; new head {', '.join(report.fresh)} initialised from train.seed" if report.fresh else "")
+                  + (f"; new head {', '.join(head)} initialised from train.seed" if head else "")
+                  + (f"; {adapters} LoRA matrices initialised from train.seed" if adapters else "")
                   + (f"; {len(report.skipped)} stored tensor(s) not used ({', '.join(report.skipped[:4])}"
                      f"{', ...' if len(report.skipped) > 4 else ''})" if report.skipped else ""))
         # Every process reports its own reads: the point is that each reads only its part.

@@ -131,7 +131,9 @@ class XlaFsdpBackend(xla_common.XlaBackend):
                           "shards",
         group_after_forward="XlaFullyShardedDataParallel's reshard_after_forward is a bool",
         scan_layers="XlaFullyShardedDataParallel gathers each layer's flat parameters in hooks, which a scanned layer "
-                    "does not run")
+                    "does not run",
+        lora="XlaFullyShardedDataParallel flattens a unit's parameters into one shard with one requires_grad, so "
+             "frozen weights and trained adapters cannot share a unit")
     wrapper_prefixes = ("_fsdp_wrapped_module", "_fpw_module")
     state_type = FsdpV1State
 

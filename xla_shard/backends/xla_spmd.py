@@ -199,6 +199,9 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         xla_common.import_torchax_quietly()
         # FSDPv2 hangs a gradient barrier hook on the root too; transformers' ModelOutput root cannot take it.
         warnings.filterwarnings("ignore", message="For backward hooks to be called")
+        # ... and where the layers' inputs need no gradient (a frozen embedding under LoRA) torch says the hook
+        # fires for the outputs' gradients: the barrier still covers the step's gradients.
+        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
         self.num_devices = xr.global_runtime_device_count()
         self.local_devices = xr.addressable_runtime_device_count()
         self.device = torch_xla.device()
@@ -281,7 +284,8 @@ class XlaSpmdBackend(xla_common.XlaBackend):
             layouts = self.layouts[param] = Layouts.of(param, stacked=param in stacked)
             if self.plan.params == 1:
                 xs.mark_sharding(param, self.mesh, layouts.params)
-            param.register_post_accumulate_grad_hook(shard(layouts.grads))
+            if param.requires_grad:  # frozen weights (LoRA's base) have no gradient
+                param.register_post_accumulate_grad_hook(shard(layouts.grads))
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Where the plan shards optimizer state apart from the parameters, the optimizer's per-parameter state

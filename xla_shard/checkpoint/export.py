@@ -15,7 +15,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from xla_shard.checkpoint import layout
+from xla_shard.checkpoint import layout, peft_adapter
 from xla_shard.checkpoint.inspect import open_checkpoint
 from xla_shard.checkpoint.manifest import CheckpointError
 from xla_shard.checkpoint.reader import ChunkReader
@@ -66,10 +66,19 @@ def export(url: str, to: str, max_shard_bytes: int = 2 * 10**9, overwrite: bool 
             raise CheckpointError(f"{manifest.url} holds no model tensors (model/...): nothing to export")
         sizes = {n: math.prod(manifest.tensors[n]["shape"])
                  * layout.TORCH_DTYPES[manifest.tensors[n]["dtype"]].itemsize for n in names}
+        run_model = (manifest.data.get("config") or {}).get("model")
+        adapter = run_model.get("lora") if isinstance(run_model, dict) else None
         with destination as out:
-            files = _write_weights(ChunkReader(storage, manifest), manifest, names, sizes, out, max_shard_bytes)
-            copied, note = _copy_companions(manifest, out)
-            out.write("config.json", json.dumps(hf, indent=2).encode())  # last: what loaders look for first
+            reader = ChunkReader(storage, manifest)
+            if isinstance(adapter, dict):  # a LoRA run: its checkpoint holds the adapters, exported for peft
+                files = _write_weights(reader, manifest, names, sizes, out, math.inf, peft_adapter.key,
+                                       peft_adapter.WEIGHTS)
+                copied, note = _copy_companions(manifest, out)
+                out.write(peft_adapter.CONFIG, peft_adapter.config_json(adapter, run_model, names))
+            else:
+                files = _write_weights(reader, manifest, names, sizes, out, max_shard_bytes)
+                copied, note = _copy_companions(manifest, out)
+                out.write("config.json", json.dumps(hf, indent=2).encode())  # last: what loaders look for first
     return ExportReport(manifest.step, files, len(names), sum(sizes.values()), max(sizes.values()),
                         growth.bytes, copied, note)
 
@@ -139,23 +148,24 @@ class Destination:
 
 
 def _write_weights(reader: ChunkReader, manifest, names: list[str], sizes: dict[str, int], out: Storage,
-                   max_shard_bytes: int) -> list[str]:
+                   max_shard_bytes: float, key=lambda name: name[len("model/"):], single: str = WEIGHTS) -> list[str]:
+    """The tensors `names` as safetensors files of at most `max_shard_bytes` each, under `key(name)`."""
     groups: list[list[str]] = [[]]
     for name in names:  # split by size, tensors kept whole, in name order
         if groups[-1] and sum(sizes[n] for n in groups[-1]) + sizes[name] > max_shard_bytes:
             groups.append([])
         groups[-1].append(name)
-    files = [WEIGHTS] if len(groups) == 1 else [
+    files = [single] if len(groups) == 1 else [
         f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     weight_map = {}
     for file, group in zip(files, groups):
         header, offset = {}, 0
         for name in group:
             meta = manifest.tensors[name]
-            header[name[len("model/"):]] = {"dtype": meta["dtype"], "shape": meta["shape"],
-                                            "data_offsets": [offset, offset + sizes[name]]}
+            header[key(name)] = {"dtype": meta["dtype"], "shape": meta["shape"],
+                                 "data_offsets": [offset, offset + sizes[name]]}
             offset += sizes[name]
-            weight_map[name[len("model/"):]] = file
+            weight_map[key(name)] = file
 
         def parts(group=group, header=header):  # one tensor in memory at a time
             yield layout.safetensors_prefix({**header, "__metadata__": {"format": "pt"}})

@@ -103,10 +103,12 @@ class Checkpointer:
     run's is refused by `restore`, naming the key: it would not continue that run.
     """
 
-    def __init__(self, section, state: ShardedState, log: Callable[[str], None] = print):
+    def __init__(self, section, state: ShardedState, log: Callable[[str], None] = print, trained_only: bool = False):
         self.section = section
         self.state = state
         self.log = log
+        # Frozen parameters (LoRA's base model) are left out: they are in the model directory already.
+        self.trained_only = trained_only
         self.storage = Storage(section.dir, section.retry_deadline_s)
         self.runs = Runs(self.storage)
         self.run: dict[str, Any] = _new_run()
@@ -131,7 +133,7 @@ class Checkpointer:
         self.wait()  # at most one save in flight; an earlier failure surfaces here
         self._extra = _snapshot(extra) if extra else None
         self._hf_config = hf_config(model)
-        entries = [layout.Entry(t.name, t.shape, t.dtype, t.chunks()) for t in self.state.tensors(model, optimizer)]
+        entries = [layout.Entry(t.name, t.shape, t.dtype, t.chunks()) for t in self._tensors(model, optimizer)]
         rng = self.state.rng_state()
         self.saving_step = self.last_saved = step
         if self.section.async_save and not block:
@@ -329,7 +331,7 @@ class Checkpointer:
         self._check_identity(manifest, hf_config(model))
         stored = {name: (tuple(meta["shape"]), layout.TORCH_DTYPES[meta["dtype"]])
                   for name, meta in manifest.tensors.items()}
-        targets = self.state.tensors(model, optimizer, stored=stored)
+        targets = self._tensors(model, optimizer, stored)
         _match(manifest, stored, targets)
         _check_extra(manifest, extra)
         fill(ChunkReader(storage, manifest), targets)
@@ -345,6 +347,15 @@ class Checkpointer:
             self.log(f"checkpoint written by {manifest.data['writers']} writer(s), now {world}: random number "
                      "generators start fresh (model, optimizer and data position are restored exactly)")
         return manifest
+
+    def _tensors(self, model, optimizer, stored=None) -> list:
+        tensors = self.state.tensors(model, optimizer, stored=stored)
+        if not self.trained_only:
+            return tensors
+        per_layer = self.state.layer_names(model)
+        frozen = {f"model/{one}" for name, param in self.state.named_parameters(model) if not param.requires_grad
+                  for one in per_layer.get(name, [name])}
+        return [t for t in tensors if t.name not in frozen]
 
     def _check_identity(self, manifest: Manifest, architecture: dict[str, Any] | None) -> None:
         saved = manifest.data["config"]

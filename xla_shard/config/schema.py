@@ -183,6 +183,27 @@ class MeshSection(_Section):
         return self.replica, fsdp
 
 
+class LoraSection(_Section):
+    """LoRA adapters (peft's): the model's weights stay frozen, small low-rank matrices beside the chosen layers
+    are trained, and checkpoints hold only what is trained."""
+
+    r: int = Field(default=8, ge=1)
+    alpha: float = Field(default=16.0, gt=0)
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    # Module names (the last part, as peft matches them: [q_proj, v_proj]) or "all-linear": every linear layer
+    # but the output head.
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    # Modules trained whole beside the adapters (a new classifier head is added by itself).
+    modules_to_save: list[str] = Field(default_factory=list)
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("model.lora.target_modules is empty: name the layers to adapt, or all-linear")
+        return value
+
+
 class ModelSection(_Section):
     # A preset name (see `xla_shard.config.presets`), a transformers config.json, or a model directory
     # (`save_pretrained` output: config.json + safetensors) on a local disk or any fsspec URL (gs://, hf://).
@@ -199,6 +220,8 @@ class ModelSection(_Section):
     # torch_xla's Pallas flash attention; CUDA: sdpa; CPU: eager, one formula on every backend). eager; sdpa
     # (torch's scaled_dot_product_attention); flash_attention_2 (CUDA, the flash-attn package); xla_pallas (TPU).
     attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2", "xla_pallas"] = "auto"
+    # Train LoRA adapters (peft) instead of every weight; null: full fine-tuning.
+    lora: LoraSection | None = None
 
     @model_validator(mode="after")
     def _labels_need_a_classifier(self) -> ModelSection:
@@ -452,9 +475,10 @@ class ShardConfig(_Section):
     output_dir: str = "runs/default"
 
     # Keys that must agree for a resumed run to continue the same model, optimizer state and data stream.
-    RESUME_KEYS: ClassVar[tuple[str, ...]] = ("model.name", "model.overrides", "model.task", "train.optimizer",
-                                              "train.seed", "train.global_batch_size", "train.seq_len", "data.path",
-                                              "data.kind", "data.tokenizer", "data.packing", "data.eval_fraction")
+    RESUME_KEYS: ClassVar[tuple[str, ...]] = ("model.name", "model.overrides", "model.task", "model.lora",
+                                              "train.optimizer", "train.seed", "train.global_batch_size",
+                                              "train.seq_len", "data.path", "data.kind", "data.tokenizer",
+                                              "data.packing", "data.eval_fraction")
 
     def run_identity(self) -> dict[str, Any]:
         """{dotted key: value} of RESUME_KEYS, as written into and compared against checkpoint manifests."""

@@ -1,0 +1,151 @@
+"""LoRA (model.lora, through peft): the frozen base is read and sharded like any model, the adapters train as
+peft + plain transformers train them, the optimizer holds state for the adapters only, checkpoints hold what is
+trained and resume exactly, and the export is a directory PeftModel loads."""
+
+import json
+
+import pytest
+import torch
+from conftest import backend_params, run_cli, run_probe, runnable
+from transformers import AutoModelForCausalLM
+
+from xla_shard import backends, config
+from xla_shard.data import build
+from xla_shard.errors import ConfigError
+from xla_shard.pretrained import build_for
+
+BACKENDS = {
+    "xla_spmd": (["backend=xla_spmd", "cpu_devices=2"], 0),
+    "torch_fsdp": (["backend=torch_fsdp"], 2),
+}
+LORA = ["model.lora.r=4", "model.lora.alpha=8"]
+
+
+def _common(model_dirs, tmp_path, *sets):
+    from conftest import FIXTURES
+
+    return [f"model.name={model_dirs.llama}", f"data.path={FIXTURES / 'corpus.jsonl'}", "train.seq_len=32",
+            "train.optimizer=sgd", "train.lr=1.0", *LORA, *sets]
+
+
+def _train(args, out, nproc, steps, *sets):
+    extra = ["--nproc-per-node", str(nproc)] if nproc else []
+    sets = [*args, f"output_dir={out}", f"train.steps={steps}", *sets]
+    done = run_cli("train", *[a for s in sets for a in ("--set", s)], *extra)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stderr, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def peft_reference(model_dirs, args, steps: int) -> list[float]:
+    """peft + plain transformers on one process, whole batches, SGD, from the same initial adapters."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = config.load(None, args)
+    _, weights, _ = build_for(cfg)  # the adapters' initial values, as the run draws them from train.seed
+    base = AutoModelForCausalLM.from_pretrained(model_dirs.llama, attn_implementation="eager", use_cache=False)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    adapters = {f"base_model.model.{k}": v for k, v in weights.fresh.items()}
+    assert not model.load_state_dict(adapters, strict=False).unexpected_keys
+    source = build(cfg, base.config, str(model_dirs.llama)).train
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr)
+    losses = []
+    for step in range(steps):
+        loss = model(**source.global_batch(step)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_xla_fsdp_refuses_lora_naming_key_and_backend():
+    cfg = config.load(None, ["backend=xla_fsdp", "cpu_devices=1", *LORA])
+    with pytest.raises(ConfigError) as raised:
+        backends.create(cfg)
+    assert (raised.value.key, raised.value.backend) == ("model.lora", "xla_fsdp")
+    assert "one requires_grad" in str(raised.value)
+
+
+def test_adapters_are_all_that_trains_and_the_base_is_read_under_its_stored_names(model_dirs):
+    cfg = config.load(None, [f"model.name={model_dirs.llama}", *LORA, "model.lora.target_modules=[q_proj, v_proj]"])
+    model, weights, _ = build_for(cfg)
+    trained = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert trained == sorted(weights.fresh) and len(trained) == 2 * 2 * 2  # 2 layers x (q, v) x (A, B)
+    assert all(".lora_A." in n or ".lora_B." in n for n in trained)
+    assert weights.names["model.layers.0.self_attn.q_proj.base_layer.weight"].endswith(
+        "model.layers.0.self_attn.q_proj.weight")
+    assert all(torch.count_nonzero(v) == 0 for n, v in weights.fresh.items() if ".lora_B." in n)
+    _, again, _ = build_for(cfg)
+    assert all(torch.equal(v, again.fresh[n]) for n, v in weights.fresh.items())  # from train.seed
+
+
+def test_a_target_the_model_lacks_is_refused_naming_the_key(model_dirs):
+    cfg = config.load(None, [f"model.name={model_dirs.llama}", *LORA, "model.lora.target_modules=[qkv_proj]"])
+    with pytest.raises(ConfigError) as raised:
+        build_for(cfg)
+    assert raised.value.key == "model.lora.target_modules" and "qkv_proj" in str(raised.value)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", backend_params(list(BACKENDS)))
+def test_lora_training_follows_peft_and_plain_transformers(model_dirs, tmp_path, backend):
+    sets, nproc = runnable(BACKENDS)[backend]
+    args = _common(model_dirs, tmp_path, *sets)
+    log, records = _train(args, tmp_path / "run", nproc, 3)
+    assert "LoRA matrices initialised from train.seed" in log and "the rest frozen" in log
+    want = peft_reference(model_dirs, args, 3)
+    assert [r["loss"] for r in records] == pytest.approx(want, rel=1e-5), (backend, records, want)
+    assert want[-1] < want[0]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_optimizer_state_and_gradients_are_the_adapters_only(model_dirs, tmp_path):
+    base = [f"model.name={model_dirs.llama}", "train.seq_len=32", "backend=torch_fsdp", "train.optimizer=adamw"]
+    full = run_probe(tmp_path / "full.pt", *base, nproc=2)["memory"]
+    adapted = run_probe(tmp_path / "lora.pt", *base, *LORA, nproc=2)["memory"]
+    cfg = config.load(None, [*base, *LORA])
+    model, _, _ = build_for(cfg)
+    trained = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    assert adapted["optimizer_unsharded"] == 2 * trained  # AdamW's two moments, adapters only
+    assert adapted["grads_unsharded"] == trained
+    assert adapted["optimizer"] < full["optimizer"] / 5 and adapted["params"] >= full["params"]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_checkpoints_hold_the_adapters_resume_exactly_and_export_for_peft(model_dirs, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    sets, nproc = BACKENDS["torch_fsdp"]
+    args = _common(model_dirs, tmp_path, *sets, "checkpoint.every_steps=2")
+    _, straight = _train(args, tmp_path / "a", nproc, 4, f"checkpoint.dir={tmp_path / 'a' / 'ckpt'}")
+    _train(args, tmp_path / "b", nproc, 2, f"checkpoint.dir={tmp_path / 'b' / 'ckpt'}")
+    log, resumed = _train(args, tmp_path / "b", nproc, 4, f"checkpoint.dir={tmp_path / 'b' / 'ckpt'}")
+    assert "resumed the LoRA adapters" in log
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]  # metrics.jsonl keeps steps 1-2
+
+    checkpoint = tmp_path / "a" / "ckpt" / "step-00000004"
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    model_tensors = sorted(n for n in manifest["tensors"] if n.startswith("model/"))
+    assert model_tensors and all(".lora_" in n for n in model_tensors)
+
+    out = tmp_path / "adapter"
+    done = run_cli("ckpt", "export", str(checkpoint), "--to", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) >= ["adapter_config.json", "adapter_model.safetensors"]
+    base = AutoModelForCausalLM.from_pretrained(model_dirs.llama, attn_implementation="eager")
+    ids = torch.randint(3, 300, (2, 16))
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits
+    loaded = PeftModel.from_pretrained(base, out).eval()
+    stored = load_file(out / "adapter_model.safetensors")
+    state = loaded.state_dict()
+    for key, value in stored.items():
+        name = key.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")
+        assert torch.equal(state[name], value), key
+    with torch.no_grad():
+        adapted = loaded(input_ids=ids).logits
+    assert not torch.allclose(adapted, plain)  # trained adapters change the outputs

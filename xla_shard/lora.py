@@ -1,0 +1,114 @@
+"""`model.lora`: LoRA adapters injected by peft into the model before it is sharded.
+
+peft's own layers do the work (`inject_adapter_in_model`): each target linear layer keeps its weight as
+`<layer>.base_layer.weight`, frozen, beside trainable `<layer>.lora_A.default.weight` and `lora_B`. The model,
+adapters included, is built on the meta device and sharded like any other: the frozen base is read shard by
+shard from the model directory under its stored names (`stored_name`), the adapters start from peft's own
+initialisation drawn from `train.seed` (the same on every process and backend), and the optimizer, which
+holds state only for trainable parameters, never sees the base.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from xla_shard.config.schema import LoraSection
+from xla_shard.errors import ConfigError, one_line
+
+ADAPTER = "default"  # peft's adapter name; exports drop it, as peft's save_pretrained does
+# What peft puts into a wrapped module's parameter names: removed, they are the names the model directory uses.
+_INFIXES = re.compile(r"\.(base_layer|original_module|modules_to_save\.default)(?=\.)")
+
+
+def stored_name(name: str) -> str:
+    """A parameter's name as the model was saved (`q_proj.base_layer.weight` -> `q_proj.weight`)."""
+    return _INFIXES.sub("", name)
+
+
+def is_adapter(name: str) -> bool:
+    """A LoRA matrix (not a module trained whole)."""
+    return ".lora_" in name
+
+
+def peft_config(section: LoraSection, modules_to_save: list[str]):
+    from peft import LoraConfig
+
+    return LoraConfig(r=section.r, lora_alpha=section.alpha, lora_dropout=section.dropout,
+                      target_modules=section.target_modules, modules_to_save=modules_to_save or None)
+
+
+def head_modules(model: nn.Module) -> list[str]:
+    """The top-level modules outside the base model (a classifier head): trained whole with the adapters."""
+    prefix = getattr(model, "base_model_prefix", "")
+    return [name for name, child in model.named_children()
+            if name != prefix and any(True for _ in child.parameters())]
+
+
+def inject(model: nn.Module, section: LoraSection, task: str, seed: int) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Adapters into `model` in place, everything else frozen. Returns the adapters' initial values by
+    parameter name (computed on the host from `seed`; the adapters themselves are left on the meta device when
+    the base is, to be filled after sharding) and the modules trained whole."""
+    from peft import inject_adapter_in_model
+
+    modules_to_save = list(section.modules_to_save)
+    if task == "sequence_classification":
+        modules_to_save += [m for m in head_modules(model) if m not in modules_to_save]
+    config = peft_config(section, modules_to_save)
+    try:
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER, low_cpu_mem_usage=True)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError("model.lora.target_modules", f"peft cannot adapt {type(model).__name__}: "
+                                                       f"{one_line(exc)[:300]}") from None
+    return _initial_values(model, config, seed), modules_to_save
+
+
+def materialize(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    """Give a model built for real (random init) its adapters' initial values."""
+    for name, value in values.items():
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        setattr(module, leaf, nn.Parameter(value.clone(), requires_grad=True))
+
+
+def _initial_values(model: nn.Module, config, seed: int) -> dict[str, torch.Tensor]:
+    """peft's initialisation of each adapter (`reset_lora_parameters`: kaiming-uniform A, zero B), layer after
+    layer in module order from `seed`, on the host; the adapters are put back on the device they were on."""
+    from peft.tuners.lora import LoraLayer
+
+    rng = torch.get_rng_state()
+    torch.manual_seed(seed)
+    values: dict[str, torch.Tensor] = {}
+    try:
+        for name, layer in model.named_modules():
+            if not isinstance(layer, LoraLayer):
+                continue
+            adapters = [getattr(layer, attr) for attr in layer.adapter_layer_names if ADAPTER in getattr(layer, attr)]
+            if any(isinstance(container, nn.ParameterDict) for container in adapters):
+                raise ConfigError("model.lora.target_modules", f"{name} is an embedding; xla_shard adapts linear "
+                                                               "layers (name those, or all-linear)")
+            device = next(p.device for c in adapters for p in c[ADAPTER].parameters()) if adapters else None
+            for container in adapters:
+                container[ADAPTER].to_empty(device="cpu")
+            layer.reset_lora_parameters(ADAPTER, config.init_lora_weights)
+            for param_name, param in layer.named_parameters(prefix=name):
+                if is_adapter(param_name):
+                    values[param_name] = param.detach().clone()
+            for container in adapters:
+                container[ADAPTER].to(device)
+    finally:
+        torch.set_rng_state(rng)
+    return values
+
+
+def describe(model: nn.Module, section: LoraSection) -> str:
+    """What is trained, for the log: the adapters' rank and targets, and the share of parameters trained."""
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    whole = sorted({name.split(".modules_to_save")[0] for name, _ in model.named_parameters()
+                    if ".modules_to_save." in name})
+    targets = section.target_modules if isinstance(section.target_modules, str) else ", ".join(section.target_modules)
+    return (f"rank {section.r} adapters on {targets}" + (f", {', '.join(whole)} trained whole" if whole else "")
+            + f"; {trained:,} of {total:,} parameters trained ({100 * trained / total:.2f}%), the rest frozen")
