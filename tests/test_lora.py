@@ -149,3 +149,11 @@ def test_checkpoints_hold_the_adapters_resume_exactly_and_export_for_peft(model_
     with torch.no_grad():
         adapted = loaded(input_ids=ids).logits
     assert not torch.allclose(adapted, plain)  # trained adapters change the outputs
+
+    merged_dir = tmp_path / "merged"
+    done = run_cli("ckpt", "export", str(checkpoint), "--to", str(merged_dir), "--merge")
+    assert done.returncode == 0, done.stderr[-2000:]
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted, rtol=1e-5, atol=1e-5)
+    assert (merged_dir / "tokenizer.json").exists()

@@ -102,6 +102,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="output directory: a local path or any fsspec URL (gs://bucket/dir); written whole")
     export.add_argument("--overwrite", action="store_true", help="replace what --to holds (else it must be empty)")
     export.add_argument("--max-shard-size", default="2GB", help="split safetensors files at this size")
+    export.add_argument("--merge", action="store_true",
+                        help="a LoRA run: write the whole model with the adapters merged (else a peft adapter)")
     export.set_defaults(func=_ckpt_export)
     return parser
 
@@ -262,7 +264,7 @@ def _ckpt_verify(args) -> int:
 def _ckpt_export(args) -> int:
     from xla_shard.checkpoint.export import export, parse_size
 
-    report = export(args.url, args.to, parse_size(args.max_shard_size), overwrite=args.overwrite)
+    report = export(args.url, args.to, parse_size(args.max_shard_size), overwrite=args.overwrite, merge=args.merge)
     print(f"exported step {report.step}: {report.tensors} tensors, {report.bytes} bytes in "
           f"{len(report.files)} file(s) to {args.to}; largest tensor {report.largest_tensor_bytes} bytes, "
           f"host memory grew by at most {report.peak_rss_growth_bytes} bytes"

@@ -52,9 +52,12 @@ def parse_size(text: str) -> int:
         raise CheckpointError(f"--max-shard-size {text!r}: expected a size such as 2GB or 500MiB") from None
 
 
-def export(url: str, to: str, max_shard_bytes: int = 2 * 10**9, overwrite: bool = False) -> ExportReport:
+def export(url: str, to: str, max_shard_bytes: int = 2 * 10**9, overwrite: bool = False,
+           merge: bool = False) -> ExportReport:
     """Write the checkpoint at `url` as a Hugging Face model directory at `to` (a path or any fsspec URL). The
-    result appears whole or not at all: see `Destination`."""
+    result appears whole or not at all: see `Destination`. A LoRA run's checkpoint is written as a peft adapter
+    directory, or with `merge` as the whole model with the adapters merged into the weights of its model
+    directory."""
     destination = Destination(to, overwrite)  # refused before the checkpoint is even opened
     with peak_growth() as growth:
         storage, manifest = open_checkpoint(url)
@@ -70,7 +73,18 @@ def export(url: str, to: str, max_shard_bytes: int = 2 * 10**9, overwrite: bool 
         adapter = run_model.get("lora") if isinstance(run_model, dict) else None
         with destination as out:
             reader = ChunkReader(storage, manifest)
-            if isinstance(adapter, dict):  # a LoRA run: its checkpoint holds the adapters, exported for peft
+            if merge and not isinstance(adapter, dict):
+                raise CheckpointError(f"{manifest.url} is not a LoRA run's checkpoint: --merge has no adapters to "
+                                      "merge (export it without --merge)")
+            if merge:
+                base = _base_directory(manifest, run_model)
+                merged = peft_adapter.Merge(base, reader, manifest, names, adapter)
+                names, sizes = merged.names, merged.sizes
+                files = _write_weights(merged.reader, merged.manifest, names, sizes, out, max_shard_bytes,
+                                       transform=merged.transform)
+                copied, note = _copy_companions(manifest, out)
+                out.write("config.json", json.dumps(hf, indent=2).encode())
+            elif isinstance(adapter, dict):  # a LoRA run: its checkpoint holds the adapters, exported for peft
                 files = _write_weights(reader, manifest, names, sizes, out, math.inf, peft_adapter.key,
                                        peft_adapter.WEIGHTS)
                 copied, note = _copy_companions(manifest, out)
@@ -148,8 +162,10 @@ class Destination:
 
 
 def _write_weights(reader: ChunkReader, manifest, names: list[str], sizes: dict[str, int], out: Storage,
-                   max_shard_bytes: float, key=lambda name: name[len("model/"):], single: str = WEIGHTS) -> list[str]:
-    """The tensors `names` as safetensors files of at most `max_shard_bytes` each, under `key(name)`."""
+                   max_shard_bytes: float, key=lambda name: name[len("model/"):], single: str = WEIGHTS,
+                   transform=lambda name, tensor: tensor) -> list[str]:
+    """The tensors `names` as safetensors files of at most `max_shard_bytes` each, under `key(name)`, each
+    passed through `transform(name, tensor)` (same shape and dtype) as it is written."""
     groups: list[list[str]] = [[]]
     for name in names:  # split by size, tensors kept whole, in name order
         if groups[-1] and sum(sizes[n] for n in groups[-1]) + sizes[name] > max_shard_bytes:
@@ -172,7 +188,7 @@ def _write_weights(reader: ChunkReader, manifest, names: list[str], sizes: dict[
             for name in group:
                 shape = tuple(manifest.tensors[name]["shape"])
                 (tensor,) = reader.read([(name, ((0,) * len(shape), shape))])
-                yield layout.tensor_bytes(tensor)
+                yield layout.tensor_bytes(transform(name, tensor))
 
         out.write(file, parts)
     if len(files) > 1:
@@ -200,6 +216,21 @@ def _copy_companions(manifest, out: Storage) -> tuple[list[str], str | None]:
     except (UserError, OSError) as exc:
         return [], f"the model directory {source} could not be copied from here ({one_line(exc)}): no tokenizer copied"
     return present, None
+
+
+def _base_directory(manifest, run_model) -> Storage:
+    """The model directory a LoRA run adapted, checked to be the model its checkpoint describes (a manifest is
+    untrusted: it must not make an export read weights from anywhere else)."""
+    name = run_model.get("name") if isinstance(run_model, dict) else None
+    source = model_directory(name, PRESETS) if isinstance(name, str) else None
+    if source is None:
+        raise CheckpointError(f"{manifest.url}: the run's model.name ({name!r}) is not a model directory, so there "
+                              "are no base weights to merge the adapters into; export the adapter without --merge")
+    storage = Storage(source)
+    differs = _differs(storage, manifest.data["hf_config"])
+    if differs:
+        raise CheckpointError(f"{source} is not the model this checkpoint adapted ({differs}): nothing merged")
+    return storage
 
 
 def _differs(source: Storage, hf_config: dict) -> str | None:

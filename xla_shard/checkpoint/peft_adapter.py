@@ -4,14 +4,24 @@ peft's `save_pretrained` writes `adapter_config.json` (the LoraConfig, with the 
 `adapter_model.safetensors`, whose keys are the parameter names under `base_model.model.` with the adapter name
 dropped (`...q_proj.lora_A.weight`; a module trained whole: `score.weight`). Written here from the manifest
 alone, tensor by tensor, as full exports are.
+
+`Merge` is the other export, peft's `merge_and_unload` done tensor by tensor: every weight of the base model
+directory, with `alpha / r * B @ A` added where an adapter sits and the trained copy of a module trained whole
+in place of the stored one, in the stored dtype.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
+import torch
+
+from xla_shard.checkpoint import hf_dir, layout
 from xla_shard.checkpoint.manifest import CheckpointError
+from xla_shard.checkpoint.reader import ChunkReader
+from xla_shard.io.storage import Storage
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
@@ -42,3 +52,66 @@ def config_json(lora: dict[str, Any], model: dict[str, Any], names: list[str]) -
         else fields["target_modules"]
     fields = {k: (sorted(v) if isinstance(v, set) else v) for k, v in fields.items()}
     return json.dumps(fields, indent=2, default=str).encode()
+
+
+class Merge:
+    """The base directory's tensors (`names`, `sizes`, read through `reader`) and the `transform` that merges
+    the checkpoint's adapters into them as each is written."""
+
+    def __init__(self, base: Storage, checkpoint: ChunkReader, manifest, names: list[str], lora: dict[str, Any]):
+        self.manifest = hf_dir.read_manifest(base)
+        self.reader = ChunkReader(base, self.manifest, bridge_gaps=False)
+        self.names = sorted(self.manifest.tensors)
+        self.sizes = {n: math.prod(self.manifest.tensors[n]["shape"])
+                      * layout.TORCH_DTYPES[self.manifest.tensors[n]["dtype"]].itemsize for n in self.names}
+        self.checkpoint, self.checkpoint_manifest = checkpoint, manifest
+        self.scaling = lora["alpha"] / lora["r"]
+        self.adapters: dict[str, tuple[str, str]] = {}  # "model/<layer>.weight" -> (A, B) checkpoint names
+        self.whole: dict[str, str] = {}  # "model/<module>.<param>" -> the trained copy's checkpoint name
+        for name in names:
+            if ".lora_A.default." in name:
+                layer = name.split(".lora_A.default.")[0]
+                self.adapters[f"{layer}.weight"] = (name, name.replace(".lora_A.", ".lora_B."))
+            elif ".modules_to_save.default." in name:
+                self.whole[name.replace(".modules_to_save.default.", ".")] = name
+        absent = sorted(set(self.adapters) - set(self.names)) + sorted(set(self.whole) - set(self.names))
+        if absent:
+            raise CheckpointError(f"{base.url} has no tensor {absent[0][len('model/'):]!r} to merge the adapter "
+                                  "into (it stores the model under other names)")
+        self.transposed = _conv1d_layers(manifest.data["hf_config"], list(self.adapters))
+
+    def _read(self, name: str) -> torch.Tensor:
+        shape = tuple(self.checkpoint_manifest.tensors[name]["shape"])
+        (tensor,) = self.checkpoint.read([(name, ((0,) * len(shape), shape))])
+        return tensor
+
+    def transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name in self.whole:
+            return self._read(self.whole[name]).to(tensor.dtype)
+        if name not in self.adapters:
+            return tensor
+        a, b = (self._read(n).float() for n in self.adapters[name])
+        delta = self.scaling * (b @ a)
+        if name in self.transposed:  # GPT-2's Conv1D stores [in, out]
+            delta = delta.T
+        if delta.shape != tensor.shape:
+            raise CheckpointError(f"the adapter of {name[len('model/'):]} is {list(delta.shape)}, the stored weight "
+                                  f"{list(tensor.shape)}: not the model this run adapted")
+        return (tensor.float() + delta).to(tensor.dtype)
+
+
+def _conv1d_layers(hf_config: dict[str, Any], weights: list[str]) -> set[str]:
+    """The adapted weights that belong to transformers' Conv1D layers (stored transposed), found on a model
+    built from the checkpoint's config on the meta device."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers.pytorch_utils import Conv1D
+
+    fields = {k: v for k, v in hf_config.items() if k not in ("auto_map", "model_type")}
+    config = AutoConfig.for_model(hf_config["model_type"], **fields)
+    auto = AutoModelForSequenceClassification if any("SequenceClassification" in a for a in
+                                                     config.architectures or []) else AutoModelForCausalLM
+    with init_empty_weights():
+        model = auto.from_config(config)
+    modules = dict(model.named_modules())
+    return {w for w in weights if isinstance(modules.get(w[len("model/"):-len(".weight")]), Conv1D)}
