@@ -108,3 +108,31 @@ def assemble(saved: list[dict]) -> dict[str, torch.Tensor]:
             for offsets, chunk in chunks:
                 tensor[tuple(slice(o, o + n) for o, n in zip(offsets, chunk.shape))] = chunk
     return full
+
+
+# Mixture-of-experts families, as small as their configs allow: their files store one tensor per expert, which
+# transformers fuses into one parameter per layer on load.
+MOE_FAMILIES = {
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 32, "decoder_sparse_step": 1},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 16,
+                  "decoder_sparse_step": 1},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+}
+
+
+def moe_dir(path: Path, family: str, seed: int = 5) -> Path:
+    """A small MoE causal LM of `family` as `save_pretrained` writes it, with the BPE tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = bpe_tokenizer()
+    config = AutoConfig.for_model(family, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=256, tie_word_embeddings=False,
+                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id, **MOE_FAMILIES[family])
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -43,6 +43,10 @@ class Capabilities:
                            "openxla backend does not run its FSDP wrappers")
     # LoRA adapters beside frozen weights (model.lora).
     lora: str | None = None
+    # How MoE experts run (transformers' experts_implementation); None: transformers' choice (grouped_mm).
+    experts: str | None = None
+    # MoE router load-balancing loss (config output_router_logits), which transformers adds to the loss.
+    router_aux_loss: str | None = None
     # What `scripts/setup_worker.sh KIND` installs on a TPU VM for it: torch_xla[tpu] ("tpu") or TorchTPU.
     tpu_setup: str = "tpu"
     # Cost-model facts: per-tensor gathers (backward skips an embedding table, which needs only the ids) and a

@@ -281,7 +281,7 @@ def _config_check(args) -> int:
     cfg = cfglib.load(args.config, args.set)
     backend = backends.create(cfg)  # the backend's own checks, without starting it
     backends.check_devices(backend)  # ... and the plan against the devices it will have, where known already
-    preflight(cfg)
+    preflight(cfg, backend.capabilities)
     print(cfglib.dump(cfg), end="")
     return 0
 
@@ -317,7 +317,7 @@ def _train(args) -> int:
     backend.check_runtime()
     launcher = launch.pick(backend.capabilities.launcher, argv=args.argv, nproc=devices, nnodes=cfg.launch.nnodes,
                            prepare=backend.configure)
-    train.preflight(cfg)
+    train.preflight(cfg, backend.capabilities)
     return launcher.start(functools.partial(train.run, cfg))
 
 

@@ -136,13 +136,16 @@ def _config_for(model_type: str, fields: dict[str, Any], key: str, source: str) 
 
 
 def build_model(section: ModelSection, seed: int, empty: bool = False, source: ModelSource | None = None,
-                accelerator: str | None = None) -> PreTrainedModel:
+                accelerator: str | None = None, experts: str | None = None) -> PreTrainedModel:
     """Same seed, same weights, on every rank and every backend: no broadcast needed. `accelerator` picks the
-    attention kernel (see `xla_shard.attention`).
+    attention kernel (see `xla_shard.attention`), `experts` transformers' experts_implementation for MoE
+    models (None: its default).
 
     `empty`: parameters on the meta device (no memory, no init), to be sharded and then filled from pretrained
     weights; buffers (rotary tables, position ids) are computed for real, as the model's own code does."""
     config = model_config(section, source, accelerator)
+    if experts is not None:
+        config._experts_implementation = experts
     auto = _AUTO_CLASSES[section.task]
     key = "model.overrides" if section.overrides else "model.name"
     try:

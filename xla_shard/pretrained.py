@@ -17,12 +17,13 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from xla_shard import lora
-from xla_shard.checkpoint import hf_dir, layout
+from xla_shard.checkpoint import fused, hf_dir, layout
 from xla_shard.checkpoint.contract import StateTensor, region
 from xla_shard.checkpoint.reader import ChunkReader, fill
 from xla_shard.errors import ConfigError
@@ -69,6 +70,7 @@ class PretrainedWeights:
         self.names: dict[str, str] = {}  # parameter or buffer name -> manifest tensor name
         self.fresh: dict[str, torch.Tensor] = {}
         self.skipped: list[str] = []
+        self.fused: dict[str, fused.Fused] = {}  # MoE experts: fused parameters read from per-expert tensors
 
     @classmethod
     def find(cls, source: ModelSource, init: str, retry_deadline_s: float = 120.0) -> PretrainedWeights | None:
@@ -107,14 +109,23 @@ class PretrainedWeights:
         tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
         ignored = _ignored_unexpected(model)
         unexpected = []
+        pieces: dict[str, tuple[Any, dict[str, dict[int, str]]]] = {}  # fused key -> (converter, its sources)
         for stored in self.manifest.tensors:
-            key = rename(stored[len("model/"):])
-            if key in wanted:
+            key, converter, pattern = rename(stored[len("model/"):])
+            expert = fused.expert_of(stored, pattern) if converter is not None else None
+            if expert is not None and key in wanted:
+                pieces.setdefault(key, (converter, {}))[1].setdefault(pattern, {})[expert] = stored
+            elif converter is not None and key in wanted:
+                raise ConfigError("model.name", f"stored tensor {stored[len('model/'):]!r} needs transformers' weight "
+                                                f"conversion ({converter}) to become {key!r}; xla_shard reads "
+                                                "tensors as stored, or experts stacked")
+            elif key in wanted:
                 self.names.update((name, stored) for name in aliases[key])
             elif key in tied or ignored(key):
                 self.skipped.append(key)
             else:
                 unexpected.append(key)
+        self._plan_fused(pieces, wanted, aliases)
         missing = sorted({lora.stored_name(n) for n in set(params) - set(self.names)})
         base = _base_prefix(model)
         head = [k for k in missing if base and not k.startswith(base)]
@@ -131,6 +142,8 @@ class PretrainedWeights:
             raise ConfigError("model.name", f"{where} does not fit {type(model).__name__}: {'; '.join(parts)}"
                                             f"{self._saved_as(model)}")
         for key, stored in self.names.items():
+            if stored.startswith(fused.PREFIX):
+                continue  # its pieces' shapes were checked by fused.plan
             have = tuple(self.manifest.tensors[stored]["shape"])
             if have != shapes[key]:
                 hint = " (set model.num_labels to match it)" if key in head or "classifier" in key else ""
@@ -138,6 +151,17 @@ class PretrainedWeights:
                                                 f"model{hint}")
         self.skipped += other_heads
         self.fresh = {**_fresh_values(model, [n for n in params if lora.stored_name(n) in head], seed), **adapters}
+
+    def _plan_fused(self, pieces: dict[str, tuple[Any, dict[str, dict[int, str]]]], wanted: dict[str, tuple],
+                    aliases: dict[str, list[str]]) -> None:
+        """Fused parameters (MoE experts) matched to their stored pieces, each read as `fused.PREFIX + name`."""
+        stored_shapes = {n: tuple(t["shape"]) for n, t in self.manifest.tensors.items()}
+        for key, (converter, sources) in pieces.items():
+            planned = fused.plan(key, wanted[key], converter, sources, stored_shapes)
+            if isinstance(planned, str):
+                raise ConfigError("model.name", f"{self.storage.url}: {key} {planned}")
+            self.fused[fused.PREFIX + key] = planned
+            self.names.update((name, fused.PREFIX + key) for name in aliases[key])
 
     def _saved_as(self, model: nn.Module) -> str:
         saved = self.source.fields.get("architectures") or []
@@ -153,9 +177,11 @@ class PretrainedWeights:
         `frozen_only`: only the parameters not trained (a resumed LoRA run: its checkpoint holds the rest)."""
         frozen = {f"model/{n}" for n, p in backend.state.named_parameters(model) if not p.requires_grad}
         targets = [t for t in backend.state.tensors(model) if not frozen_only or t.name in frozen]
-        report = LoadReport(0, 0, sum(_stored_bytes(self.manifest.tensors[s]) for s in self.names.values()), 0,
+        used = {s for s in self.names.values() if not s.startswith(fused.PREFIX)}
+        used |= {s for f in self.fused.values() for sources in f.sources for s in sources.values()}
+        report = LoadReport(0, 0, sum(_stored_bytes(self.manifest.tensors[s]) for s in used), 0,
                             fresh=sorted(self.fresh), skipped=sorted(self.skipped))
-        reader = ChunkReader(self.storage, self.manifest, bridge_gaps=False)
+        reader = self._reader()
         backend.after_step()  # XLA: allocate the sharded parameters now, so the measure below is the load's alone
         with peak_growth() as growth:
             from_files, from_seed = [], []
@@ -168,7 +194,7 @@ class PretrainedWeights:
                 else:
                     raise ConfigError("model.name", f"{backend.name} holds a parameter {name!r} the model did not "
                                                     "have when it was matched")
-            fill(reader, from_files, max_bytes=READ_BATCH_BYTES, convert=_converter(self.manifest, report.converted))
+            fill(reader, from_files, max_bytes=READ_BATCH_BYTES, convert=_converter(report.converted))
             for target in from_seed:
                 full = self.fresh[target.name[len("model/"):]]
                 whole = ((0,) * full.dim(), tuple(full.shape))
@@ -182,7 +208,11 @@ class PretrainedWeights:
 
     def load_buffers(self, backend, model: nn.Module) -> None:
         """Only the stored buffers (a resumed run: checkpoints hold parameters, not buffers)."""
-        self._load_buffers(backend, model, ChunkReader(self.storage, self.manifest, bridge_gaps=False), {})
+        self._load_buffers(backend, model, self._reader(), {})
+
+    def _reader(self):
+        reader = ChunkReader(self.storage, self.manifest, bridge_gaps=False)
+        return fused.FusedReader(reader, self.fused) if self.fused else reader
 
     @torch.no_grad()
     def _load_buffers(self, backend, model: nn.Module, reader: ChunkReader, converted: dict[str, set[str]]) -> None:
@@ -198,17 +228,23 @@ class PretrainedWeights:
             for one in stored:
                 shape = tuple(self.manifest.tensors[one]["shape"])
                 (value,) = reader.read([(one, ((0,) * len(shape), shape))])
-                values.append(_convert(value, buffer.dtype, one, self.manifest, converted))
+                values.append(_convert(value, buffer.dtype, one, converted))
             buffer.copy_((torch.stack(values) if name in per_layer else values[0]).to(buffer.device))
 
 
-def build_for(cfg, accelerator: str | None = None):
+def build_for(cfg, accelerator: str | None = None, capabilities=None):
     """The config's model and its pretrained weights (None for random init), matched to each other: on the
-    meta device when weights will fill it after wrapping. Returns (model, weights, source)."""
+    meta device when weights will fill it after wrapping. `accelerator` picks the attention kernel, the
+    backend's `capabilities` how MoE experts run and whether their router loss can. Returns (model, weights,
+    source)."""
     deadline = cfg.checkpoint.retry_deadline_s
     source = resolve_source(cfg.model, deadline)
     weights = PretrainedWeights.find(source, cfg.model.init, deadline)
-    model = build_model(cfg.model, cfg.train.seed, empty=weights is not None, source=source, accelerator=accelerator)
+    model = build_model(cfg.model, cfg.train.seed, empty=weights is not None, source=source, accelerator=accelerator,
+                        experts=capabilities.experts if capabilities else None)
+    if capabilities and capabilities.router_aux_loss and getattr(model.config, "output_router_logits", False):
+        capabilities.refuse("model.overrides.output_router_logits", f"is true for {source.name}, and "
+                                                                    f"{capabilities.router_aux_loss}: set it to false")
     adapters = None
     if cfg.model.lora is not None:
         adapters, _ = lora.inject(model, cfg.model.lora, cfg.model.task, cfg.train.seed)
@@ -222,7 +258,7 @@ def build_for(cfg, accelerator: str | None = None):
 def load_model(cfg, backend) -> nn.Module:
     """For your own loop: the config's model wrapped by `backend` (after `backend.setup()`), holding its
     pretrained weights (read shard by shard) if `model.name` is a directory with weights, else random init."""
-    model, weights, _ = build_for(cfg, backend.accelerator)
+    model, weights, _ = build_for(cfg, backend.accelerator, backend.capabilities)
     wrapped = backend.wrap(model)
     if weights is not None:
         weights.load(backend, wrapped)
@@ -231,9 +267,8 @@ def load_model(cfg, backend) -> nn.Module:
 
 def _renamer(model: nn.Module, names: list[str]) -> Callable[[str], str]:
     """A stored key as this model names it (`names`: its tensors' names as saved): transformers' renamings for
-    the class (legacy gamma/beta and the like) and its base-model prefix added or removed. Keys that need
-    transformers to rebuild tensors (fusing experts, splitting qkv) cannot be read as stored ranges and are
-    refused."""
+    the class (legacy gamma/beta and the like) and its base-model prefix added or removed; and, for keys
+    transformers rebuilds into another tensor (MoE experts fused), the converter that does it."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, rename_source_key
 
@@ -243,12 +278,12 @@ def _renamer(model: nn.Module, names: list[str]) -> Callable[[str], str]:
     meta_state = dict.fromkeys(names, True)  # transformers tests `.get(key) is not None`
     prefix = getattr(model, "base_model_prefix", None) or None
 
-    def rename(key: str) -> str:
-        renamed, converter = rename_source_key(key, renamings, converters, prefix, meta_state)
-        if converter is not None:
-            raise ConfigError("model.name", f"stored tensor {key!r} needs transformers' weight conversion "
-                                            f"({converter}) to become {renamed!r}; xla_shard reads tensors as stored")
-        return renamed
+    def rename(key: str) -> tuple[str, Any, str | None]:
+        """(the model's name for it, the converter that builds that parameter from it or None, its pattern)."""
+        renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta_state)
+        if pattern is None:
+            return renamed, None, None
+        return renamed, next(c for c in converters if pattern in c.source_patterns), pattern
 
     return rename
 
@@ -293,17 +328,17 @@ def _fresh_values(model: nn.Module, keys: list[str], seed: int) -> dict[str, tor
     return values
 
 
-def _converter(manifest, converted: dict[str, set[str]]):
+def _converter(converted: dict[str, set[str]]):
     def convert(target: StateTensor, value: torch.Tensor) -> torch.Tensor:
-        return _convert(value, target.dtype, target.name, manifest, converted)
+        return _convert(value, target.dtype, target.name, converted)
     return convert
 
 
-def _convert(value: torch.Tensor, dtype: torch.dtype, stored: str, manifest, converted: dict[str, set[str]]):
+def _convert(value: torch.Tensor, dtype: torch.dtype, stored: str, converted: dict[str, set[str]]):
     """Stored dtype -> the model's (a bf16 file into fp32 master weights): done, and counted for the log."""
     if value.dtype == dtype:
         return value
-    kind = f"{manifest.tensors[stored]['dtype']}->{layout.DTYPES.get(dtype, dtype)}"
+    kind = f"{layout.DTYPES.get(value.dtype, value.dtype)}->{layout.DTYPES.get(dtype, dtype)}"
     converted.setdefault(kind, set()).add(stored)
     return value.to(dtype)
 

@@ -46,11 +46,12 @@ def make_optimizer(params, train: TrainSection, accelerator: str = "cpu") -> tor
                              foreach=None if accelerator == "cuda" else False)
 
 
-def preflight(cfg: ShardConfig) -> None:
+def preflight(cfg: ShardConfig, capabilities=None) -> None:
     """Everything about the model that can be wrong, found on the meta device before any process starts
-    (pretrained weights included: their names and shapes, from the safetensors headers)."""
+    (pretrained weights included: their names and shapes, from the safetensors headers; with the backend's
+    `capabilities`, what it cannot run of the model)."""
     with torch.device("meta"):
-        model, _, source = build_for(cfg)
+        model, _, source = build_for(cfg, capabilities=capabilities)
     check_sequence_length(model.config, cfg.train.seq_len)
     check_output_dir(cfg.output_dir)
     wrap_targets(model, cfg.fsdp)
@@ -145,7 +146,7 @@ class Trainer:
         cfg = self.cfg
         backend = backends.start(cfg, self.backend)
         self._log(f"{backend.name} on {backend.num_devices} {backend.device_kind} device(s): {backend.plan}")
-        model, weights, source = build_for(cfg, backend.accelerator)
+        model, weights, source = build_for(cfg, backend.accelerator, backend.capabilities)
         check_sequence_length(model.config, cfg.train.seq_len)
         check_output_dir(cfg.output_dir)
         self.flops_per_token = train_flops_per_token(model, cfg.train.seq_len)

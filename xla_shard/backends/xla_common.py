@@ -92,6 +92,11 @@ class XlaBackend(Backend):
     """torch_xla, either way: lazy graphs cut once per step, compilations counted, no CPU offload."""
 
     NO_OFFLOAD = "torch_xla FSDP has no CPU offload"
+    # MoE experts as one gather and batched matmuls: static shapes, one graph. transformers' grouped_mm counts
+    # tokens per expert with an integer histc, which XLA does not lower (it fails on the host fallback).
+    EXPERTS = "batched_mm"
+    ROUTER_AUX_LOSS = ("transformers counts each expert's tokens for the router's load-balancing loss with an "
+                       "integer histc on XLA devices, which XLA does not lower")
 
     def check_runtime(self) -> None:
         if not xla_installed():

@@ -133,7 +133,8 @@ class XlaFsdpBackend(xla_common.XlaBackend):
         scan_layers="XlaFullyShardedDataParallel gathers each layer's flat parameters in hooks, which a scanned layer "
                     "does not run",
         lora="XlaFullyShardedDataParallel flattens a unit's parameters into one shard with one requires_grad, so "
-             "frozen weights and trained adapters cannot share a unit")
+             "frozen weights and trained adapters cannot share a unit",
+        experts=xla_common.XlaBackend.EXPERTS, router_aux_loss=xla_common.XlaBackend.ROUTER_AUX_LOSS)
     wrapper_prefixes = ("_fsdp_wrapped_module", "_fpw_module")
     state_type = FsdpV1State
 

@@ -181,7 +181,8 @@ class XlaSpmdBackend(xla_common.XlaBackend):
                     ShardingStrategy.HYBRID_SHARD_ZERO2: _NOT_UNDER_SPMD},
         nonuniform_triple=None,  # per-tensor annotations: any nested triple
         group_after_forward="XLA's partitioner decides what it keeps from forward for backward",
-        scan_layers=None, gathers_per_tensor=True, reduces_every_micro_batch=True)
+        scan_layers=None, gathers_per_tensor=True, reduces_every_micro_batch=True,
+        experts=xla_common.XlaBackend.EXPERTS, router_aux_loss=xla_common.XlaBackend.ROUTER_AUX_LOSS)
     wrapper_prefixes = ("_orig_module",)
     state_type = SpmdState
 

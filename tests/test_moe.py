@@ -1,0 +1,138 @@
+"""Mixture-of-experts checkpoints: files that store one tensor per expert load, shard by shard, into the fused
+expert parameters transformers 5 builds, bitwise as `from_pretrained` builds them, on every backend; the export
+loads back with `from_pretrained` to the same weights."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import FIXTURES, backend_params, run_cli, run_load_probe, runnable
+from model_dirs import MOE_FAMILIES, assemble, moe_dir
+from transformers import AutoModelForCausalLM
+
+from xla_shard import config
+from xla_shard.checkpoint.fused import Fused
+from xla_shard.data import build
+from xla_shard.errors import ConfigError
+from xla_shard.pretrained import build_for
+
+BACKENDS = {
+    "xla_spmd": (["backend=xla_spmd", "cpu_devices=4"], 0),
+    "xla_fsdp": (["backend=xla_fsdp", "cpu_devices=1"], 0),
+    "torch_fsdp": (["backend=torch_fsdp"], 2),
+}
+DATA = [f"data.path={FIXTURES / 'corpus.jsonl'}", "train.seq_len=32"]
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {family: moe_dir(root / family, family) for family in MOE_FAMILIES}
+
+
+def plain(directory):
+    return AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager", use_cache=False).eval()
+
+
+def test_a_box_of_a_fused_parameter_is_read_from_the_pieces_of_the_experts_it_spans():
+    fused = Fused("gate_up", (3, 8, 5), dim=1, sources=[{e: f"gate{e}" for e in range(3)},
+                                                         {e: f"up{e}" for e in range(3)}], lengths=[4, 4])
+    # experts 1-2, rows 2..6 (gate rows 2-3, up rows 0-1), columns 1..4
+    assert fused.pieces(((1, 2, 1), (2, 4, 3))) == [
+        [("gate1", ((2, 1), (2, 3))), ("up1", ((0, 1), (2, 3)))],
+        [("gate2", ((2, 1), (2, 3))), ("up2", ((0, 1), (2, 3)))],
+    ]
+    assert fused.pieces(((0, 4, 0), (1, 4, 5))) == [[("up0", ((0, 0), (4, 5)))]]  # only the up half
+
+
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_every_moe_family_is_matched_expert_by_expert(moe_dirs, family):
+    model, weights, _ = build_for(config.load(None, [f"model.name={moe_dirs[family]}"]))
+    fused = {n for n, p in model.named_parameters() if ".experts." in n and p.dim() == 3}
+    assert fused and all(weights.names[n].startswith("fused:") for n in fused)
+    experts = model.config.num_local_experts if family == "mixtral" else model.config.num_experts
+    assert all(len(source) == experts for f in weights.fused.values() for source in f.sources)
+
+
+def test_a_missing_expert_is_refused_naming_it(moe_dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for file in moe_dirs["qwen3_moe"].iterdir():
+        (broken / file.name).write_bytes(file.read_bytes())
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.2.up_proj.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="no stored tensor for expert 2"):
+        build_for(config.load(None, [f"model.name={broken}"]))
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", backend_params(list(BACKENDS)))
+def test_moe_experts_load_bitwise_and_give_from_pretrained_loss(moe_dirs, tmp_path, backend):
+    sets, nproc = runnable(BACKENDS)[backend]
+    for family in ("mixtral", "qwen3_moe"):
+        directory = moe_dirs[family]
+        loaded = run_load_probe(tmp_path / f"{backend}-{family}", f"model.name={directory}", *DATA, *sets,
+                                nproc=nproc)
+        want = plain(directory)
+        held = assemble(loaded)
+        different = [n for n, v in want.state_dict().items() if not torch.equal(held[n], v)]
+        assert not different, (family, backend, different)
+        cfg = config.load(None, [f"model.name={directory}", *DATA])
+        with torch.no_grad():
+            loss = want(**build(cfg, want.config, str(directory)).train.global_batch(0)).loss.item()
+        assert math.isclose(loaded[0]["loss"], loss, rel_tol=1e-6), (family, backend, loaded[0]["loss"], loss)
+        assert loaded[0]["report"]["bytes_read"] == loaded[0]["report"]["bytes_stored"] or nproc
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_moe_fine_tune_exports_what_from_pretrained_loads(moe_dirs, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    sets = [f"model.name={moe_dirs['olmoe']}", *DATA, "backend=torch_fsdp", "train.steps=2",
+            f"output_dir={out}", f"checkpoint.dir={out}/ckpt", "fsdp.state_dict_type=FULL_STATE_DICT"]
+    done = run_cli("train", *[a for s in sets for a in ("--set", s)], "--nproc-per-node", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    exported = plain(out / "model")
+    saved = {}
+    for file in (out / "model").glob("*.safetensors"):
+        saved.update(load_file(file))
+    state = exported.state_dict()
+    assert saved.keys() == state.keys()
+    assert all(torch.equal(state[name], value) for name, value in saved.items())
+    before = plain(moe_dirs["olmoe"]).state_dict()
+    assert not torch.equal(state["model.layers.0.mlp.experts.gate_up_proj"],
+                           before["model.layers.0.mlp.experts.gate_up_proj"])  # trained
+    assert json.loads((out / "model" / "config.json").read_text())["model_type"] == "olmoe"
+
+
+@pytest.mark.e2e
+def test_the_router_load_balancing_loss_is_added_when_the_config_asks(moe_dirs, tmp_path):
+    """model.overrides output_router_logits: transformers adds router_aux_loss_coef x the load-balancing loss to
+    the loss (on one process: as plain transformers)."""
+    directory, aux = moe_dirs["mixtral"], {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+    sets = [f"model.name={directory}", *DATA, f"model.overrides={json.dumps(aux)}", "train.global_batch_size=4"]
+    loaded = run_load_probe(tmp_path / "aux", *sets, "backend=torch_fsdp", nproc=1)
+    want = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager", use_cache=False, **aux).eval()
+    cfg = config.load(None, sets)
+    with torch.no_grad():
+        out = want(**build(cfg, want.config, str(directory)).train.global_batch(0))
+    assert out.aux_loss > 0 and math.isclose(loaded[0]["loss"], out.loss.item(), rel_tol=1e-6)
+
+
+@pytest.mark.xla
+def test_torch_xla_backends_refuse_the_router_loss_naming_it(moe_dirs):
+    from xla_shard import backends
+
+    cfg = config.load(None, [f"model.name={moe_dirs['mixtral']}", "backend=xla_spmd", "cpu_devices=1",
+                             'model.overrides={"output_router_logits": true}'])
+    with pytest.raises(ConfigError) as raised:
+        build_for(cfg, capabilities=backends.create(cfg).capabilities)
+    assert (raised.value.key, raised.value.backend) == ("model.overrides.output_router_logits", "xla_spmd")
+    assert "histc" in str(raised.value)
