@@ -136,3 +136,53 @@ def moe_dir(path: Path, family: str, seed: int = 5) -> Path:
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# Every architecture family the README says is covered: (model_type, task, config fields beyond the common
+# ones). Encoders are sequence classifiers; the MoE families are in MOE_FAMILIES.
+FAMILIES = {
+    "llama": ("llama", "causal_lm", {"num_key_value_heads": 2}),
+    "mistral": ("mistral", "causal_lm", {"num_key_value_heads": 2}),
+    "qwen2": ("qwen2", "causal_lm", {"num_key_value_heads": 2}),
+    "qwen3": ("qwen3", "causal_lm", {"num_key_value_heads": 2, "head_dim": 16}),
+    "gemma": ("gemma", "causal_lm", {"num_key_value_heads": 2, "head_dim": 16}),
+    "gemma2": ("gemma2", "causal_lm", {"num_key_value_heads": 2, "head_dim": 16}),
+    "gemma3": ("gemma3_text", "causal_lm", {"num_key_value_heads": 2, "head_dim": 16}),
+    "phi": ("phi", "causal_lm", {}),
+    "phi3": ("phi3", "causal_lm", {"num_key_value_heads": 2}),
+    "gpt2": ("gpt2", "causal_lm", {}),
+    "gpt_neox": ("gpt_neox", "causal_lm", {}),
+    "opt": ("opt", "causal_lm", {"ffn_dim": 128, "word_embed_proj_dim": 64}),
+    "falcon": ("falcon", "causal_lm", {}),
+    "olmo2": ("olmo2", "causal_lm", {"num_key_value_heads": 2}),
+    "starcoder2": ("starcoder2", "causal_lm", {"num_key_value_heads": 2}),
+    "granite": ("granite", "causal_lm", {"num_key_value_heads": 2}),
+    "smollm3": ("smollm3", "causal_lm", {"num_key_value_heads": 2}),
+    "stablelm": ("stablelm", "causal_lm", {"num_key_value_heads": 2}),
+    "cohere": ("cohere", "causal_lm", {"num_key_value_heads": 2}),
+    "glm4": ("glm4", "causal_lm", {"num_key_value_heads": 2}),
+    "bert": ("bert", "sequence_classification", {}),
+    "roberta": ("roberta", "sequence_classification", {}),
+    "electra": ("electra", "sequence_classification", {}),
+    "distilbert": ("distilbert", "sequence_classification", {"dim": 64, "hidden_dim": 128, "n_layers": 2,
+                                                             "n_heads": 4}),
+}
+
+
+def family_dir(path: Path, family: str, seed: int = 3) -> Path:
+    """A small model of `family` (see FAMILIES) as `save_pretrained` writes it, with the BPE tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    model_type, task, fields = FAMILIES[family]
+    tokenizer = bpe_tokenizer()
+    labels = {"id2label": LABELS, "label2id": {v: k for k, v in LABELS.items()}} if task != "causal_lm" else {}
+    # A few rows to spare: some families' tokenizer classes add a special token of their own when loaded.
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer) + 8, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
+                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id, **labels, **fields)
+    auto = AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
+    torch.manual_seed(seed)
+    auto.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

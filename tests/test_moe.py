@@ -86,7 +86,9 @@ def test_moe_experts_load_bitwise_and_give_from_pretrained_loss(moe_dirs, tmp_pa
         with torch.no_grad():
             loss = want(**build(cfg, want.config, str(directory)).train.global_batch(0)).loss.item()
         assert math.isclose(loaded[0]["loss"], loss, rel_tol=1e-6), (family, backend, loaded[0]["loss"], loss)
-        assert loaded[0]["report"]["bytes_read"] == loaded[0]["report"]["bytes_stored"] or nproc
+        reads = [(p["report"]["bytes_read"], p["report"]["bytes_stored"]) for p in loaded]
+        # one process per host reads every byte once; two torchrun processes each read about half
+        assert all((read == stored) if not nproc else (read < 0.75 * stored) for read, stored in reads), reads
 
 
 @pytest.mark.e2e
