@@ -47,7 +47,7 @@ def _trl_rows(model_dir, path, seq_len, tokenizer=None, **args):
     rows = datasets.Dataset.from_list([json.loads(line) for line in path.read_text().splitlines()])
     trainer = SFTTrainer(model=model, processing_class=tokenizer, train_dataset=rows,
                          args=SFTConfig(output_dir=str(path.parent / "unused"), max_length=seq_len, packing=False,
-                                        report_to=[], **args))
+                                        report_to=[], use_cpu=True, bf16=False, **args))
     return trainer.train_dataset
 
 
