@@ -60,16 +60,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp) / "llama"
         size = make_model(directory, args.hidden, args.layers)
-        full = run(directory, args.nproc, args.backend)
-        lora = run(directory, args.nproc, args.backend, f"model.lora.r={args.rank}")
+        runs = {"full": run(directory, args.nproc, args.backend),
+                f"LoRA r={args.rank}": run(directory, args.nproc, args.backend, f"model.lora.r={args.rank}"),
+                "+ bf16 base": run(directory, args.nproc, args.backend, f"model.lora.r={args.rank}",
+                                   "model.lora.base_dtype=bfloat16")}
     mib = 2**20
     print(f"Llama {size / mib:.1f} MiB fp32, {args.backend} x{args.nproc}, AdamW; MiB on one device:")
-    print(f"{'':10} {'params':>9} {'optimizer':>10} {'total':>9}")
-    totals = {}
-    for name, report in (("full", full), (f"LoRA r={args.rank}", lora)):
-        totals[name] = report["params"] + report["optimizer"]
-        print(f"{name:10} {report['params'] / mib:9.2f} {report['optimizer'] / mib:10.2f} {totals[name] / mib:9.2f}")
-    print(f"LoRA / full: {totals[f'LoRA r={args.rank}'] / totals['full']:.3f}")
+    print(f"{'':12} {'params':>9} {'optimizer':>10} {'total':>9} {'/ full':>7}")
+    full = runs["full"]["params"] + runs["full"]["optimizer"]
+    for name, report in runs.items():
+        total = report["params"] + report["optimizer"]
+        print(f"{name:12} {report['params'] / mib:9.2f} {report['optimizer'] / mib:10.2f} {total / mib:9.2f} "
+              f"{total / full:7.3f}")
 
 
 if __name__ == "__main__":

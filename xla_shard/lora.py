@@ -62,7 +62,20 @@ def inject(model: nn.Module, section: LoraSection, task: str, seed: int) -> tupl
     except (ValueError, TypeError) as exc:
         raise ConfigError("model.lora.target_modules", f"peft cannot adapt {type(model).__name__}: "
                                                        f"{one_line(exc)[:300]}") from None
-    return _initial_values(model, config, seed), modules_to_save
+    values = _initial_values(model, config, seed)
+    if section.base_dtype != "float32":
+        dtype = getattr(torch, section.base_dtype)
+        for param in model.parameters():
+            if not param.requires_grad:
+                param.data = param.data.to(dtype)  # the same Parameter: tied weights stay tied
+    return values, modules_to_save
+
+
+def trained_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules that hold trained parameters (each adapter matrix, each module trained whole), for backends
+    that must shard them apart from the frozen weights around them (FSDP2 wants one dtype per unit)."""
+    return [module for name, module in model.named_modules()
+            if name.endswith(f".{ADAPTER}") and any(p.requires_grad for p in module.parameters())]
 
 
 def materialize(model: nn.Module, values: dict[str, torch.Tensor]) -> None:

@@ -195,6 +195,9 @@ class LoraSection(_Section):
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     # Modules trained whole beside the adapters (a new classifier head is added by itself).
     modules_to_save: list[str] = Field(default_factory=list)
+    # The frozen weights' dtype: bfloat16 halves their memory and runs the base in bf16, while the adapters
+    # (and modules_to_save) stay float32, computed in float32 (peft casts their input).
+    base_dtype: Literal["float32", "bfloat16"] = "float32"
 
     @field_validator("target_modules")
     @classmethod
