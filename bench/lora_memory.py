@@ -13,13 +13,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from pretrained_load import REPO, make_model
+from pretrained_load import make_model, torchrun_records
 
 
 def worker(directory: str, backend: str, *overrides: str) -> None:
@@ -37,13 +34,8 @@ def worker(directory: str, backend: str, *overrides: str) -> None:
 
 
 def run(directory: Path, nproc: int, backend: str, *overrides: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               __file__, "--worker", str(directory), backend, *overrides]
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    if done.returncode:
-        sys.exit(f"{overrides or 'full'} failed:\n{done.stderr[-3000:]}")
-    return next(json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))
+    (record,) = torchrun_records(__file__, nproc, [str(directory), backend, *overrides], " ".join(overrides) or "full")
+    return record
 
 
 def main() -> None:

@@ -74,15 +74,19 @@ def worker(mode: str, directory: str, backend: str) -> None:
     backend_obj.shutdown()
 
 
-def run(mode: str, directory: Path, nproc: int, backend: str) -> list[dict]:
+def torchrun_records(script: str, nproc: int, args: list[str], what: str) -> list[dict]:
+    """`script --worker ARGS` under torchrun; the JSON lines its processes print."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               __file__, "--worker", mode, str(directory), backend]
+               script, "--worker", *args]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
-        sys.exit(f"{mode} x{nproc} failed:\n{done.stderr[-3000:]}")
-    return sorted((json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")),
-                  key=lambda r: r["rank"])
+        sys.exit(f"{what} x{nproc} failed:\n{done.stderr[-3000:]}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def run(mode: str, directory: Path, nproc: int, backend: str) -> list[dict]:
+    return sorted(torchrun_records(__file__, nproc, [mode, str(directory), backend], mode), key=lambda r: r["rank"])
 
 
 def main() -> None:

@@ -134,6 +134,22 @@ def model_dirs(tmp_path_factory):
     )
 
 
+def sgd_losses(model, source, lr: float, steps: int) -> list[float]:
+    """Plain PyTorch on one process, the reference runs are compared with: each step's whole global batch of
+    `source` in one forward, SGD over the parameters that train."""
+    import torch
+
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for step in range(steps):
+        loss = model(**source.global_batch(step)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def run_load_probe(out: Path, *overrides: str, nproc: int = 0, env: dict | None = None) -> list[dict]:
     """tests/workers/load_probe.py (under torchrun when nproc > 0); what each writing process saved."""
     import torch

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import backend_params, run_cli, run_probe, runnable
+from conftest import backend_params, run_cli, run_probe, runnable, sgd_losses
 from transformers import AutoModelForCausalLM
 
 from xla_shard import backends, config
@@ -48,16 +48,7 @@ def peft_reference(model_dirs, args, steps: int, dtype=torch.float32) -> list[fl
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     adapters = {f"base_model.model.{k}": v for k, v in weights.fresh.items()}
     assert not model.load_state_dict(adapters, strict=False).unexpected_keys
-    source = build(cfg, base.config, str(model_dirs.llama)).train
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr)
-    losses = []
-    for step in range(steps):
-        loss = model(**source.global_batch(step)).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return sgd_losses(model, build(cfg, base.config, str(model_dirs.llama)).train, cfg.train.lr, steps)
 
 
 def test_xla_fsdp_refuses_lora_naming_key_and_backend():

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import FIXTURES, backend_params, run_cli, runnable
+from conftest import FIXTURES, backend_params, run_cli, runnable, sgd_losses
 from model_dirs import CHAT_TEMPLATE_MARKED
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -192,16 +192,7 @@ def plain_sgd_losses(model_dir, cfg, steps: int) -> list[float]:
     """Plain transformers on one process: each step's whole global batch in one forward (the mean over every
     labelled token of the step), SGD."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", use_cache=False)
-    source = build(cfg, model.config, str(model_dir)).train
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.train.lr)
-    losses = []
-    for step in range(steps):
-        loss = model(**source.global_batch(step)).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return sgd_losses(model, build(cfg, model.config, str(model_dir)).train, cfg.train.lr, steps)
 
 
 @pytest.mark.e2e
