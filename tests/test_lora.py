@@ -166,3 +166,42 @@ def test_checkpoints_hold_the_adapters_resume_exactly_and_export_for_peft(model_
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, adapted, rtol=1e-5, atol=1e-5)
     assert (merged_dir / "tokenizer.json").exists()
+
+
+def test_a_classifier_head_is_trained_whole_beside_the_adapters(model_dirs):
+    cfg = config.load(None, [f"model.name={model_dirs.bert}", "model.task=sequence_classification", *LORA])
+    model, weights, _ = build_for(cfg)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert {"classifier.modules_to_save.default.weight", "classifier.modules_to_save.default.bias"} <= trained
+    # both copies of the head come from the file: the frozen original and the trained one
+    assert weights.names["classifier.original_module.weight"] == weights.names[
+        "classifier.modules_to_save.default.weight"] == "model/classifier.weight"
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_lora_classifier_exports_an_adapter_peft_loads_with_its_head(model_dirs, tmp_path):
+    from conftest import FIXTURES
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    out = tmp_path / "run"
+    sets = [f"model.name={model_dirs.bert}", "model.task=sequence_classification", *LORA, "backend=torch_fsdp",
+            f"data.path={FIXTURES / 'nli.csv'}", "data.text_fields=[premise, hypothesis]", "train.seq_len=32",
+            "train.steps=2", "train.lr=0.01", f"output_dir={out}", f"checkpoint.dir={out}/ckpt"]
+    done = run_cli("train", *[a for s in sets for a in ("--set", s)], "--nproc-per-node", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "classifier trained whole" in done.stderr
+    adapter = tmp_path / "adapter"
+    done = run_cli("ckpt", "export", str(out / "ckpt"), "--to", str(adapter))
+    assert done.returncode == 0, done.stderr[-2000:]
+    saved = json.loads((adapter / "adapter_config.json").read_text())
+    assert saved["task_type"] == "SEQ_CLS" and saved["modules_to_save"] == ["classifier"]
+    base = AutoModelForSequenceClassification.from_pretrained(model_dirs.bert)
+    head = base.classifier.weight.detach().clone()
+    loaded = PeftModel.from_pretrained(base, adapter)
+    trained = loaded.base_model.model.classifier.modules_to_save["default"].weight
+    assert not torch.equal(trained, head)  # the trained head, not the stored one
+    from safetensors.torch import load_file
+
+    assert torch.equal(trained, load_file(adapter / "adapter_model.safetensors")["base_model.model.classifier.weight"])

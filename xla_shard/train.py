@@ -290,8 +290,9 @@ class Trainer:
         micro-batches hold different numbers (answers only, padded rows), the step's loss is the mean over all
         of the step's labelled tokens, on every process together: what one process training the whole batch
         gets, on every backend alike. Gradients are averaged over processes, hence the `world` factor."""
-        shift = 1 if self.cfg.model.task == "causal_lm" else 0  # a causal LM's first label is never predicted
-        counts = [int((rows["labels"][:, shift:] != IGNORE).sum()) for rows in micro_batches]
+        causal = self.cfg.model.task == "causal_lm"  # a causal LM's first label is never predicted
+        counts = [int(((rows["labels"][:, 1:] if causal else rows["labels"]) != IGNORE).sum())
+                  for rows in micro_batches]
         world, k = self.backend.world, len(micro_batches)
         tokens = self.backend.processes.total(sum(counts))
         if tokens == 0 or all(count * world * k == tokens for count in counts):
