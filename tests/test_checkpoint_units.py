@@ -133,3 +133,21 @@ def test_an_outage_fails_at_the_deadline_and_a_real_error_at_once():
         storage.retry("writing gs://b/y", forbidden)
     assert len(calls) == 1
     assert not is_transient(FileNotFoundError("x")) and is_transient(TimeoutError())
+
+
+def test_a_checkpoint_written_before_a_resume_key_existed_was_written_with_its_default(tmp_path):
+    import types
+
+    from xla_shard import config
+    from xla_shard.checkpoint import Checkpointer
+    from xla_shard.errors import ConfigError
+
+    cfg = config.load(None, [f"checkpoint.dir={tmp_path}"])
+    checkpointer = Checkpointer(cfg.checkpoint, types.SimpleNamespace(run_identity=cfg.run_identity))
+    saved = cfg.model_dump(mode="json", by_alias=True)
+    del saved["data"]["kind"], saved["model"]["lora"]  # as a checkpoint from before those keys were written
+    checkpointer._check_identity(types.SimpleNamespace(data={"config": saved}, url="old"), None)  # resumes
+    saved["data"]["kind"] = "chat"  # a checkpoint of chat rows does not continue a run of text rows
+    with pytest.raises(ConfigError) as raised:
+        checkpointer._check_identity(types.SimpleNamespace(data={"config": saved}, url="other"), None)
+    assert raised.value.key == "data.kind" and "'chat'" in str(raised.value)

@@ -40,6 +40,7 @@ from xla_shard.checkpoint.manifest import (
 )
 from xla_shard.checkpoint.model_config import hf_config
 from xla_shard.checkpoint.reader import ChunkReader, fill
+from xla_shard.config.schema import ShardConfig
 from xla_shard.errors import ConfigError, UserError
 from xla_shard.io.storage import Storage
 
@@ -359,8 +360,15 @@ class Checkpointer:
 
     def _check_identity(self, manifest: Manifest, architecture: dict[str, Any] | None) -> None:
         saved = manifest.data["config"]
+        defaults = None
         for key, value in self.state.run_identity().items():
-            was = _dotted(saved, key)
+            section, _, field = key.partition(".")
+            if isinstance(saved.get(section), dict) and field not in saved[section]:
+                # a key added since that checkpoint was written: it was written with the key's default
+                defaults = defaults or ShardConfig().run_identity()
+                was = defaults[key]
+            else:
+                was = _dotted(saved, key)
             if was != value:
                 raise ConfigError(key, f"is {value!r} but the checkpoint {manifest.url} was written with {was!r}; "
                                        "resuming would not continue that run (use another checkpoint.dir to start "
