@@ -121,6 +121,15 @@ def test_bad_deployment_configs_name_the_value(sets, key, value):
     assert raised.value.key == key and value in str(raised.value)
 
 
+@pytest.mark.parametrize("target", ["tpu-vm", "queued-resource"])
+@pytest.mark.parametrize("kind", ["tpu7x-8", "tpu7x-256", "v7x-8"])
+def test_tpu7x_is_refused_by_the_cloud_tpu_api_targets_pointing_at_gke(target, kind):
+    with pytest.raises(ConfigError) as raised:
+        render(config.load(TPU, [f"deploy.accelerator_type={kind}"]), target)
+    assert raised.value.key == "deploy.accelerator_type" and kind in str(raised.value)
+    assert "GKE" in str(raised.value) and "\n" not in str(raised.value)
+
+
 def test_a_torch_tpu_slice_sets_up_torchtpu_and_no_torch_xla_variables():
     """The runtime a TPU VM installs follows the backend: TorchTPU for torch_tpu, torch_xla[tpu] otherwise."""
     for backend, kind in (("torch_tpu", "torchtpu"), ("xla_spmd", "tpu")):

@@ -169,6 +169,10 @@ def test_device_kinds_map_to_the_table():
     assert for_device_kind("tpu v5litepod-16").name == "TPU v5e"
     assert for_device_kind("tpu v5p-128").name == "TPU v5p"
     assert for_device_kind("cpu") is None
+    assert for_device_kind("TPU7x").name == "TPU7x" and accelerator("ironwood") is accelerator("tpu7x")
+    # Ironwood: six times v6e's HBM, more per-chip peak than any other entry
+    assert accelerator("tpu7x").hbm_bytes == 6 * accelerator("v6e").hbm_bytes
+    assert accelerator("tpu7x").peak_flops > max(accelerator(k).peak_flops for k in ("v5p", "v6e", "h100"))
 
 
 @pytest.mark.e2e

@@ -20,6 +20,7 @@ PEAK_FLOPS: dict[str, float] = {
     "tpu v5litepod": 197e12,
     "tpu v5p": 459e12,
     "tpu v6e": 918e12,
+    "tpu7x": 2307e12,
     "h200": 989e12,
     "h100": 989e12,
     "a100": 312e12,

@@ -46,7 +46,17 @@ class Slice:
         return self.generation.runtime_version
 
 
+# Generations the Cloud TPU API (tpu-vm create, queued resources) does not serve: TPU7x (Ironwood) and later
+# are provisioned on GKE or as Compute Engine instances (docs.cloud.google.com/tpu/docs/tpu7x).
+_NOT_ON_THE_TPU_API = re.compile(r"^(tpu)?(v?[7-9]x?|ironwood)\b", re.IGNORECASE)
+
+
 def parse(accelerator_type: str, zone: str, allow_unlisted_zone: bool = False) -> Slice:
+    if _NOT_ON_THE_TPU_API.match(accelerator_type):
+        raise ConfigError("deploy.accelerator_type", f"{accelerator_type!r}: TPU7x (Ironwood) and later are not "
+                                                     "served by the Cloud TPU API that the tpu-vm and queued-resource "
+                                                     "targets use; they run on GKE (a gke target is still to come: "
+                                                     "xla-shard plan knows tpu7x already)")
     match = _TYPE.match(accelerator_type)
     if not match:
         known = ", ".join(f"{g.prefix}-N" for g in GENERATIONS.values())

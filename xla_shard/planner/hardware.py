@@ -34,6 +34,10 @@ ACCELERATORS: dict[str, Accelerator] = {
     "v5e": Accelerator("TPU v5e", 16 * GiB, 197e12, 200e9, 3.1e9, "ICI", "DCN", None),
     "v5p": Accelerator("TPU v5p", 95 * GiB, 459e12, 600e9, 6.25e9, "ICI", "DCN", None),
     "v6e": Accelerator("TPU v6e", 32 * GiB, 918e12, 448e9, 3.1e9, "ICI", "DCN", None),
+    # TPU7x (Ironwood), docs.cloud.google.com/tpu/docs/tpu7x (2026): 192 GiB HBM and 2,307 TFLOP/s bf16 per chip
+    # (4,614 fp8); ICI 1.2 TB/s per chip both ways, as v5p (Google Cloud's Ironwood announcement, April 2025).
+    # Its DCN per chip is not published there: v5p's is assumed.
+    "tpu7x": Accelerator("TPU7x", 192 * GiB, 2307e12, 600e9, 6.25e9, "ICI", "DCN", None),
     # NVIDIA SXM: NVLink 4 at 900 GB/s both ways; one 400 Gb/s NIC per GPU (an 8-GPU node, as A3/DGX).
     "h100": Accelerator("H100 80GB", 80e9, 989e12, 450e9, 50e9, "NVLink", "network", 8),
     "h200": Accelerator("H200 141GB", 141e9, 989e12, 450e9, 50e9, "NVLink", "network", 8),
@@ -43,7 +47,7 @@ ACCELERATORS: dict[str, Accelerator] = {
 def for_device_kind(kind: str) -> Accelerator | None:
     """The table entry for a backend's device kind ('NVIDIA H100 80GB HBM3', 'tpu v5p-128', 'cpu'), if any."""
     kind = kind.lower()
-    for key in ("h100", "h200"):
+    for key in ("h100", "h200", "tpu7x"):
         if key in kind:
             return ACCELERATORS[key]
     match = re.search(r"\bv(\d)(p|e|litepod)?\b|\bv(\d)(p|e|litepod)?-", kind) if "tpu" in kind else None
@@ -56,7 +60,7 @@ def for_device_kind(kind: str) -> Accelerator | None:
 
 def accelerator(name: str) -> Accelerator:
     key = name.lower().removeprefix("tpu").strip(" -_")
-    key = "v5e" if key.startswith("v5lite") else key
+    key = "v5e" if key.startswith("v5lite") else "tpu7x" if key in ("7x", "v7x", "ironwood") else key
     if key not in ACCELERATORS:
         raise KeyError(name)
     return ACCELERATORS[key]
