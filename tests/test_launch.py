@@ -99,3 +99,4 @@ def test_sigterm_to_the_torchrun_launcher_stops_its_workers_with_a_checkpoint_an
     finally:
         if launcher.poll() is None:
             launcher.kill()
+

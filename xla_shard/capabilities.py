@@ -78,7 +78,8 @@ class Capabilities:
             self.refuse("train.compile", f"{self.compile}; set it to false")
         if fsdp.xla_settings and self.xla_settings:
             self.refuse("fsdp.xla_settings", self.xla_settings)
-        if self.launcher != "torchrun" and (cfg.launch.nproc_per_node is not None or cfg.launch.nnodes != 1):
+        if self.launcher != "torchrun" and (cfg.launch.nproc_per_node is not None or cfg.launch.nnodes != 1
+                                             or cfg.launch.node_rank is not None or cfg.launch.rdzv_endpoint):
             self.refuse("launch", "sets torchrun's process counts (backend torch_fsdp); this backend drives every "
                                   "local device from one process per host: remove it")
 

@@ -315,8 +315,11 @@ def _train(args) -> int:
     launch.refuse_nproc_flag(backend.capabilities.launcher, args.nproc_per_node, backend.name)
     devices = backends.check_devices(backend, args.nproc_per_node)
     backend.check_runtime()
-    launcher = launch.pick(backend.capabilities.launcher, argv=args.argv, nproc=devices, nnodes=cfg.launch.nnodes,
-                           prepare=backend.configure)
+    nodes = cfg.launch
+    launcher = launch.pick(backend.capabilities.launcher, argv=args.argv,
+                           nproc=devices // nodes.nnodes if devices else devices, prepare=backend.configure,
+                           nodes=launch.Nodes(nodes.nnodes, nodes.node_rank, nodes.rdzv_endpoint, nodes.rdzv_id,
+                                              nodes.timeout_s))
     train.preflight(cfg, backend.capabilities)
     return launcher.start(functools.partial(train.run, cfg))
 
@@ -333,6 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         if not launch.report_worker_error(line):  # a torchrun worker's launcher prints it, once
             print(f"xla-shard: error: {line}", file=sys.stderr)
         return launch.USER_ERROR_EXIT
+    except launch.PeerLost as exc:  # not the user's mistake, and a restart helps: exit 1, in one line
+        line = redact(one_line(exc))
+        if not launch.report_worker_error(line, kind="lost"):
+            print(f"xla-shard: error: {line}", file=sys.stderr)
+        return 1
     except Exception:  # a bug: keep the traceback, but never print a credential it may hold
         import traceback
 

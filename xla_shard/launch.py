@@ -9,6 +9,7 @@ replaces it. Nothing here imports the rest of xla_shard but `errors`: the entry 
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -33,6 +34,11 @@ WORKER_ERRORS = "XLA_SHARD_WORKER_ERRORS"
 _PR_SET_PDEATHSIG = 1
 
 
+class PeerLost(Exception):
+    """Another node's processes went away mid-run: this node stops too (one line, exit 1); restarting every
+    node resumes from the last committed checkpoint."""
+
+
 class Launcher(Protocol):
     def start(self, entry: Entry) -> int:
         """Run `entry` in the processes this launcher starts; the exit status for the CLI."""
@@ -47,25 +53,44 @@ class InProcess:
 
 
 @dataclass(frozen=True)
+class Nodes:
+    """This node among a multi-node run's: torchrun's static rendezvous at `endpoint`, whose store node 0
+    serves, so that the ranks follow the nodes (node 0 holds rank 0, which logs and commits checkpoints, and
+    node r holds ranks r*nproc..); the nodes wait `timeout_s` for each other to join. (c10d's dynamic
+    rendezvous numbers the nodes in the order they join, and elastic restarts are not used here.)"""
+
+    count: int
+    rank: int | None
+    endpoint: str | None
+    rdzv_id: str = "xla_shard"
+    timeout_s: float = 600.0
+
+    def torchrun_args(self) -> list[str]:
+        if self.rank is None or self.endpoint is None:
+            raise ConfigError("launch", f"launch.nnodes={self.count}: set launch.node_rank (0..{self.count - 1}; 0 on "
+                                        "the node serving the rendezvous) and launch.rdzv_endpoint (HOST:PORT of node "
+                                        "0) on every node, e.g. --set launch.node_rank=1", backend="torch_fsdp")
+        return [f"--nnodes={self.count}", f"--node-rank={self.rank}", "--rdzv-backend=static",
+                f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.rdzv_id}",
+                f"--rdzv-conf=timeout={math.ceil(self.timeout_s)}", "--max-restarts=0"]
+
+
+@dataclass(frozen=True)
 class Torchrun:
-    """`torchrun --standalone` with `nproc` workers, each running the same command (`argv`) again; in a worker
-    (this command run by torchrun) the entry point itself, dying with torchrun. Several nodes are started by
-    running torchrun on each node (`launch.nnodes`)."""
+    """torchrun with `nproc` workers on this node, each running the same command (`argv`) again; in a worker
+    (this command run by torchrun) the entry point itself, dying with torchrun. One node: `--standalone`;
+    several (`nodes`): every node runs `xla-shard train` with its `launch.node_rank`, meeting at a c10d
+    rendezvous."""
 
     nproc: int
     argv: list[str]
-    nnodes: int = 1
+    nodes: Nodes | None = None
 
     def start(self, entry: Entry) -> int:
         if torchrun_worker():
             as_torchrun_worker()
             exit_without_finalizing(entry() or 0)
-        if self.nnodes > 1:
-            raise ConfigError("launch.nnodes", f"{self.nnodes} nodes: start `torchrun --nnodes={self.nnodes} "
-                                               "--nproc-per-node=N --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT -m "
-                                               "xla_shard.cli train CONFIG` on every node (`xla-shard train` starts "
-                                               "one node)", backend="torch_fsdp")
-        return run_torchrun(self.nproc, self.argv)
+        return run_torchrun(self.nproc, self.argv, self.nodes.torchrun_args() if self.nodes else ["--standalone"])
 
 
 @dataclass(frozen=True)
@@ -91,14 +116,14 @@ def refuse_nproc_flag(kind: str, nproc_per_node: int | None, backend: str) -> No
                                 "one process per host (on a CPU, cpu_devices sets its devices)")
 
 
-def pick(kind: str, *, argv: list[str], nproc: int | None = None, nnodes: int = 1,
+def pick(kind: str, *, argv: list[str], nproc: int | None = None, nodes: Nodes | None = None,
          prepare: Callable[[], None] = lambda: None) -> Launcher:
     """The launcher a backend's capabilities name (`Capabilities.launcher`); `nproc`: the processes torchrun
-    starts (the backend's expected devices)."""
+    starts on this node; `nodes`: this node's place in a multi-node run."""
     if kind == "torchrun":
         if nproc is None:
             raise ValueError("torchrun needs its process count")
-        return Torchrun(nproc, argv, nnodes)
+        return Torchrun(nproc, argv, nodes if nodes and nodes.count > 1 else None)
     if kind == "xmp_spawn":
         return XmpSpawn(prepare)
     return InProcess()
@@ -134,12 +159,13 @@ def exit_without_finalizing(status: int) -> None:
     os._exit(status)
 
 
-def run_torchrun(nproc: int, argv: list[str]) -> int:
-    """Run the same command under torchrun (`--standalone`, `nproc` workers), its elastic agent in this
-    process: the agent keeps this PID, so a SIGTERM sent to the launcher reaches it and it forwards it to the
-    workers. How the workers end decides the exit status: a user error in any worker is that worker's one
-    line and exit 2 (each writes its line to a file the launcher reads; none prints it); a crash is exit 1
-    with the worker's own traceback above one line naming it; a SIGTERM stop is PREEMPTED_EXIT."""
+def run_torchrun(nproc: int, argv: list[str], rendezvous: list[str] | None = None) -> int:
+    """Run the same command under torchrun (`nproc` workers; `rendezvous`: its arguments saying how this node
+    meets the others, `--standalone` for one), its elastic agent in this process: the agent keeps this PID,
+    so a SIGTERM sent to the launcher reaches it and it forwards it to the workers. How the workers end
+    decides the exit status: a user error in any worker is that worker's one line and exit 2 (each writes its
+    line to a file the launcher reads; none prints it); a crash is exit 1 with the worker's own traceback
+    above one line naming it; a SIGTERM stop is PREEMPTED_EXIT."""
     import logging
     import shutil
     import tempfile
@@ -153,7 +179,8 @@ def run_torchrun(nproc: int, argv: list[str]) -> int:
     os.environ[WORKER_ERRORS] = errors
     # The agent logs each failed worker as an error with its own stack; what failed is said below, once.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    args = torchrun.parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "xla_shard.cli", *argv])
+    args = torchrun.parse_args([*(rendezvous or ["--standalone"]), f"--nproc-per-node={nproc}", "-m", "xla_shard.cli",
+                                *argv])
     try:
         torchrun.run(args)
         return 0
@@ -162,9 +189,13 @@ def run_torchrun(nproc: int, argv: list[str]) -> int:
         return PREEMPTED_EXIT if exc.sigval == signal.SIGTERM else 128 + exc.sigval
     except ChildFailedError as exc:
         said = sorted(Path(errors).glob("rank-*.txt"), key=lambda p: int(p.stem.split("-")[1]))
+        lost = sorted(Path(errors).glob("lost-*.txt"))
         codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
         if said:  # the others were stopped by the agent when the first failed
             raise UserError(said[0].read_text().strip()) from None
+        if lost:
+            print(f"xla-shard: error: {lost[0].read_text().strip()}", file=sys.stderr)
+            return 1
         if all(code == PREEMPTED_EXIT for code in codes.values()):
             return PREEMPTED_EXIT
         rank, code = min(codes.items())
@@ -174,13 +205,14 @@ def run_torchrun(nproc: int, argv: list[str]) -> int:
         shutil.rmtree(errors, ignore_errors=True)
 
 
-def report_worker_error(message: str) -> bool:
-    """In a torchrun worker, hand a user error's one line to the launcher (which prints it once for all
-    workers) instead of printing it; False where there is no launcher to hand it to."""
+def report_worker_error(message: str, kind: str = "rank") -> bool:
+    """In a torchrun worker, hand a user error's one line (`kind` "rank"; "lost": a lost peer's) to the
+    launcher, which prints it once for all workers, instead of printing it; False where there is no launcher
+    to hand it to."""
     errors = os.environ.get(WORKER_ERRORS)
     if not errors or not torchrun_worker() or not os.path.isdir(errors):
         return False
-    Path(errors, f"rank-{int(os.environ.get('RANK', 0))}.txt").write_text(message)
+    Path(errors, f"{kind}-{int(os.environ.get('RANK', 0))}.txt").write_text(message)
     return True
 
 

@@ -479,6 +479,12 @@ def run(cfg: ShardConfig) -> int:
     try:
         trainer.setup().run()
         trainer.backend.processes.barrier()  # every process done (the writer's last commit too) before teardown
+    except RuntimeError as error:
+        lost = trainer.backend.processes.lost_peer(error)
+        if lost is None:
+            raise
+        raise launch.PeerLost(f"another node's processes went away ({lost}); this node stops too: restart every "
+                              "node (checkpoint.resume: auto continues from the last committed checkpoint)") from None
     finally:
         trainer.backend.shutdown()
     return launch.PREEMPTED_EXIT if trainer.preempted else 0

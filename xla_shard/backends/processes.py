@@ -36,6 +36,10 @@ class Processes:
         """True on every process if `flag` is set on any, so that all stop at the same step (preemption)."""
         return flag
 
+    def lost_peer(self, error: BaseException) -> str | None:
+        """If `error` says another node's processes went away mid-collective, why (one line); else None."""
+        return None
+
     def total(self, count: int) -> int:
         """The sum of `count` over every process (labelled tokens of a step, to weight the loss by)."""
         return count

@@ -28,7 +28,7 @@ from xla_shard.backends.state import BackendState, pack_bytes, unpack_bytes
 from xla_shard.capabilities import Capabilities
 from xla_shard.checkpoint.contract import Box, Chunk
 from xla_shard.config.schema import ShardingStrategy
-from xla_shard.errors import ConfigError
+from xla_shard.errors import ConfigError, one_line
 from xla_shard.wrap import checkpoint_targets, wrap_targets
 
 
@@ -50,6 +50,17 @@ class TorchProcesses(Processes):
         value = torch.tensor([int(flag)], device=self.device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item())
+
+    def lost_peer(self, error: BaseException) -> str | None:
+        """A multi-node run (torchrun's GROUP_WORLD_SIZE nodes) whose collective failed because a peer closed
+        its connection or stopped answering (gloo says so in a RuntimeError, NCCL in a DistBackendError)."""
+        if int(os.environ.get("GROUP_WORLD_SIZE", "1")) < 2 or not isinstance(error, RuntimeError):
+            return None
+        text = str(error)
+        if not isinstance(error, dist.DistBackendError) and not any(
+                sign in text for sign in ("closed by peer", "reset by peer", "Timed out", "timed out", "Broken pipe")):
+            return None
+        return one_line(text.splitlines()[-1] if text.strip() else type(error).__name__)[:300]
 
     def total(self, count: int) -> int:
         value = torch.tensor([count], device=self.device)
@@ -155,7 +166,8 @@ class TorchFsdpBackend(Backend):
         profile.import_runtime()
         self.device, self.device_kind = profile.select(int(os.environ.get("LOCAL_RANK", "0")))
         if not dist.is_initialized():
-            dist.init_process_group(profile.process_group, timeout=timedelta(minutes=10))
+            # launch.timeout_s bounds every collective: a node that died stops the others after that long at most
+            dist.init_process_group(profile.process_group, timeout=timedelta(seconds=self.cfg.launch.timeout_s))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.num_devices = self.world
         self.processes = TorchProcesses(self.rank, self.world, self.device)

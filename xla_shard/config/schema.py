@@ -364,13 +364,29 @@ class DataSection(_Section):
 
 
 class LaunchSection(_Section):
-    """How many processes torch_fsdp starts (through torchrun). The XLA backends drive every local device
-    from one process per host and take neither key. `--nproc-per-node` on the command line wins."""
+    """How many processes torch_fsdp starts (through torchrun), on how many nodes. The XLA backends drive
+    every local device from one process per host and take none of these keys. `--nproc-per-node` on the
+    command line wins."""
 
     # null: one per GPU, or cpu_devices gloo processes on a CPU
     nproc_per_node: int | None = Field(default=None, ge=1, le=1024)
-    # > 1: run `torchrun --nnodes ... -m xla_shard.cli train CONFIG` on every node yourself
+    # > 1: run `xla-shard train CONFIG --set launch.node_rank=R` on every node, all naming one rdzv_endpoint
+    # (torchrun's static rendezvous, its store served by node 0: node r holds ranks r*nproc_per_node..).
     nnodes: int = Field(default=1, ge=1)
+    node_rank: int | None = Field(default=None, ge=0)
+    rdzv_endpoint: str | None = Field(default=None, pattern=r"^[A-Za-z0-9.\-]+:\d{1,5}$")
+    rdzv_id: str = Field(default="xla_shard", pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    # Seconds the nodes wait for each other: at the rendezvous, and in any collective once running (a node that
+    # died makes the others stop after at most this long).
+    timeout_s: float = Field(default=600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _nodes(self) -> LaunchSection:
+        # node_rank and rdzv_endpoint may come per node (--set) onto a shared file: `xla-shard train` asks for
+        # them when it starts several nodes, not here.
+        if self.node_rank is not None and self.node_rank >= self.nnodes:
+            raise ValueError(f"launch.node_rank={self.node_rank} is not below launch.nnodes={self.nnodes}")
+        return self
 
 
 class CheckpointSection(_Section):
