@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import backend_params, run_cli, run_probe, runnable, sgd_losses
+from conftest import FIXTURES, backend_params, run_cli, run_probe, runnable, sgd_losses
 from transformers import AutoModelForCausalLM
 
 from xla_shard import backends, config
@@ -21,9 +21,7 @@ BACKENDS = {
 LORA = ["model.lora.r=4", "model.lora.alpha=8"]
 
 
-def _common(model_dirs, tmp_path, *sets):
-    from conftest import FIXTURES
-
+def _common(model_dirs, *sets):
     return [f"model.name={model_dirs.llama}", f"data.path={FIXTURES / 'corpus.jsonl'}", "train.seq_len=32",
             "train.optimizer=sgd", "train.lr=1.0", *LORA, *sets]
 
@@ -84,7 +82,7 @@ def test_a_target_the_model_lacks_is_refused_naming_the_key(model_dirs):
 @pytest.mark.parametrize("backend", backend_params(list(BACKENDS)))
 def test_lora_training_follows_peft_and_plain_transformers(model_dirs, tmp_path, backend):
     sets, nproc = runnable(BACKENDS)[backend]
-    args = _common(model_dirs, tmp_path, *sets)
+    args = _common(model_dirs, *sets)
     log, records = _train(args, tmp_path / "run", nproc, 3)
     assert "LoRA matrices initialised from train.seed" in log and "the rest frozen" in log
     want = peft_reference(model_dirs, args, 3)
@@ -100,7 +98,7 @@ def test_fp32_adapters_over_a_bf16_base_follow_peft(model_dirs, tmp_path, backen
     stay fp32 (torch_fsdp shards them as units of their own: FSDP2 wants one dtype per unit), and the losses
     follow peft over a bf16 `from_pretrained` base."""
     sets, nproc = runnable(BACKENDS)[backend]
-    args = _common(model_dirs, tmp_path, *sets, "model.lora.base_dtype=bfloat16")
+    args = _common(model_dirs, *sets, "model.lora.base_dtype=bfloat16")
     log, records = _train(args, tmp_path / "run", nproc, 3)
     assert "F32->BF16" in log
     want = peft_reference(model_dirs, args, 3, dtype=torch.bfloat16)
@@ -129,7 +127,7 @@ def test_checkpoints_hold_the_adapters_resume_exactly_and_export_for_peft(model_
     from safetensors.torch import load_file
 
     sets, nproc = BACKENDS["torch_fsdp"]
-    args = _common(model_dirs, tmp_path, *sets, "checkpoint.every_steps=2")
+    args = _common(model_dirs, *sets, "checkpoint.every_steps=2")
     _, straight = _train(args, tmp_path / "a", nproc, 4, f"checkpoint.dir={tmp_path / 'a' / 'ckpt'}")
     _train(args, tmp_path / "b", nproc, 2, f"checkpoint.dir={tmp_path / 'b' / 'ckpt'}")
     log, resumed = _train(args, tmp_path / "b", nproc, 4, f"checkpoint.dir={tmp_path / 'b' / 'ckpt'}")
@@ -181,7 +179,6 @@ def test_a_classifier_head_is_trained_whole_beside_the_adapters(model_dirs):
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_a_lora_classifier_exports_an_adapter_peft_loads_with_its_head(model_dirs, tmp_path):
-    from conftest import FIXTURES
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification
 
