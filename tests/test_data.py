@@ -28,7 +28,9 @@ def test_packing_joins_documents_with_eos_into_full_blocks(model_dirs):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dirs.llama)
-    source = sources(model_dirs.llama, f"data.path={CORPUS}", "train.global_batch_size=4").train
+    found = sources(model_dirs.llama, f"data.path={CORPUS}", "train.global_batch_size=4")
+    source = found.train
+    assert not found.uneven_labels  # every token labelled: the step needs no token counts
     docs = [json.loads(line)["text"] for line in CORPUS.read_text().splitlines()]
     stream = [t for doc in docs for t in tokenizer(doc)["input_ids"] + [tokenizer.eos_token_id]]
     assert source.rows_per_epoch == len(stream) // 32  # one group of <= 1000 documents: only the tail is dropped
@@ -43,7 +45,7 @@ def test_padding_masks_the_padding_and_leaves_it_out_of_the_loss(model_dirs):
     batch = found.train.global_batch(0)
     assert set(batch) == {"input_ids", "attention_mask", "labels"}
     pads = batch["attention_mask"] == 0
-    assert pads.any() and (batch["labels"][pads] == -100).all()
+    assert pads.any() and (batch["labels"][pads] == -100).all() and found.uneven_labels
     assert torch.equal(batch["labels"][~pads], batch["input_ids"][~pads])
 
 

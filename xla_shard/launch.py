@@ -79,8 +79,8 @@ class Nodes:
 class Torchrun:
     """torchrun with `nproc` workers on this node, each running the same command (`argv`) again; in a worker
     (this command run by torchrun) the entry point itself, dying with torchrun. One node: `--standalone`;
-    several (`nodes`): every node runs `xla-shard train` with its `launch.node_rank`, meeting at a c10d
-    rendezvous."""
+    several (`nodes`): every node runs `xla-shard train` with its `launch.node_rank`, meeting at node 0's
+    static rendezvous (`Nodes`)."""
 
     nproc: int
     argv: list[str]

@@ -175,8 +175,7 @@ class PretrainedWeights:
     def load(self, backend, model: nn.Module, frozen_only: bool = False) -> LoadReport:
         """Fill the wrapped model: each process reads the boxes of each tensor it holds, nothing else.
         `frozen_only`: only the parameters not trained (a resumed LoRA run: its checkpoint holds the rest)."""
-        frozen = {f"model/{n}" for n, p in backend.state.named_parameters(model) if not p.requires_grad}
-        targets = [t for t in backend.state.tensors(model) if not frozen_only or t.name in frozen]
+        targets = [t for t in backend.state.tensors(model) if t.frozen or not frozen_only]
         used = {s for s in self.names.values() if not s.startswith(fused.PREFIX)}
         used |= {s for f in self.fused.values() for sources in f.sources for s in sources.values()}
         report = LoadReport(0, 0, sum(_stored_bytes(self.manifest.tensors[s]) for s in used), 0,

@@ -25,7 +25,7 @@ from xla_shard.checkpoint import Checkpointer, CheckpointError, NoCheckpoints, l
 from xla_shard.checkpoint.export import export
 from xla_shard.config.schema import ShardConfig, TrainSection
 from xla_shard.data import Batch, micro_rows
-from xla_shard.data.tokenize import IGNORE
+from xla_shard.data.batches import scored
 from xla_shard.errors import ConfigError, UserError, file_in_the_way, redact
 from xla_shard.metrics import StepLogger, peak_for, train_flops_per_token
 from xla_shard.models import check_sequence_length, model_config, resolve_source
@@ -129,6 +129,7 @@ class Trainer:
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.source = self.eval_source = None  # training rows (any step, any process) and evaluation rows
+        self.uneven_labels = False  # whether micro-batches can hold different numbers of labelled tokens
         self.total_steps = 0
         self.start_step = 0  # where this run starts: 0, or the step of the checkpoint it resumed
         self.checkpointer: Checkpointer | NoCheckpoints = NoCheckpoints()
@@ -153,6 +154,7 @@ class Trainer:
         with backend.processes.main_first():
             sources = datalib.build(cfg, model.config, source.directory)
         self.source, self.eval_source = sources.train, sources.eval
+        self.uneven_labels = sources.uneven_labels
         self.total_steps = self._total_steps()
         self._log(f"data: {sources.description}; {self.total_steps} steps"
                   + (f" ({cfg.train.epochs:g} epoch(s))" if cfg.train.epochs else ""))
@@ -263,7 +265,8 @@ class Trainer:
         backend, train = self.backend, self.cfg.train
         micro_batches = micro_batches or self.micro_batches(step)
         k = len(micro_batches)
-        weights = self._token_weights(micro_batches) if self.loss_fn is model_loss else None
+        # Only rows that can differ pay for the count (a collective with a host sync, on torchrun).
+        weights = self._token_weights(micro_batches) if self.loss_fn is model_loss and self.uneven_labels else None
         total = None
         for j, rows in enumerate(micro_batches):
             batch = backend.place(rows)
@@ -290,9 +293,8 @@ class Trainer:
         micro-batches hold different numbers (answers only, padded rows), the step's loss is the mean over all
         of the step's labelled tokens, on every process together: what one process training the whole batch
         gets, on every backend alike. Gradients are averaged over processes, hence the `world` factor."""
-        causal = self.cfg.model.task == "causal_lm"  # a causal LM's first label is never predicted
-        counts = [int(((rows["labels"][:, 1:] if causal else rows["labels"]) != IGNORE).sum())
-                  for rows in micro_batches]
+        causal = self.cfg.model.task == "causal_lm"
+        counts = [int(scored(rows["labels"], causal).sum()) for rows in micro_batches]
         world, k = self.backend.world, len(micro_batches)
         tokens = self.backend.processes.total(sum(counts))
         if tokens == 0 or all(count * world * k == tokens for count in counts):
@@ -450,14 +452,13 @@ def evaluate(model, backend, source, cfg) -> dict[str, float]:
             with backend.forward_context():
                 out = model(**batch)
             labels = batch["labels"]
-            # The model's own loss is a mean over the labels it counts (causal LM: shifted by one).
-            scored = (labels if classify else labels[:, 1:]) != IGNORE
-            n = scored.sum().float()
+            counts = scored(labels, causal=not classify)
+            n = counts.sum().float()
             # A process whose rows are all filler gets a NaN mean (0/0): it contributes 0, not NaN.
             loss = torch.where(n > 0, out.loss.detach().float() * n, torch.zeros_like(n))
             loss_sum, counted = (loss, n) if loss_sum is None else (loss_sum + loss, counted + n)
             if classify:
-                hits = ((out.logits.argmax(-1) == labels) & scored).sum().float()
+                hits = ((out.logits.argmax(-1) == labels) & counts).sum().float()
                 correct = hits if correct is None else correct + hits
             backend.after_step()
     finally:

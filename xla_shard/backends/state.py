@@ -67,7 +67,7 @@ class BackendState:
         for name, param in self.named_parameters(model):
             names = per_layer.get(name, [name])
             stacked = name in per_layer
-            tensors += self.state_tensors([f"model/{n}" for n in names], param, stacked)
+            tensors += self.state_tensors([f"model/{n}" for n in names], param, stacked, frozen=not param.requires_grad)
             if optimizer is None:
                 continue
             like_shape = tuple(param.shape[1:] if stacked else param.shape)
@@ -76,9 +76,10 @@ class BackendState:
                 tensors += self.state_tensors([f"optim/{n}/{key}" for n in names], value, stacked)
         return tensors
 
-    def state_tensors(self, names: list[str], tensor: torch.Tensor, stacked: bool) -> list[StateTensor]:
+    def state_tensors(self, names: list[str], tensor: torch.Tensor, stacked: bool,
+                      frozen: bool = False) -> list[StateTensor]:
         whole = StateTensor(names[0], tuple(tensor.shape), tensor.dtype, lambda: self.local_chunks(tensor),
-                            lambda: self.local_boxes(tensor), lambda values: self.fill_local(tensor, values))
+                            lambda: self.local_boxes(tensor), lambda values: self.fill_local(tensor, values), frozen)
         return unstack(whole, names) if stacked else [whole]
 
     def zeros_like(self, param: torch.Tensor) -> torch.Tensor:

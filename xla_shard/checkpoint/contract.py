@@ -34,6 +34,9 @@ class StateTensor:
     chunks: Callable[[], list[Chunk]]
     boxes: Callable[[], list[Box]]
     fill: Callable[[list[torch.Tensor]], None]
+    # A parameter that does not train (LoRA's frozen base): its values are in the model directory, so a
+    # checkpoint of what trains leaves it out, and a resumed run reads it from the directory again.
+    frozen: bool = False
 
 
 class ShardedState(Protocol):
@@ -99,7 +102,7 @@ def unstack(whole: StateTensor, names: list[str]) -> list[StateTensor]:
         received.clear()
 
     return [StateTensor(name, whole.shape[1:], whole.dtype, functools.partial(layer_chunks, layer),
-                        functools.partial(layer_boxes, layer), functools.partial(layer_fill, layer))
+                        functools.partial(layer_boxes, layer), functools.partial(layer_fill, layer), whole.frozen)
             for layer, name in enumerate(names)]
 
 

@@ -15,7 +15,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from xla_shard.checkpoint import layout, peft_adapter
+from xla_shard.checkpoint import layout, peft_adapter, schema
 from xla_shard.checkpoint.inspect import open_checkpoint
 from xla_shard.checkpoint.manifest import CheckpointError
 from xla_shard.checkpoint.reader import ChunkReader
@@ -67,32 +67,27 @@ def export(url: str, to: str, max_shard_bytes: int = 2 * 10**9, overwrite: bool 
         names = sorted(n for n in manifest.tensors if n.startswith("model/"))
         if not names:
             raise CheckpointError(f"{manifest.url} holds no model tensors (model/...): nothing to export")
-        sizes = {n: math.prod(manifest.tensors[n]["shape"])
-                 * layout.TORCH_DTYPES[manifest.tensors[n]["dtype"]].itemsize for n in names}
+        sizes = {n: schema.nbytes(manifest.tensors[n]["shape"], manifest.tensors[n]["dtype"]) for n in names}
         run_model = (manifest.data.get("config") or {}).get("model")
         adapter = run_model.get("lora") if isinstance(run_model, dict) else None
+        if merge and not isinstance(adapter, dict):
+            raise CheckpointError(f"{manifest.url} is not a LoRA run's checkpoint: --merge has no adapters to "
+                                  "merge (export it without --merge)")
+        reader, source, transform = ChunkReader(storage, manifest), manifest, None
+        if merge:  # the model directory's weights, the adapters merged into them as they are written
+            merged = peft_adapter.Merge(_base_directory(manifest, run_model), reader, manifest, names, adapter)
+            reader, source, names, sizes, transform = (merged.reader, merged.manifest, merged.names, merged.sizes,
+                                                       merged.transform)
         with destination as out:
-            reader = ChunkReader(storage, manifest)
-            if merge and not isinstance(adapter, dict):
-                raise CheckpointError(f"{manifest.url} is not a LoRA run's checkpoint: --merge has no adapters to "
-                                      "merge (export it without --merge)")
-            if merge:
-                base = _base_directory(manifest, run_model)
-                merged = peft_adapter.Merge(base, reader, manifest, names, adapter)
-                names, sizes = merged.names, merged.sizes
-                files = _write_weights(merged.reader, merged.manifest, names, sizes, out, max_shard_bytes,
-                                       transform=merged.transform)
-                copied, note = _copy_companions(manifest, out)
-                out.write("config.json", json.dumps(hf, indent=2).encode())
-            elif isinstance(adapter, dict):  # a LoRA run: its checkpoint holds the adapters, exported for peft
-                files = _write_weights(reader, manifest, names, sizes, out, math.inf, peft_adapter.key,
+            if isinstance(adapter, dict) and not merge:  # the checkpoint holds the adapters: a peft directory
+                files = _write_weights(reader, source, names, sizes, out, math.inf, peft_adapter.key,
                                        peft_adapter.WEIGHTS)
-                copied, note = _copy_companions(manifest, out)
-                out.write(peft_adapter.CONFIG, peft_adapter.config_json(adapter, run_model, names))
+                config = peft_adapter.CONFIG, peft_adapter.config_json(adapter, run_model, names)
             else:
-                files = _write_weights(reader, manifest, names, sizes, out, max_shard_bytes)
-                copied, note = _copy_companions(manifest, out)
-                out.write("config.json", json.dumps(hf, indent=2).encode())  # last: what loaders look for first
+                files = _write_weights(reader, source, names, sizes, out, max_shard_bytes, transform=transform)
+                config = "config.json", json.dumps(hf, indent=2).encode()
+            copied, note = _copy_companions(manifest, out)
+            out.write(*config)  # last: what loaders look for first
     return ExportReport(manifest.step, files, len(names), sum(sizes.values()), max(sizes.values()),
                         growth.bytes, copied, note)
 
@@ -163,9 +158,9 @@ class Destination:
 
 def _write_weights(reader: ChunkReader, manifest, names: list[str], sizes: dict[str, int], out: Storage,
                    max_shard_bytes: float, key=lambda name: name[len("model/"):], single: str = WEIGHTS,
-                   transform=lambda name, tensor: tensor) -> list[str]:
+                   transform=None) -> list[str]:
     """The tensors `names` as safetensors files of at most `max_shard_bytes` each, under `key(name)`, each
-    passed through `transform(name, tensor)` (same shape and dtype) as it is written."""
+    passed through `transform(name, tensor)` (same shape and dtype; None: as stored) as it is written."""
     groups: list[list[str]] = [[]]
     for name in names:  # split by size, tensors kept whole, in name order
         if groups[-1] and sum(sizes[n] for n in groups[-1]) + sizes[name] > max_shard_bytes:
@@ -188,7 +183,7 @@ def _write_weights(reader: ChunkReader, manifest, names: list[str], sizes: dict[
             for name in group:
                 shape = tuple(manifest.tensors[name]["shape"])
                 (tensor,) = reader.read([(name, ((0,) * len(shape), shape))])
-                yield layout.tensor_bytes(transform(name, tensor))
+                yield layout.tensor_bytes(transform(name, tensor) if transform else tensor)
 
         out.write(file, parts)
     if len(files) > 1:

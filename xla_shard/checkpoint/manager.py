@@ -350,13 +350,7 @@ class Checkpointer:
         return manifest
 
     def _tensors(self, model, optimizer, stored=None) -> list:
-        tensors = self.state.tensors(model, optimizer, stored=stored)
-        if not self.trained_only:
-            return tensors
-        per_layer = self.state.layer_names(model)
-        frozen = {f"model/{one}" for name, param in self.state.named_parameters(model) if not param.requires_grad
-                  for one in per_layer.get(name, [name])}
-        return [t for t in tensors if t.name not in frozen]
+        return [t for t in self.state.tensors(model, optimizer, stored=stored) if not (self.trained_only and t.frozen)]
 
     def _check_identity(self, manifest: Manifest, architecture: dict[str, Any] | None) -> None:
         saved = manifest.data["config"]

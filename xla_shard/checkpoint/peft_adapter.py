@@ -13,14 +13,14 @@ in place of the stored one, in the stored dtype.
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 import torch
 
-from xla_shard.checkpoint import hf_dir, layout
+from xla_shard.checkpoint import hf_dir, schema
 from xla_shard.checkpoint.manifest import CheckpointError
 from xla_shard.checkpoint.reader import ChunkReader
+from xla_shard.errors import one_line
 from xla_shard.io.storage import Storage
 
 WEIGHTS = "adapter_model.safetensors"
@@ -47,10 +47,7 @@ def config_json(lora: dict[str, Any], model: dict[str, Any], names: list[str]) -
                             base_model_name_or_path=str(model.get("name") or ""))
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"the manifest's model.lora section is not a LoRA config peft accepts: {exc}") from None
-    fields = config.to_dict()
-    fields["target_modules"] = sorted(fields["target_modules"]) if isinstance(fields["target_modules"], set) \
-        else fields["target_modules"]
-    fields = {k: (sorted(v) if isinstance(v, set) else v) for k, v in fields.items()}
+    fields = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.to_dict().items()}  # JSON has no sets
     return json.dumps(fields, indent=2, default=str).encode()
 
 
@@ -62,8 +59,8 @@ class Merge:
         self.manifest = hf_dir.read_manifest(base)
         self.reader = ChunkReader(base, self.manifest, bridge_gaps=False)
         self.names = sorted(self.manifest.tensors)
-        self.sizes = {n: math.prod(self.manifest.tensors[n]["shape"])
-                      * layout.TORCH_DTYPES[self.manifest.tensors[n]["dtype"]].itemsize for n in self.names}
+        self.sizes = {n: schema.nbytes(self.manifest.tensors[n]["shape"], self.manifest.tensors[n]["dtype"])
+                      for n in self.names}
         self.checkpoint, self.checkpoint_manifest = checkpoint, manifest
         self.scaling = lora["alpha"] / lora["r"]
         self.adapters: dict[str, tuple[str, str]] = {}  # "model/<layer>.weight" -> (A, B) checkpoint names
@@ -108,10 +105,14 @@ def _conv1d_layers(hf_config: dict[str, Any], weights: list[str]) -> set[str]:
     from transformers.pytorch_utils import Conv1D
 
     fields = {k: v for k, v in hf_config.items() if k not in ("auto_map", "model_type")}
-    config = AutoConfig.for_model(hf_config["model_type"], **fields)
-    auto = AutoModelForSequenceClassification if any("SequenceClassification" in a for a in
-                                                     config.architectures or []) else AutoModelForCausalLM
-    with init_empty_weights():
-        model = auto.from_config(config)
+    try:
+        config = AutoConfig.for_model(hf_config["model_type"], **fields)
+        auto = AutoModelForSequenceClassification if any("SequenceClassification" in a for a in
+                                                         config.architectures or []) else AutoModelForCausalLM
+        with init_empty_weights():
+            model = auto.from_config(config)
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:  # the manifest is untrusted input
+        raise CheckpointError(f"the manifest's hf_config does not build a transformers model to merge into: "
+                              f"{type(exc).__name__}: {one_line(exc)[:200]}") from None
     modules = dict(model.named_modules())
     return {w for w in weights if isinstance(modules.get(w[len("model/"):-len(".weight")]), Conv1D)}

@@ -28,6 +28,9 @@ class DataSources:
     train: Any  # SyntheticSource | DatasetSource
     eval: EvalSource | None = None
     description: str = "synthetic tokens"
+    # Rows can hold different numbers of labelled tokens (answers only, padding), so the step weighs its
+    # micro-batches by them; packed text and classifier rows are labelled throughout.
+    uneven_labels: bool = False
 
 
 def build(cfg, model_config, model_directory: str | None = None) -> DataSources:
@@ -71,11 +74,13 @@ def build(cfg, model_config, model_directory: str | None = None) -> DataSources:
     elif data.kind != "text":
         what = f"{data.kind} examples, padded"
     scope = {"text": "", "chat": "; loss on the assistant turns", "prompt_completion": "; loss on the completions"}
+    uneven = task == "causal_lm" and (data.kind != "text" or not data.packing)
     return DataSources(DatasetSource(train_rows, train.global_batch_size, train.seed), evaluation,
                        f"{data.path}: {rows} training {what} of {train.seq_len} tokens"
                        + (f", {len(eval_rows)} for evaluation" if eval_rows is not None else "")
                        + (scope[data.kind] if data.completion_only_loss is not False else "")
-                       + (f"; {dropped} example(s) dropped: nothing to learn within train.seq_len" if dropped else ""))
+                       + (f"; {dropped} example(s) dropped: nothing to learn within train.seq_len" if dropped else ""),
+                       uneven_labels=uneven)
 
 
 def _streamed(cfg, tokenizer, model_config) -> DataSources:
@@ -108,7 +113,7 @@ def _streamed(cfg, tokenizer, model_config) -> DataSources:
         evaluation = EvalSource(tokenize.causal_lm(raw_eval, tokenizer, data.text_field, train.seq_len, data.packing,
                                                    data.num_proc, data.eval_path), train.global_batch_size)
     return DataSources(source, evaluation, f"{data.path}: streamed, tokenized as read (shuffle buffer "
-                                           f"{data.shuffle_buffer} rows)")
+                                           f"{data.shuffle_buffer} rows)", uneven_labels=not data.packing)
 
 
 def _tokenized(cfg, tokenizer, model_config, task):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from xla_shard.data.tokenize import IGNORE
+
 Batch = dict[str, torch.Tensor]
 
 
@@ -27,3 +29,9 @@ def micro_rows(global_batch_size: int, micro: int, micros: int, rank: int, world
     per_rank = per_micro // world
     start = micro * per_micro + rank * per_rank
     return range(start, start + per_rank)
+
+
+def scored(labels: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Where a label counts in the model's own loss, which is a mean over these: a causal LM's from the second
+    position on (it shifts them: the first is never predicted), a classifier's every row; never IGNORE."""
+    return (labels[:, 1:] if causal else labels) != IGNORE
