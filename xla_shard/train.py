@@ -257,7 +257,7 @@ class Trainer:
         """This process's rows of each micro-batch of `step`, read from the source (not yet on the device)."""
         backend, train = self.backend, self.cfg.train
         k = train.grad_accum_steps
-        return [self.source.rows(step, micro_rows(train.global_batch_size, j, k, backend.rank, backend.world))
+        return [self.source.rows(step, micro_rows(train.global_batch_size, j, k, *backend.processes.batch_part))
                 for j in range(k)]
 
     def step(self, step: int, micro_batches: list[Batch] | None = None) -> torch.Tensor:
@@ -292,14 +292,16 @@ class Trainer:
         processes is already right. transformers' loss is a mean over a micro-batch's labelled tokens; where
         micro-batches hold different numbers (answers only, padded rows), the step's loss is the mean over all
         of the step's labelled tokens, on every process together: what one process training the whole batch
-        gets, on every backend alike. Gradients are averaged over processes, hence the `world` factor."""
+        gets, on every backend alike. A process per device has a loss over its own rows, and the gradients are
+        averaged over the `world` of them; SPMD (world 1) has one loss over the rows of every host."""
         causal = self.cfg.model.task == "causal_lm"
         counts = [int(scored(rows["labels"], causal).sum()) for rows in micro_batches]
-        world, k = self.backend.world, len(micro_batches)
-        tokens = self.backend.processes.total(sum(counts))
-        if tokens == 0 or all(count * world * k == tokens for count in counts):
+        totals = self.backend.processes.total(counts)
+        world, k, tokens = self.backend.world, len(micro_batches), sum(totals)
+        counted = totals if world == 1 else counts
+        if tokens == 0 or all(count * world * k == tokens for count in counted):
             return None
-        return [count * world / tokens for count in counts]
+        return [count * world / tokens for count in counted]
 
     def evaluate(self) -> dict[str, float]:
         return evaluate(self.model, self.backend, self.eval_source, self.cfg)
@@ -442,7 +444,7 @@ def evaluate(model, backend, source, cfg) -> dict[str, float]:
     label, then divided by their count, so filler rows and padding count for nothing. Every process calls it."""
     train = cfg.train
     batches = min(source.batches, train.eval_steps or source.batches)
-    rows = micro_rows(train.global_batch_size, 0, 1, backend.rank, backend.world)
+    rows = micro_rows(train.global_batch_size, 0, 1, *backend.processes.batch_part)
     classify = cfg.model.task == "sequence_classification"
     model.eval()
     loss_sum = counted = correct = None

@@ -39,8 +39,8 @@ class Backend(abc.ABC):
 
     def __init__(self, cfg: ShardConfig):
         self.cfg = cfg
-        self.rank = 0  # this process's data-parallel rank: which rows of the global batch it feeds
-        self.world = 1  # data-parallel processes (SPMD: 1 per host, devices are sharded inside)
+        self.rank = 0  # this process's data-parallel rank
+        self.world = 1  # data-parallel processes, each with its own loss (SPMD: 1, one program over every host)
         self.device = torch.device("cpu")
         self.device_kind = "cpu"
         self.num_devices = 1  # devices the model is sharded over, all processes together
@@ -114,8 +114,8 @@ class Backend(abc.ABC):
 
     # ---- the step ----------------------------------------------------------------------------------
     def local_batch(self, global_batch: Batch | torch.Tensor) -> Batch | torch.Tensor:
-        """This process's rows of the global batch (a tensor, or a dict of them), on its device."""
-        return self.place(local_rows(global_batch, self.rank, self.world))
+        """This process's rows of the global batch (a tensor, or a dict of them), on its device(s)."""
+        return self.place(local_rows(global_batch, *self.processes.batch_part))
 
     def place(self, rows: Batch | torch.Tensor) -> Batch | torch.Tensor:
         """Rows this process feeds, onto its device (SPMD overrides: one batch, sharded over the mesh)."""

@@ -1,10 +1,17 @@
 """Who this process is among a run's processes, and how they agree. The backend's runtime decides which kind a
-run has: one process per host needs no agreement (the base class); torchrun and `xmp.spawn` runs override the
-collective parts in their backend's module."""
+run has: one process on one host needs no agreement (the base class); processes joined by a torch.distributed
+group (torchrun's, or the hosts of a multi-host SPMD run) agree through it (`GroupProcesses`); `xmp.spawn`'s
+override the collective parts in their backend's module."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+
+from xla_shard.errors import one_line
 
 
 class Processes:
@@ -25,6 +32,13 @@ class Processes:
         return self.index, self.count
 
     @property
+    def batch_part(self) -> tuple[int, int]:
+        """(index, count): this process reads part `index` of `count` equal parts of every micro-batch's rows,
+        as it writes its own checkpoint shards: a process per device its device's rows, an SPMD host its
+        devices' (the backend's `place` makes them its devices' rows of the global batch)."""
+        return self.index, self.count
+
+    @property
     def local_leader(self) -> bool:
         """The first process on this host."""
         return True
@@ -40,9 +54,10 @@ class Processes:
         """If `error` says another node's processes went away mid-collective, why (one line); else None."""
         return None
 
-    def total(self, count: int) -> int:
-        """The sum of `count` over every process (labelled tokens of a step, to weight the loss by)."""
-        return count
+    def total(self, counts: list[int]) -> list[int]:
+        """`counts` summed element by element over every process (labelled tokens of each micro-batch of a
+        step, to weight the loss by)."""
+        return list(counts)
 
     @contextlib.contextmanager
     def main_first(self):
@@ -55,3 +70,40 @@ class Processes:
         finally:
             if self.local_leader:
                 self.barrier()
+
+
+class GroupProcesses(Processes):
+    """Processes joined by the default torch.distributed process group: torchrun's (one per device) or, in a
+    multi-host SPMD run, one per host over gloo. A collective on the group is how they agree."""
+
+    def __init__(self, index: int, count: int, device: torch.device):
+        super().__init__(index, count)
+        self.device = device  # NCCL reduces on the GPU
+
+    @property
+    def local_leader(self) -> bool:
+        return int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def any_rank(self, flag: bool) -> bool:
+        value = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def lost_peer(self, error: BaseException) -> str | None:
+        """A multi-node run (torchrun's GROUP_WORLD_SIZE nodes) whose collective failed because a peer closed
+        its connection or stopped answering (gloo says so in a RuntimeError, NCCL in a DistBackendError)."""
+        if int(os.environ.get("GROUP_WORLD_SIZE", "1")) < 2 or not isinstance(error, RuntimeError):
+            return None
+        text = str(error)
+        if not isinstance(error, dist.DistBackendError) and not any(
+                sign in text for sign in ("closed by peer", "reset by peer", "Timed out", "timed out", "Broken pipe")):
+            return None
+        return one_line(text.splitlines()[-1] if text.strip() else type(error).__name__)[:300]
+
+    def total(self, counts: list[int]) -> list[int]:
+        value = torch.tensor(counts, device=self.device)
+        dist.all_reduce(value)
+        return value.tolist()

@@ -23,49 +23,13 @@ from xla_shard import launch, lora
 from xla_shard.backends import fsdp2_devices
 from xla_shard.backends.base import Backend, apply_activation_checkpointing, on_meta
 from xla_shard.backends.fsdp2_devices import DeviceProfile
-from xla_shard.backends.processes import Processes
+from xla_shard.backends.processes import GroupProcesses
 from xla_shard.backends.state import BackendState, pack_bytes, unpack_bytes
 from xla_shard.capabilities import Capabilities
 from xla_shard.checkpoint.contract import Box, Chunk
 from xla_shard.config.schema import ShardingStrategy
-from xla_shard.errors import ConfigError, one_line
+from xla_shard.errors import ConfigError
 from xla_shard.wrap import checkpoint_targets, wrap_targets
-
-
-class TorchProcesses(Processes):
-    """torchrun's processes, one per device: a collective on the process group is how they agree."""
-
-    def __init__(self, rank: int, world: int, device: torch.device):
-        super().__init__(rank, world)
-        self.device = device  # NCCL reduces on the GPU
-
-    @property
-    def local_leader(self) -> bool:
-        return int(os.environ.get("LOCAL_RANK", "0")) == 0
-
-    def barrier(self) -> None:
-        dist.barrier()
-
-    def any_rank(self, flag: bool) -> bool:
-        value = torch.tensor([int(flag)], device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
-
-    def lost_peer(self, error: BaseException) -> str | None:
-        """A multi-node run (torchrun's GROUP_WORLD_SIZE nodes) whose collective failed because a peer closed
-        its connection or stopped answering (gloo says so in a RuntimeError, NCCL in a DistBackendError)."""
-        if int(os.environ.get("GROUP_WORLD_SIZE", "1")) < 2 or not isinstance(error, RuntimeError):
-            return None
-        text = str(error)
-        if not isinstance(error, dist.DistBackendError) and not any(
-                sign in text for sign in ("closed by peer", "reset by peer", "Timed out", "timed out", "Broken pipe")):
-            return None
-        return one_line(text.splitlines()[-1] if text.strip() else type(error).__name__)[:300]
-
-    def total(self, count: int) -> int:
-        value = torch.tensor([count], device=self.device)
-        dist.all_reduce(value)
-        return int(value.item())
 
 
 class Fsdp2State(BackendState):
@@ -170,7 +134,7 @@ class TorchFsdpBackend(Backend):
             dist.init_process_group(profile.process_group, timeout=timedelta(seconds=self.cfg.launch.timeout_s))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.num_devices = self.world
-        self.processes = TorchProcesses(self.rank, self.world, self.device)
+        self.processes = GroupProcesses(self.rank, self.world, self.device)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         fsdp = self.cfg.fsdp

@@ -44,10 +44,12 @@ class XlaProcesses(Processes):
 
         return flag if self.count == 1 else xm.mesh_reduce("preempt", flag, any)
 
-    def total(self, count: int) -> int:
+    def total(self, counts: list[int]) -> list[int]:
         import torch_xla.core.xla_model as xm
 
-        return count if self.count == 1 else xm.mesh_reduce("tokens", count, sum)
+        if self.count == 1:
+            return list(counts)
+        return xm.mesh_reduce("tokens", list(counts), lambda every: [sum(column) for column in zip(*every)])
 
 
 class FsdpV1State(BackendState):

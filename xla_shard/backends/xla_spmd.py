@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from xla_shard.backends import xla_common, xla_scan
-from xla_shard.backends.processes import Processes
+from xla_shard.backends.processes import GroupProcesses, Processes
 from xla_shard.backends.state import BackendState
 from xla_shard.capabilities import Capabilities
 from xla_shard.checkpoint.contract import Box, Chunk
@@ -207,13 +207,28 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         self.local_devices = xr.addressable_runtime_device_count()
         self.device = torch_xla.device()
         self.device_kind = xla_common.device_kind()
-        # Each host writes the shards on its own devices.
-        self.processes = Processes(xr.process_index(), xr.process_count())
+        # Each host writes the shards on its own devices, and reads its part of every batch.
+        self.processes = self._host_processes(xr.process_index(), xr.process_count())
         self.layouts: dict[torch.Tensor, Layouts] = {}
         self._row_marks: dict[int, Callable[[torch.Tensor], None]] = {}  # by tensor rank
-        # Every host builds the same global batch from (seed, step); mark_sharding sends each device its rows.
+        self._host_rows: dict[int, object] = {}  # by tensor rank: minibatch input shardings (several hosts)
+        # One program over every device: one loss, nothing averaged over processes.
         self.rank, self.world = 0, 1
         self._batch_axes = MESH_AXES
+
+    @staticmethod
+    def _host_processes(index: int, count: int) -> Processes:
+        """Several hosts agree (barriers, preemption, token counts) over a gloo group whose rendezvous is
+        torch_xla's `xla://`: rank = process_index, world = process_count, the master found from the TPU
+        metadata (or MASTER_ADDR), as torch_xla's distributed checkpointing does."""
+        if count == 1:
+            return Processes()
+        import torch.distributed as dist
+        import torch_xla.distributed.xla_backend  # noqa: F401  (registers xla://)
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method="xla://")
+        return GroupProcesses(index, count, torch.device("cpu"))
 
     def setup(self, plan) -> None:
         import torch_xla.distributed.spmd as xs
@@ -327,12 +342,25 @@ class XlaSpmdBackend(xla_common.XlaBackend):
             output[0] if isinstance(output, tuple) else output.logits))
 
     def place(self, rows):
-        """The host's rows (one host: the whole global batch), sharded by rows over every device of the mesh."""
+        """The host's rows, as the global batch sharded by rows over every device of the mesh. One host holds
+        the whole batch and marks it; several hand torch_xla their parts as minibatch input shardings, which
+        it lays out as one global tensor (each host's rows on its own devices; nothing crosses hosts)."""
         if isinstance(rows, dict):
             return {key: self.place(value) for key, value in rows.items()}
+        if self.processes.count > 1:
+            return self._place_host_rows(rows)
         batch = rows.to(self.device)
         self._by_rows(batch)
         return batch
+
+    def _place_host_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        import torch_xla.core.xla_model as xm
+        import torch_xla.distributed.spmd as xs
+
+        if rows.dim() not in self._host_rows:
+            spec = (self._batch_axes,) + (None,) * (rows.dim() - 1)
+            self._host_rows[rows.dim()] = xs.ShardingSpec(self.mesh, spec, minibatch=True)
+        return xm.send_cpu_data_to_device(rows, self.device, input_sharding=self._host_rows[rows.dim()])[0]
 
     def forward_context(self):
         return torch.autocast("xla", dtype=torch.bfloat16, enabled=self.cfg.fsdp.mixed_precision == "bf16")
