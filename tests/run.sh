@@ -4,11 +4,16 @@
 #   .venv         torch 2.9 + torch_xla 2.9 (extras xla, scan): every test
 #   .venv-newest  the newest torch without torch_xla, TorchTPU installed: the same tests, the ones that need
 #                 torch_xla skipping (marker `xla`)
+#   .venv-xpk     xpk alone (it pins its dependencies exactly): tests/test_gke.py runs its argument parser
 # TIERS=old or TIERS=newest runs one environment only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NEWEST_TORCH="2.15.0"
+XPK_VERSION="1.16.0"
 TIERS="${TIERS:-old newest}"
+
+python3 -m venv .venv-xpk
+.venv-xpk/bin/pip install -q "xpk==$XPK_VERSION"
 
 if [[ " $TIERS " == *" old "* ]]; then
   python3 -m venv .venv

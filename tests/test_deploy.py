@@ -27,6 +27,10 @@ RENDERINGS = {
                                       "deploy.service_account=sa@p.iam.gserviceaccount.com"]),
     "gpu-1node": (GPU, "gpu-vm", ["deploy.gpu_nodes=1"]),
     "gpu-2node": (GPU, "gpu-vm", []),
+    # GKE (tests/test_gke.py validates the manifests and xpk commands): several slices, and GPU node pools.
+    "gke-v5p-2slices": (TPU, "gke", ["deploy.cluster=train-cluster", "deploy.image=us-docker.pkg.dev/p1/xla-shard:1",
+                                     "deploy.accelerator_type=v5p-32", "deploy.num_slices=2"]),
+    "gke-gpu-2node": (GPU, "gke", ["deploy.cluster=gpu-cluster", "deploy.image=us-docker.pkg.dev/p1/xla-shard:1"]),
 }
 OWN = ["deploy.project=acme-train-1", "checkpoint.dir=gs://acme-ckpts/run"]  # a user's own, not the placeholders
 SHELLCHECK = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
@@ -158,7 +162,8 @@ def test_train_loop_restarts_after_preemption_until_training_finishes(tmp_path):
 PAYLOADS = ["a$(xcanary)b", "a`xcanary`b", "a';xcanary;'b", 'a";xcanary;"b', "a;xcanary;b", "a&&xcanary",
             "a|xcanary", "a\nxcanary", "a$IFS$(xcanary)"]
 DEPLOY_KEYS = ["name", "project", "zone", "accelerator_type", "network", "subnetwork", "service_account",
-               "gpu_machine_type", "gpu_image_family", "gpu_image_project", "remote_user", "remote_dir"]
+               "gpu_machine_type", "gpu_image_family", "gpu_image_project", "remote_user", "remote_dir", "cluster",
+               "image", "namespace"]
 
 
 @pytest.mark.e2e

@@ -61,11 +61,12 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("file")
     imp.add_argument("-o", "--output", help="write the converted config here instead of stdout")
     imp.set_defaults(func=_config_import)
-    gcp = commands.add_parser("gcp", help="render gcloud deployment scripts from a config")
+    gcp = commands.add_parser("gcp", help="render gcloud / GKE deployment scripts from a config")
     gcp_commands = gcp.add_subparsers(dest="gcp_command", required=True)
-    render = gcp_commands.add_parser("render", help="deploy.sh, teardown.sh, startup.sh and the config")
+    render = gcp_commands.add_parser("render", help="deploy.sh, teardown.sh and the config (VMs: startup.sh; "
+                                                         "gke: jobset.yaml and xpk.sh)")
     render.add_argument("config")
-    render.add_argument("--target", required=True, choices=["tpu-vm", "queued-resource", "gpu-vm"])
+    render.add_argument("--target", required=True, choices=["tpu-vm", "queued-resource", "gpu-vm", "gke"])
     render.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     render.add_argument("--out", metavar="DIR", help="write the files here (default: print deploy.sh)")
     render.set_defaults(func=_gcp_render)
@@ -201,7 +202,8 @@ def _plan(args) -> int:
 def _gcp_render(args) -> int:
     from pathlib import Path
 
-    from xla_shard.deploy.render import placeholders, render
+    from xla_shard.deploy.render import render
+    from xla_shard.deploy.scripts import placeholders
     from xla_shard.errors import file_in_the_way
 
     cfg = cfglib.load(args.config, args.set)
@@ -218,7 +220,8 @@ def _gcp_render(args) -> int:
             (out / name).write_text(text)
             if name.endswith(".sh"):
                 (out / name).chmod(0o755)
-        print(f"wrote {', '.join(rendering.files)} to {out}; run {out / 'deploy.sh'} (DRY_RUN=1 to preview)")
+        xpk = f" or {out / 'xpk.sh'}" if "xpk.sh" in rendering.files else ""
+        print(f"wrote {', '.join(rendering.files)} to {out}; run {out / 'deploy.sh'}{xpk} (DRY_RUN=1 to preview)")
     found = placeholders(cfg)  # after the rendering is written: an error above stays the one line printed
     if found:
         print(f"xla-shard: WARNING: {', '.join(found)} still hold the example's placeholders: deploy.sh will "

@@ -431,6 +431,13 @@ DEPLOY_PATTERNS = {
     "remote_user": (r"[a-z_][a-z0-9_-]{0,31}", "a Linux user name: lowercase letters, digits, _ or -"),
     "remote_dir": (r"[A-Za-z0-9_][-A-Za-z0-9_.]*(?:/[A-Za-z0-9_][-A-Za-z0-9_.]*)*",
                    "a path relative to the remote home: letters, digits, '.', '_', '-' and '/'"),
+    "cluster": (r"[a-z](?:[-a-z0-9]{0,38}[a-z0-9])?", "a GKE cluster name: lowercase letters, digits and hyphens, "
+                                                      "starting with a letter, at most 40 characters"),
+    "image": (r"[a-z0-9]+(?:[._-][a-z0-9]+)*(?::[0-9]{1,5})?(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
+              r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[a-f0-9]{64})?",
+              "a container image reference such as us-docker.pkg.dev/my-project/train/xla-shard:1.0"),
+    "namespace": (r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?", "a Kubernetes namespace: lowercase letters, digits "
+                                                          "and hyphens, at most 63 characters"),
 }
 
 
@@ -460,6 +467,15 @@ class DeploySection(_Section):
     # The account the commands ssh in as, and where the code is unpacked in its home on every machine.
     remote_user: str = "xlashard"
     remote_dir: str = "xla_shard"
+    # GKE (--target gke, and the xpk command beside it): the cluster, and an image holding xla_shard with its
+    # runtime (pip install 'xla_shard[tpu]' for TPU slices, xla_shard on CUDA torch for GPU node pools).
+    cluster: str | None = None
+    image: str | None = None
+    namespace: str = "default"
+    # TPU slices of accelerator_type joined over DCN (one replicated job each); GPU node pools use gpu_nodes.
+    num_slices: int = Field(default=1, ge=1, le=64)
+    # Times the JobSet recreates every pod after one failed (preemption, a lost node) before it gives up.
+    max_restarts: int = Field(default=5, ge=0, le=1000)
 
     @field_validator(*DEPLOY_PATTERNS, mode="after")
     @classmethod

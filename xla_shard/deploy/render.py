@@ -1,4 +1,5 @@
-"""Render the gcloud commands and scripts that run a config on Cloud TPU VMs, queued resources or GPU VMs.
+"""Render the gcloud commands and scripts that run a config on Cloud TPU VMs, queued resources or GPU VMs
+(and, through `deploy.gke`, on GKE).
 
 Every gcloud command is built here as an argv list (so tests can hand each one to the real gcloud CLI) and
 written into scripts from the templates in `gcp/`. Values come from the config's `deploy`, `backend` and
@@ -14,44 +15,19 @@ Nothing from the config is ever placed inside double quotes, where `$(...)` woul
 from __future__ import annotations
 
 import shlex
-import string
-from dataclasses import dataclass, field
-from pathlib import Path
 
-from xla_shard.capabilities import Capabilities
 from xla_shard.config import dump
-from xla_shard.config.presets import PRESETS
 from xla_shard.config.schema import ShardConfig
-from xla_shard.deploy import tpu
+from xla_shard.deploy import gke, tpu
+from xla_shard.deploy.scripts import HERE, Rendering, check_common, check_tpu_backend, common_header, messages, \
+    shell_line, template
 from xla_shard.errors import ConfigError, UserError
 
-# The repository's gcp/ folder, linked into the package (and copied into the wheel by package-data).
-TEMPLATES = Path(__file__).resolve().parent / "templates"
-TARGETS = ("tpu-vm", "queued-resource", "gpu-vm")
+TARGETS = ("tpu-vm", "queued-resource", "gpu-vm", "gke")
 CLOUD_PLATFORM = "https://www.googleapis.com/auth/cloud-platform"
 # GPUs per VM for the machine types whose GPUs come built in.
 GPU_MACHINES = {"a3-highgpu-8g": 8, "a3-megagpu-8g": 8, "a3-ultragpu-8g": 8, "a2-highgpu-1g": 1,
                 "a2-highgpu-8g": 8, "a2-ultragpu-8g": 8, "g2-standard-4": 1, "g2-standard-48": 4}
-
-
-@dataclass
-class Rendering:
-    target: str
-    commands: list[list[str]] = field(default_factory=list)  # every gcloud argv, "gcloud" first
-    files: dict[str, str] = field(default_factory=dict)  # name -> text
-
-
-HERE = "@HERE@"  # in an argv: the folder of the rendered scripts, expanded by the script as "$HERE"
-
-
-def _word(arg: str) -> str:
-    """One argv element as a shell word: quoted literally, except each @HERE@, which becomes "$HERE"."""
-    return '"$HERE"'.join(shlex.quote(part) if part else "" for part in arg.split(HERE))
-
-
-def _shell(argv: list[str]) -> str:
-    """`run "$GCLOUD" ...`: gcloud through ${GCLOUD:-gcloud}."""
-    return "run " + " ".join(['"$GCLOUD"'] + [_word(a) for a in argv[1:]])
 
 
 def _remote(remote_dir: str, *commands: str) -> str:
@@ -65,68 +41,15 @@ def _launch(launch_env: dict[str, str], config_name: str, log: str) -> str:
     return f"{env} setsid nohup scripts/train_loop.sh ~/{shlex.quote(config_name)} {log} 2>&1 < /dev/null &"
 
 
-def _messages(name: str, follow: list[str]) -> dict[str, str]:
-    """The lines deploy.sh prints at the end, as single shell words."""
-    return dict(name=shlex.quote(name), started=shlex.quote(f"training started on {name}; follow the log with:"),
-                follow=shlex.quote(f"  {shlex.join(follow)}"))
-
-
 def _startup(target: str, user: str, remote_dir: str, launch_env: dict[str, str], config_name: str) -> str:
     command = _remote(remote_dir, _launch(launch_env, config_name, ">> ~/train.log"))
-    return _template("startup.sh.tmpl").substitute(
+    return template("startup.sh.tmpl").substitute(
         target=target, user=shlex.quote(user), remote_dir=shlex.quote(remote_dir), command=shlex.quote(command))
-
-
-# What the example configs in scripts/configs/ hold where a user's own project and bucket go.
-PLACEHOLDER_PROJECT, PLACEHOLDER_BUCKET = "my-project", "my-bucket"
-
-
-def placeholders(cfg: ShardConfig) -> list[str]:
-    """The config keys that still hold an example's placeholder project or bucket."""
-    found = [f"deploy.project={cfg.deploy.project}"] if cfg.deploy.project == PLACEHOLDER_PROJECT else []
-    for key, value in (("checkpoint.dir", cfg.checkpoint.dir), ("model.name", cfg.model.name),
-                       ("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path),
-                       ("data.tokenizer", cfg.data.tokenizer)):
-        if value and value.split("://", 1)[-1].split("/", 1)[0] == PLACEHOLDER_BUCKET and "://" in value:
-            found.append(f"{key}={value}")
-    return found
-
-
-def _common(cfg: ShardConfig, target: str, config_name: str) -> str:
-    found = placeholders(cfg)
-    message = f"{', '.join(found)} still hold the example's placeholders" if found else ""
-    return _template("common.sh.tmpl").substitute(target=target, config_name=config_name,
-                                                  placeholders=shlex.quote(message))
-
-
-def _template(name: str) -> string.Template:
-    path = TEMPLATES / name
-    if not path.is_file():
-        raise UserError(f"template {path} not found: this xla_shard install lacks its gcp templates (reinstall it)")
-    return string.Template(path.read_text())
 
 
 def _checkout() -> str:
     """The deploy scripts' first step: archive HEAD of the xla_shard checkout for the workers."""
-    return _template("checkout.sh.tmpl").substitute().rstrip("\n")
-
-
-def _check_common(cfg: ShardConfig, hosts: int) -> None:
-    ckpt = cfg.checkpoint.dir
-    if ckpt and hosts > 1 and "://" not in ckpt:
-        raise ConfigError("checkpoint.dir", f"{ckpt!r} is a local path, but this job runs on {hosts} hosts: each "
-                                            "would write its shards to its own disk. Use a gs:// URL")
-    if ckpt and ckpt.startswith("memory://"):
-        raise ConfigError("checkpoint.dir", "memory:// does not outlive the process; use a gs:// URL")
-    if not cfg.deploy.project:
-        raise ConfigError("deploy.project", "set the Google Cloud project to deploy into")
-    # The workers get the code and the config, not files of this machine.
-    for key, value in (("model.name", cfg.model.name), ("data.path", cfg.data.path),
-                       ("data.eval_path", cfg.data.eval_path), ("data.tokenizer", cfg.data.tokenizer)):
-        if value and value not in PRESETS and value != "synthetic" and "://" not in value:
-            raise ConfigError(key, f"{value!r} is a path on this machine, which the workers do not have: copy it to "
-                                   "a bucket and name its gs:// URL" + (f" (or a preset: {', '.join(PRESETS)})"
-                                                                        if key == "model.name" else ""))
+    return template("checkout.sh.tmpl").substitute().rstrip("\n")
 
 
 def render(cfg: ShardConfig, target: str, config_name: str = "config.yaml") -> Rendering:
@@ -134,31 +57,15 @@ def render(cfg: ShardConfig, target: str, config_name: str = "config.yaml") -> R
         raise UserError(f"--target {target!r}: choose one of {', '.join(TARGETS)}")
     if target == "gpu-vm":
         return _render_gpu(cfg, config_name)
+    if target == "gke":
+        return gke.render(cfg, config_name)
     return _render_tpu(cfg, target, config_name)
-
-
-def _check_tpu_backend(cfg: ShardConfig, hosts: int) -> Capabilities:
-    """What the slice's backend can do (auto: torch_xla's SPMD, what `[tpu]` installs), refused if it cannot
-    run there."""
-    from xla_shard import backends
-
-    name = backends.resolve_name(cfg, on="tpu")
-    capabilities = backends.capabilities(name)
-    if "tpu" not in capabilities.platforms:
-        on_tpu = [n for n, cls in backends.BACKENDS.items() if "tpu" in cls.capabilities.platforms]
-        raise ConfigError("backend", f"{name} does not run on a TPU; use {' or '.join(on_tpu)} "
-                                     "(or --target gpu-vm)")
-    if capabilities.launcher == "torchrun" and hosts > 1:
-        raise ConfigError("backend", f"{name} on a {hosts}-host slice needs torchrun's rendezvous across the "
-                                     "hosts, which the TPU deployments do not render yet; use a single-host "
-                                     "slice or xla_spmd")
-    return capabilities
 
 
 def _render_tpu(cfg: ShardConfig, target: str, config_name: str) -> Rendering:
     d = cfg.deploy
     tpu_slice = tpu.parse(d.accelerator_type, d.zone, d.allow_unlisted_zone)
-    _check_common(cfg, tpu_slice.hosts)
+    check_common(cfg, tpu_slice.hosts)
     where = [f"--zone={d.zone}", f"--project={d.project}"]
     node = f"{d.remote_user}@{d.name}"
     ssh = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", node, *where, "--worker=all"]
@@ -187,19 +94,20 @@ def _render_tpu(cfg: ShardConfig, target: str, config_name: str) -> Rendering:
     copy = ["gcloud", "compute", "tpus", "tpu-vm", "scp", f"{HERE}/xla_shard.tar.gz", f"{HERE}/{config_name}",
             f"{node}:~/", *where, "--worker=all"]
     # torch_xla reads PJRT_DEVICE; TorchTPU needs no variable, and its setup installs torch_tpu instead.
-    kind = _check_tpu_backend(cfg, tpu_slice.hosts).tpu_setup
+    kind = check_tpu_backend(cfg, tpu_slice.hosts).tpu_setup
     launch_env = {"PJRT_DEVICE": "TPU"} if kind == "tpu" else {}
     setup = ssh + [f"--command={_setup(d.remote_dir, kind)}"]
     launch = ssh + [f"--command={_remote(d.remote_dir, _launch(launch_env, config_name, '> ~/train.log'))}"]
     follow = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", node, *where, "--worker=0", "--command=tail -F ~/train.log"]
     rendering.commands = [create, *( [poll] if poll else []), copy, setup, launch, follow, *delete]
-    common = _common(cfg, target, config_name)
-    values = dict(common=common, checkout=_checkout(), create=_shell(create), copy=_shell(copy), setup=_shell(setup),
-                  launch=_shell(launch), poll=_shell(poll)[4:] if poll else "", **_messages(d.name, follow))
+    common = common_header(cfg, target, config_name)
+    values = dict(common=common, checkout=_checkout(), create=shell_line(create), copy=shell_line(copy),
+                  setup=shell_line(setup), launch=shell_line(launch), poll=shell_line(poll)[4:] if poll else "",
+                  **messages(d.name, follow))
     script = "tpu_vm.sh.tmpl" if target == "tpu-vm" else "queued_resource.sh.tmpl"
-    rendering.files["deploy.sh"] = _template(script).substitute(values)
-    rendering.files["teardown.sh"] = _template("teardown.sh.tmpl").substitute(
-        common=common, delete="\n".join(_shell(c) for c in delete))
+    rendering.files["deploy.sh"] = template(script).substitute(values)
+    rendering.files["teardown.sh"] = template("teardown.sh.tmpl").substitute(
+        common=common, delete="\n".join(shell_line(c) for c in delete))
     rendering.files["startup.sh"] = _startup(target, d.remote_user, d.remote_dir, launch_env, config_name)
     rendering.files[config_name] = dump(cfg)
     return rendering
@@ -213,7 +121,7 @@ def _render_gpu(cfg: ShardConfig, config_name: str) -> Rendering:
     if gpus is None:
         raise ConfigError("deploy.gpu_machine_type", f"{d.gpu_machine_type!r} is not a GPU machine type xla_shard "
                                                      f"knows ({', '.join(GPU_MACHINES)})")
-    _check_common(cfg, d.gpu_nodes)
+    check_common(cfg, d.gpu_nodes)
     where = [f"--zone={d.zone}", f"--project={d.project}"]
     names = [d.name] if d.gpu_nodes == 1 else [f"{d.name}-{i}" for i in range(d.gpu_nodes)]
     provisioning = {"spot": ["--provisioning-model=SPOT", "--instance-termination-action=STOP"],
@@ -244,11 +152,12 @@ def _render_gpu(cfg: ShardConfig, config_name: str) -> Rendering:
     follow = ["gcloud", "compute", "ssh", f"{d.remote_user}@{names[0]}", *where, "--command=tail -F ~/train.log"]
     delete = ["gcloud", "compute", "instances", "delete", *names, *where, "--quiet"]
     rendering = Rendering("gpu-vm", [create, *copies, *setups, *launches, follow, delete])
-    common = _common(cfg, "gpu-vm", config_name)
-    rendering.files["deploy.sh"] = _template("gpu_vm.sh.tmpl").substitute(
-        common=common, checkout=_checkout(), create=_shell(create), copy="\n".join(map(_shell, copies)),
-        setup="\n".join(map(_shell, setups)), launch="\n".join(map(_shell, launches)), **_messages(d.name, follow))
-    rendering.files["teardown.sh"] = _template("teardown.sh.tmpl").substitute(common=common, delete=_shell(delete))
+    common = common_header(cfg, "gpu-vm", config_name)
+    rendering.files["deploy.sh"] = template("gpu_vm.sh.tmpl").substitute(
+        common=common, checkout=_checkout(), create=shell_line(create), copy="\n".join(map(shell_line, copies)),
+        setup="\n".join(map(shell_line, setups)), launch="\n".join(map(shell_line, launches)),
+        **messages(d.name, follow))
+    rendering.files["teardown.sh"] = template("teardown.sh.tmpl").substitute(common=common, delete=shell_line(delete))
     rendering.files["startup.sh"] = _startup("gpu-vm", d.remote_user, d.remote_dir, launch_env, config_name)
     rendering.files[config_name] = dump(cfg)
     return rendering

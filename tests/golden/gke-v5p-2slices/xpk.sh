@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Rendered by `xla-shard gcp render --target gke` from config.yaml. Re-render rather than edit.
+# DRY_RUN=1 prints every command instead of running it; GCLOUD picks the gcloud binary.
+set -euo pipefail
+GCLOUD="${GCLOUD:-gcloud}"
+DRY_RUN="${DRY_RUN:-0}"
+
+# Prints each command as a shell would re-read it (%q), then runs it unless DRY_RUN=1. Never evaluates text.
+run() {
+  printf '+' >&2
+  printf ' %q' "$@" >&2
+  printf '\n' >&2
+  if [[ "$DRY_RUN" != 1 ]]; then "$@"; fi
+}
+
+# Values still set to the example configs' placeholders: a dry run flags them, a real run refuses to start.
+PLACEHOLDERS='deploy.project=my-project, checkpoint.dir=gs://my-bucket/xla-shard/small-llama still hold the example'"'"'s placeholders'
+if [[ -n "$PLACEHOLDERS" ]]; then
+  if [[ "$DRY_RUN" == 1 ]]; then
+    echo "deploy: WARNING: $PLACEHOLDERS; the real run will refuse to start" >&2
+  else
+    echo "deploy: $PLACEHOLDERS: set your own and render again" >&2
+    exit 2
+  fi
+fi
+
+XPK="${XPK:-xpk}"
+
+# The same workload as jobset.yaml, created by xpk (its cluster set up by `xpk cluster create`); the config
+# travels inside the command, base64-encoded. A $NAME in --command is the pod's to expand, not this script's:
+# shellcheck disable=SC2016
+run "$XPK" workload create --workload=xla-shard-v4 --cluster=train-cluster --project=my-project --zone=us-central2-b --tpu-type=v5p-32 --num-slices=2 --docker-image=us-docker.pkg.dev/p1/xla-shard:1 --max-restarts=5 --restart-on-exit-codes=1 --termination-grace-period-seconds=150 --spot '--command=echo YmFja2VuZDogeGxhX3NwbWQKY3B1X2RldmljZXM6IDQKbW9kZWw6CiAgbmFtZTogc21hbGwtbGxhbWEKICBpbml0OiBhdXRvCiAgdGFzazogY2F1c2FsX2xtCiAgbnVtX2xhYmVsczogbnVsbAogIG92ZXJyaWRlczoge30KICBhdHRuX2ltcGxlbWVudGF0aW9uOiBhdXRvCiAgbG9yYTogbnVsbApmc2RwOgogIHNoYXJkaW5nX3N0cmF0ZWd5OiBGVUxMX1NIQVJECiAgc2hhcmRpbmc6IG51bGwKICBhdXRvX3dyYXBfcG9saWN5OiBUUkFOU0ZPUk1FUl9CQVNFRF9XUkFQCiAgdHJhbnNmb3JtZXJfbGF5ZXJfY2xzX3RvX3dyYXA6IFtdCiAgbWluX251bV9wYXJhbXM6IDEwMDAwMDAwMAogIGFjdGl2YXRpb25fY2hlY2twb2ludGluZzogdHJ1ZQogIHNjYW5fbGF5ZXJzOiBmYWxzZQogIG9mZmxvYWRfcGFyYW1zOiBmYWxzZQogIG1peGVkX3ByZWNpc2lvbjogJ25vJwogIHN0YXRlX2RpY3RfdHlwZTogU0hBUkRFRF9TVEFURV9ESUNUCiAgYnVja2V0X2NhcF9tYjogMjUuMAogIHhsYV9zZXR0aW5nczoge30KbWVzaDoKICBmc2RwOiAtMQogIHJlcGxpY2E6IDEKdHJhaW46CiAgc3RlcHM6IDIwMAogIGVwb2NoczogbnVsbAogIGdsb2JhbF9iYXRjaF9zaXplOiAzMgogIHNlcV9sZW46IDI1NgogIG9wdGltaXplcjogYWRhbXcKICBscjogMC4wMDEKICBscl9zY2hlZHVsZTogY29uc3RhbnQKICBscl93YXJtdXBfc3RlcHM6IDAKICBscl9taW5fcmF0aW86IDAuMAogIHdlaWdodF9kZWNheTogMC4wCiAgbWF4X2dyYWRfbm9ybTogbnVsbAogIGdyYWRfYWNjdW1fc3RlcHM6IDEKICBjb21waWxlOiBmYWxzZQogIHNlZWQ6IDAKICBsb2dfZXZlcnk6IDEKICBldmFsX2V2ZXJ5OiBudWxsCiAgZXZhbF9zdGVwczogbnVsbAogIHRlbnNvcmJvYXJkOiBmYWxzZQogIHBlYWtfZmxvcHNfcGVyX2RldmljZTogbnVsbAogIHJlY29tcGlsZV93YXJtdXBfc3RlcHM6IDIKZGF0YToKICBwYXRoOiBzeW50aGV0aWMKICBmb3JtYXQ6IG51bGwKICB0b2tlbml6ZXI6IG51bGwKICBraW5kOiB0ZXh0CiAgdGV4dF9maWVsZDogdGV4dAogIG1lc3NhZ2VzX2ZpZWxkOiBtZXNzYWdlcwogIHByb21wdF9maWVsZDogcHJvbXB0CiAgY29tcGxldGlvbl9maWVsZDogY29tcGxldGlvbgogIGNvbXBsZXRpb25fb25seV9sb3NzOiBudWxsCiAgdGV4dF9maWVsZHM6CiAgLSB0ZXh0CiAgbGFiZWxfZmllbGQ6IGxhYmVsCiAgcGFja2luZzogdHJ1ZQogIGV2YWxfcGF0aDogbnVsbAogIGV2YWxfZnJhY3Rpb246IDAuMAogIG51bV9wcm9jOiBudWxsCiAgc3RyZWFtaW5nOiBmYWxzZQogIHNodWZmbGVfYnVmZmVyOiAxMDAwMApsYXVuY2g6CiAgbnByb2NfcGVyX25vZGU6IG51bGwKICBubm9kZXM6IDEKICBub2RlX3Jhbms6IG51bGwKICByZHp2X2VuZHBvaW50OiBudWxsCiAgcmR6dl9pZDogeGxhX3NoYXJkCiAgdGltZW91dF9zOiA2MDAuMApjaGVja3BvaW50OgogIGRpcjogZ3M6Ly9teS1idWNrZXQveGxhLXNoYXJkL3NtYWxsLWxsYW1hCiAgZXZlcnlfc3RlcHM6IDUwCiAga2VlcF9sYXN0OiAyCiAga2VlcF9ldmVyeTogbnVsbAogIGFzeW5jOiB0cnVlCiAgcmVzdW1lOiBhdXRvCiAgcHJlZW1wdGlvbl9ncmFjZV9zOiAxMjAuMAogIHJldHJ5X2RlYWRsaW5lX3M6IDEyMC4wCiAgY29tbWl0X3RpbWVvdXRfczogNjAwLjAKZGVwbG95OgogIHByb2plY3Q6IG15LXByb2plY3QKICB6b25lOiB1cy1jZW50cmFsMi1iCiAgbmFtZTogeGxhLXNoYXJkLXY0CiAgYWNjZWxlcmF0b3JfdHlwZTogdjVwLTMyCiAgcHJvdmlzaW9uaW5nOiBzcG90CiAgbmV0d29yazogbnVsbAogIHN1Ym5ldHdvcms6IG51bGwKICBzZXJ2aWNlX2FjY291bnQ6IG51bGwKICB2YWxpZF91bnRpbDogNmgKICBhbGxvd191bmxpc3RlZF96b25lOiBmYWxzZQogIGdwdV9tYWNoaW5lX3R5cGU6IGEzLWhpZ2hncHUtOGcKICBncHVfbm9kZXM6IDEKICBncHVfaW1hZ2VfZmFtaWx5OiBjb21tb24tY3UxMjgtdWJ1bnR1LTIyMDQtbnZpZGlhLTU3MAogIGdwdV9pbWFnZV9wcm9qZWN0OiBkZWVwbGVhcm5pbmctcGxhdGZvcm0tcmVsZWFzZQogIHJlbW90ZV91c2VyOiB4bGFzaGFyZAogIHJlbW90ZV9kaXI6IHhsYV9zaGFyZAogIGNsdXN0ZXI6IHRyYWluLWNsdXN0ZXIKICBpbWFnZTogdXMtZG9ja2VyLnBrZy5kZXYvcDEveGxhLXNoYXJkOjEKICBuYW1lc3BhY2U6IGRlZmF1bHQKICBudW1fc2xpY2VzOiAyCiAgbWF4X3Jlc3RhcnRzOiA1Cm91dHB1dF9kaXI6IHJ1bnMvdHB1X3Y0Cg== | base64 -d > /tmp/config.yaml && PJRT_DEVICE=TPU MASTER_ADDR=xla-shard-v4-slice-job-0-0.xla-shard-v4 xla-shard train /tmp/config.yaml'

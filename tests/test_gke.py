@@ -1,0 +1,338 @@
+"""`xla-shard gcp render --target gke`: the JobSet passes Kubernetes' own schemas for every built-in kind it holds
+(its ConfigMap, and each replicated job's template as a batch/v1 Job) and our reading of the JobSet v1alpha2 API;
+the xpk command is accepted by xpk's own parser (in its own environment: xpk pins its dependencies exactly)
+and xpk's table agrees with ours on each slice's topology and hosts; values never execute."""
+
+import base64
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from xla_shard import config
+from xla_shard.deploy import gke, tpu
+from xla_shard.deploy.render import render
+from xla_shard.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+TPU = str(REPO / "scripts/configs/tpu_v4_spmd.yaml")
+GPU = str(REPO / "scripts/configs/gpu_a3_fsdp2.yaml")
+OWN = ["deploy.project=acme-train-1", "checkpoint.dir=gs://acme-ckpts/run", "deploy.cluster=train-cluster",
+       "deploy.image=us-docker.pkg.dev/acme-train-1/train/xla-shard:1.0"]
+# name -> (config, sets): single- and multi-host slices of every generation GKE runs, several slices, GPUs.
+GKE = {
+    "gke-v6e-single": (TPU, ["deploy.accelerator_type=v6e-4", "deploy.provisioning=on-demand"]),
+    "gke-v5p-multislice": (TPU, ["deploy.accelerator_type=v5p-32", "deploy.num_slices=2"]),
+    "gke-v6e-multihost": (TPU, ["deploy.accelerator_type=v6e-16", "deploy.namespace=research"]),
+    "gke-tpu7x": (TPU, ["deploy.accelerator_type=tpu7x-16"]),
+    "gke-gpu-2node": (GPU, []),
+}
+K8S_VERSION = "1.33"  # GKE's oldest minor still in its release channels (late 2026)
+XPK_PYTHON = Path(os.environ.get("XLA_SHARD_XPK_PYTHON", REPO / ".venv-xpk/bin/python"))
+needs_xpk = pytest.mark.skipif(not XPK_PYTHON.exists(), reason="xpk's environment is missing (tests/run.sh makes "
+                                                              ".venv-xpk)")
+
+
+def _render(name, *extra):
+    path, sets = GKE[name]
+    return render(config.load(path, [*OWN, *sets, *extra]), "gke")
+
+
+def _documents(rendering) -> dict:
+    return {doc["kind"]: doc for doc in yaml.safe_load_all(rendering.files["jobset.yaml"])}
+
+
+@pytest.mark.parametrize("name", sorted(GKE))
+def test_every_built_in_kind_passes_kubernetes_schema_validation(name):
+    import kubernetes_validate
+
+    docs = _documents(_render(name))
+    assert set(docs) == {"ConfigMap", "JobSet"}
+    kubernetes_validate.validate(docs["ConfigMap"], K8S_VERSION, strict=True)
+    for replicated in docs["JobSet"]["spec"]["replicatedJobs"]:
+        job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": replicated["name"]},
+               **replicated["template"]}
+        kubernetes_validate.validate(job, K8S_VERSION, strict=True)
+
+
+def test_the_schema_check_above_can_fail():
+    import kubernetes_validate
+
+    docs = _documents(_render("gke-gpu-2node"))
+    job = docs["JobSet"]["spec"]["replicatedJobs"][0]["template"]
+    job["spec"]["template"]["spec"]["containers"][0]["resourcez"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x"}, **job},
+                                     K8S_VERSION, strict=True)
+
+
+# The JobSet v1alpha2 API as its Go types define it (kubernetes-sigs/jobset api/jobset/v1alpha2/jobset_types.go).
+JOBSET_SPEC = {"replicatedJobs", "network", "successPolicy", "failurePolicy", "startupPolicy", "suspend",
+               "coordinator", "managedBy", "ttlSecondsAfterFinished", "volumeClaimPolicies"}
+REPLICATED_JOB = {"name", "groupName", "template", "replicas", "dependsOn"}
+FAILURE_POLICY = {"maxRestarts", "restartStrategy", "rules"}
+FAILURE_RULE = {"name", "action", "onJobFailureReasons", "onJobFailureMessagePatterns", "targetReplicatedJobs"}
+ACTIONS = {"FailJobSet", "RestartJobSet", "RestartJobSetAndIgnoreMaxRestarts", "RestartJob",
+           "RestartJobAndIgnoreMaxRestarts"}
+NETWORK = {"enableDNSHostnames", "subdomain", "publishNotReadyAddresses"}
+COORDINATOR = {"replicatedJob", "jobIndex", "podIndex"}
+JOB_FAILURE_REASONS = {"BackoffLimitExceeded", "DeadlineExceeded", "PodFailurePolicy", "MaxFailedIndexesExceeded"}
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+def jobset_problems(jobset: dict) -> list[str]:
+    """What in `jobset` the JobSet API would reject or ignore, or what makes its pods unreachable."""
+    problems = []
+
+    def fields(where: str, found: dict, allowed: set, required: set = frozenset()):
+        problems.extend(f"{where}.{key}: no such field" for key in set(found) - allowed)
+        problems.extend(f"{where}.{key}: required" for key in required - set(found))
+
+    fields("", jobset, {"apiVersion", "kind", "metadata", "spec"}, {"apiVersion", "kind", "metadata", "spec"})
+    if (jobset.get("apiVersion"), jobset.get("kind")) != ("jobset.x-k8s.io/v1alpha2", "JobSet"):
+        problems.append("not a jobset.x-k8s.io/v1alpha2 JobSet")
+    name, spec = jobset["metadata"].get("name", ""), jobset.get("spec", {})
+    fields("spec", spec, JOBSET_SPEC, {"replicatedJobs"})
+    jobs = {job.get("name"): job for job in spec.get("replicatedJobs", [])}
+    if len(jobs) != len(spec.get("replicatedJobs", [])):
+        problems.append("spec.replicatedJobs: names repeat")
+    for job_name, job in jobs.items():
+        fields(f"replicatedJobs[{job_name}]", job, REPLICATED_JOB, {"name", "template"})
+        replicas, pods = job.get("replicas", 1), job["template"]["spec"].get("parallelism", 1)
+        # Pods are <jobset>-<replicatedJob>-<job index>-<pod index>.<subdomain>: each part a DNS label.
+        hostname = f"{name}-{job_name}-{replicas - 1}-{pods - 1}"
+        if not DNS_LABEL.fullmatch(hostname) or len(hostname) > 63:
+            problems.append(f"pod hostname {hostname!r} is no DNS label")
+        pod = job["template"]["spec"]["template"]["spec"]
+        if "podFailurePolicy" in job["template"]["spec"] and pod.get("restartPolicy") != "Never":
+            problems.append(f"replicatedJobs[{job_name}]: a podFailurePolicy needs restartPolicy Never")
+    policy = spec.get("failurePolicy", {})
+    fields("spec.failurePolicy", policy, FAILURE_POLICY)
+    for rule in policy.get("rules", []):
+        fields("spec.failurePolicy.rules[]", rule, FAILURE_RULE, {"name", "action"})
+        if not re.fullmatch(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?", rule.get("name", "")):
+            problems.append(f"failure rule name {rule.get('name')!r}")
+        if rule.get("action") not in ACTIONS:
+            problems.append(f"failure rule action {rule.get('action')!r}")
+        problems.extend(f"failure reason {r!r}" for r in set(rule.get("onJobFailureReasons", [])) - JOB_FAILURE_REASONS)
+        problems.extend(f"rule targets {t!r}" for t in set(rule.get("targetReplicatedJobs", [])) - set(jobs))
+    fields("spec.network", spec.get("network", {}), NETWORK)
+    coordinator = spec.get("coordinator")
+    if coordinator is not None:
+        fields("spec.coordinator", coordinator, COORDINATOR, {"replicatedJob"})
+        job = jobs.get(coordinator["replicatedJob"])
+        if job is None:
+            problems.append(f"coordinator names no replicated job {coordinator['replicatedJob']!r}")
+        elif not (coordinator.get("jobIndex", 0) < job.get("replicas", 1) and
+                  coordinator.get("podIndex", 0) < job["template"]["spec"].get("parallelism", 1)):
+            problems.append("coordinator points past its replicated job's pods")
+    return problems
+
+
+@pytest.mark.parametrize("name", sorted(GKE))
+def test_the_jobset_keeps_to_the_jobset_api(name):
+    assert jobset_problems(_documents(_render(name))["JobSet"]) == []
+
+
+def test_the_jobset_check_can_fail():
+    jobset = _documents(_render("gke-v5p-multislice"))["JobSet"]
+    jobset["spec"]["failurePolicy"]["maxRestart"] = 1
+    jobset["spec"]["coordinator"]["podIndex"] = 9
+    jobset["spec"]["replicatedJobs"][0]["replica"] = 2
+    assert len(jobset_problems(jobset)) == 3
+
+
+@pytest.mark.parametrize("name", sorted(GKE))
+def test_slices_and_node_pools_are_scheduled_as_declared(name):
+    """What each pod asks for: the slice's accelerator, topology and chips per VM; a pod per VM (GPU: per
+    node); a restart budget; a user error (exit 2) that fails the JobSet rather than restarting it."""
+    cfg = config.load(GKE[name][0], [*OWN, *GKE[name][1]])
+    jobset = _documents(render(cfg, "gke"))["JobSet"]
+    (job,) = jobset["spec"]["replicatedJobs"]
+    pod = job["template"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert jobset["spec"]["failurePolicy"]["maxRestarts"] == cfg.deploy.max_restarts
+    assert job["template"]["spec"]["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"] == [2]
+    assert pod["terminationGracePeriodSeconds"] > cfg.checkpoint.preemption_grace_s
+    assert (pod["nodeSelector"].get("cloud.google.com/gke-spot") == "true") == (cfg.deploy.provisioning == "spot")
+    if name.startswith("gke-gpu"):
+        assert job["replicas"] == 1 and job["template"]["spec"]["parallelism"] == cfg.deploy.gpu_nodes == 2
+        assert container["resources"]["limits"] == {"nvidia.com/gpu": 8}
+        assert pod["nodeSelector"]["cloud.google.com/gke-accelerator"] == "nvidia-h100-80gb"
+        command = container["command"]
+        assert "--set=launch.node_rank=$(NODE_RANK)" in command and "--set=launch.nnodes=2" in command
+        assert "--set=launch.rdzv_endpoint=$(COORDINATOR):29500" in command
+        assert {e["name"] for e in container["env"]} == {"NODE_RANK", "COORDINATOR"}
+        return
+    tpu_slice = tpu.parse_gke(cfg.deploy.accelerator_type)
+    assert job["replicas"] == cfg.deploy.num_slices
+    assert job["template"]["spec"]["parallelism"] == tpu_slice.hosts
+    assert container["resources"]["limits"] == {"google.com/tpu": tpu_slice.chips // tpu_slice.hosts}
+    assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == tpu_slice.topology
+    assert {"name": "PJRT_DEVICE", "value": "TPU"} in container["env"]
+    assert container["command"] == ["xla-shard", "train", "/etc/xla-shard/config.yaml"]
+
+
+def test_the_config_travels_whole_in_the_configmap_and_in_the_xpk_command():
+    rendering = _render("gke-v5p-multislice")
+    cfg_text = rendering.files["config.yaml"]
+    assert _documents(rendering)["ConfigMap"]["data"]["config.yaml"] == cfg_text
+    command = next(a for a in rendering.xpk[0] if a.startswith("--command="))
+    encoded = re.search(r"echo (\S+) \| base64 -d", command).group(1)
+    assert base64.b64decode(encoded).decode() == cfg_text
+    assert config.validate(yaml.safe_load(cfg_text)).deploy.num_slices == 2
+
+
+@pytest.mark.parametrize("sets, key, words", [
+    (["deploy.image=null"], "deploy.image", "container image"),
+    (["deploy.cluster=null"], "deploy.cluster", "GKE cluster"),
+    (["checkpoint.dir=/home/me/ckpt"], "checkpoint.dir", "restarted pod"),
+    (["deploy.provisioning=reserved"], "deploy.provisioning", "node pool"),
+    (["deploy.accelerator_type=v5p-24"], "deploy.accelerator_type", "topology"),
+    (["deploy.name=a-workload-name-longer-than-forty-characters"], "deploy.name", "40"),
+    (["backend=xla_fsdp", "deploy.num_slices=2"], "deploy.num_slices", "xla_spmd"),
+])
+def test_bad_gke_configs_name_the_key(sets, key, words):
+    with pytest.raises(ConfigError) as raised:
+        _render("gke-v5p-multislice", *sets)
+    assert raised.value.key == key and words in str(raised.value) and "\n" not in str(raised.value)
+
+
+def _xpk(script: str) -> dict:
+    done = subprocess.run([str(XPK_PYTHON), "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+XPK_PARSE = """
+import argparse, json, sys
+from xpk.parser.core import set_parser
+from xpk.core.system_characteristics import get_system_characteristics_by_device_type
+parser = argparse.ArgumentParser(prog="xpk")
+set_parser(parser)
+found = {}
+for argv in json.loads(sys.argv[1]):
+    args = parser.parse_args(argv[1:])
+    kind = args.tpu_type or args.device_type
+    system, error = get_system_characteristics_by_device_type(kind)
+    found[args.workload + "/" + str(len(found))] = dict(
+        vars(args), func=None, system=error or dict(topology=system.topology, vms=system.vms_per_slice,
+                                                  chips=system.chips_per_vm, accelerator=system.gke_accelerator))
+print(json.dumps(found, default=str))
+"""
+
+
+@pytest.mark.e2e
+@needs_xpk
+def test_every_xpk_command_is_accepted_by_xpks_parser_and_agrees_with_its_tables():
+    renderings = {name: _render(name) for name in GKE}
+    argvs = [r.xpk[0] for r in renderings.values()]
+    parsed = list(_xpk(XPK_PARSE.replace("sys.argv[1]", repr(json.dumps(argvs)))).values())
+    for (name, rendering), args in zip(renderings.items(), parsed):
+        cfg = config.validate(yaml.safe_load(rendering.files["config.yaml"]))
+        d = cfg.deploy
+        assert (args["workload"], args["cluster"], args["docker_image"]) == (d.name, d.cluster, d.image)
+        assert args["max_restarts"] == str(d.max_restarts) or args["max_restarts"] == d.max_restarts
+        assert args["command"].startswith("echo ") and "xla-shard train /tmp/config.yaml" in args["command"]
+        system = args["system"]
+        assert isinstance(system, dict), (name, system)  # xpk knows the device type
+        if name.startswith("gke-gpu"):
+            assert args["device_type"] == "h100-80gb-8" and int(args["num_nodes"]) == d.gpu_nodes
+            assert system["accelerator"] == "nvidia-h100-80gb"
+            continue
+        ours = tpu.parse_gke(d.accelerator_type)
+        assert args["tpu_type"] == d.accelerator_type and int(args["num_slices"]) == d.num_slices
+        assert (system["topology"], system["vms"], system["chips"], system["accelerator"]) == (
+            ours.topology, ours.hosts, ours.chips // ours.hosts, ours.generation.gke_accelerator), name
+
+
+@pytest.mark.e2e
+@needs_xpk
+def test_our_slice_table_is_xpks_for_every_size_both_know():
+    kinds = [f"{g.prefix}-{(2 if g.size_counts_cores else 1) * chips}" for g in tpu.GENERATIONS.values()
+             for chips in (1, 4, 8, 16, 32, 64, 128, 256, 512)]
+    script = ("import json\nfrom xpk.core.system_characteristics import UserFacingNameToSystemCharacteristics as T\n"
+              f"print(json.dumps({{k: [T[k].topology, T[k].vms_per_slice, T[k].gke_accelerator] for k in {kinds!r} "
+              "if k in T}))")
+    known = _xpk(script)
+    assert len(known) >= 30  # most sizes of every generation
+    for kind, (topology, vms, accelerator) in known.items():
+        ours = tpu.parse_gke(kind)
+        assert (ours.topology, ours.hosts, ours.generation.gke_accelerator) == (topology, vms, accelerator), kind
+    for kind in set(kinds) - set(known):  # what xpk lacks we refuse, or render without an xpk command
+        try:
+            assert not gke.xpk_knows(tpu.parse_gke(kind)), kind
+        except ConfigError:
+            pass
+
+
+@pytest.mark.e2e
+@needs_xpk
+def test_the_xpk_parser_check_can_fail():
+    done = subprocess.run([str(XPK_PYTHON), "-c", "import argparse\nfrom xpk.parser.core import set_parser\n"
+                           "p = argparse.ArgumentParser(prog='xpk'); set_parser(p)\n"
+                           "p.parse_args(['workload', 'create', '--workload=x', '--cluster=c', '--tpu-type=v5p-8', "
+                           "'--command=true', '--slices=2'])"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "unrecognized arguments: --slices=2" in done.stderr
+
+
+PAYLOADS = ["a$(xcanary)b", "a`xcanary`b", "a;xcanary;b", "a'xcanary'b", "a\"$(xcanary)\"b", "a\nxcanary\nb"]
+
+
+@pytest.mark.parametrize("payload", PAYLOADS)
+def test_values_forced_past_validation_never_execute(tmp_path, payload):
+    """deploy.sh, teardown.sh and xpk.sh run for real against shims of gcloud, kubectl and xpk, and the
+    command xpk would hand the pod's bash runs too: nothing executes, and the manifest carries each value
+    exactly."""
+    cfg = config.load(GPU, OWN)
+    for key in ("name", "project", "zone", "cluster", "image", "namespace"):
+        cfg.deploy.__dict__[key] = payload  # bypasses the schema on purpose
+    rendering = render(cfg, "gke")
+    out, bin_dir, canary, calls = tmp_path / "out", tmp_path / "bin", tmp_path / "canary", tmp_path / "calls"
+    out.mkdir()
+    bin_dir.mkdir()
+    for file, text in rendering.files.items():
+        (out / file).write_text(text)
+    record = f'printf "%s\\0" "$0" "$@" >> {calls}'
+    for name, body in {"xcanary": f'echo "$0 $*" >> {canary}', "gcloud": record, "kubectl": record,
+                       "xla-shard": record,
+                       "xpk": record + '; for a in "$@"; do case "$a" in --command=*) /bin/bash -c "${a#--command=}";; '
+                                       "esac; done"}.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", GCLOUD=str(bin_dir / "gcloud"))
+    for script in ("deploy.sh", "xpk.sh", "teardown.sh"):
+        done = subprocess.run(["/bin/bash", str(out / script)], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=60)
+        assert done.returncode == 0, (script, done.stderr)
+    assert not canary.exists(), canary.read_text()
+    words = calls.read_text().split("\0")
+    assert f"--cluster={payload}" in words and "get-credentials" in words
+    assert f"--set=launch.rdzv_id={payload}" in words  # xla-shard got the value whole from xpk's command
+    docs = _documents(rendering)
+    assert docs["JobSet"]["metadata"]["name"] == payload == docs["ConfigMap"]["metadata"]["namespace"]
+    assert docs["JobSet"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0][
+        "image"] == payload
+
+
+def test_a_slice_xpk_lacks_gets_an_xpk_script_that_says_so():
+    rendering = _render("gke-v6e-single", "deploy.accelerator_type=v5litepod-4")
+    assert rendering.xpk == [] and _documents(rendering)["JobSet"]
+    done = subprocess.run(["bash", "-c", rendering.files["xpk.sh"]], capture_output=True, text=True,
+                          env=dict(os.environ, XPK="/nonexistent/xpk"))
+    assert done.returncode == 2 and "xpk has no v5litepod-4 device type" in done.stderr
+
+
+def test_the_cli_renders_gke_and_says_which_scripts_to_run(tmp_path):
+    sets = [f"--set={s}" for s in OWN]
+    done = subprocess.run([sys.executable, "-m", "xla_shard.cli", "gcp", "render", TPU, "--target", "gke", *sets,
+                           "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "deploy.sh", "jobset.yaml", "teardown.sh",
+                                                          "xpk.sh"]
+    assert "xpk.sh" in done.stdout
