@@ -28,6 +28,7 @@ OWN = ["deploy.project=acme-train-1", "checkpoint.dir=gs://acme-ckpts/run", "dep
 GKE = {
     "gke-v6e-single": (TPU, ["deploy.accelerator_type=v6e-4", "deploy.provisioning=on-demand"]),
     "gke-v5p-multislice": (TPU, ["deploy.accelerator_type=v5p-32", "deploy.num_slices=2"]),
+    "gke-v5e-multihost": (TPU, ["deploy.accelerator_type=v5litepod-16"]),
     "gke-v6e-multihost": (TPU, ["deploy.accelerator_type=v6e-16", "deploy.namespace=research"]),
     "gke-tpu7x": (TPU, ["deploy.accelerator_type=tpu7x-16"]),
     "gke-gpu-2node": (GPU, []),
