@@ -321,6 +321,14 @@ def test_values_forced_past_validation_never_execute(tmp_path, payload):
         "image"] == payload
 
 
+@pytest.mark.parametrize("path, target", [(TPU, "tpu-vm"), (TPU, "queued-resource"), (GPU, "gpu-vm"), (GPU, "gke")])
+def test_several_slices_are_refused_where_they_would_do_nothing(path, target):
+    """Only a TPU workload on GKE renders slices; elsewhere the key would be accepted and ignored."""
+    with pytest.raises(ConfigError) as raised:
+        render(config.load(path, [*OWN, "deploy.num_slices=2"]), target)
+    assert raised.value.key == "deploy.num_slices" and "\n" not in str(raised.value)
+
+
 def test_a_slice_xpk_lacks_gets_an_xpk_script_that_says_so():
     rendering = _render("gke-v6e-single", "deploy.accelerator_type=v5litepod-4")
     assert rendering.xpk == [] and _documents(rendering)["JobSet"]

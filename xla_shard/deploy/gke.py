@@ -140,6 +140,9 @@ def xpk_knows(tpu_slice: tpu.GkeSlice) -> bool:
 
 def _gpu(cfg: ShardConfig, config_name: str) -> tuple[list[dict], list[str]]:
     d = cfg.deploy
+    if d.num_slices > 1:
+        raise ConfigError("deploy.num_slices", f"{d.num_slices}: slices are TPU slices; a GPU workload's size is "
+                                               "deploy.gpu_nodes")
     if d.gpu_machine_type not in GKE_GPUS:
         raise ConfigError("deploy.gpu_machine_type", f"{d.gpu_machine_type!r} is not a GPU machine type xla_shard "
                                                      f"runs on GKE ({', '.join(GKE_GPUS)})")

@@ -64,6 +64,9 @@ def render(cfg: ShardConfig, target: str, config_name: str = "config.yaml") -> R
 
 def _render_tpu(cfg: ShardConfig, target: str, config_name: str) -> Rendering:
     d = cfg.deploy
+    if d.num_slices > 1:
+        raise ConfigError("deploy.num_slices", f"{d.num_slices} slices: xla_shard renders several slices for "
+                                               "--target gke only")
     tpu_slice = tpu.parse(d.accelerator_type, d.zone, d.allow_unlisted_zone)
     check_common(cfg, tpu_slice.hosts)
     where = [f"--zone={d.zone}", f"--project={d.project}"]
@@ -122,6 +125,9 @@ def _render_gpu(cfg: ShardConfig, config_name: str) -> Rendering:
         raise ConfigError("deploy.gpu_machine_type", f"{d.gpu_machine_type!r} is not a GPU machine type xla_shard "
                                                      f"knows ({', '.join(GPU_MACHINES)})")
     check_common(cfg, d.gpu_nodes)
+    if d.num_slices > 1:
+        raise ConfigError("deploy.num_slices", f"{d.num_slices}: slices are TPU slices; a GPU job's size is "
+                                               "deploy.gpu_nodes")
     where = [f"--zone={d.zone}", f"--project={d.project}"]
     names = [d.name] if d.gpu_nodes == 1 else [f"{d.name}-{i}" for i in range(d.gpu_nodes)]
     provisioning = {"spot": ["--provisioning-model=SPOT", "--instance-termination-action=STOP"],
