@@ -7,6 +7,7 @@ import base64
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -187,6 +188,27 @@ def test_the_config_travels_whole_in_the_configmap_and_in_the_xpk_command():
     encoded = re.search(r"echo (\S+) \| base64 -d", command).group(1)
     assert base64.b64decode(encoded).decode() == cfg_text
     assert config.validate(yaml.safe_load(cfg_text)).deploy.num_slices == 2
+
+
+def test_what_each_pod_runs_is_a_valid_run_of_the_rendered_config(tmp_path):
+    """The GPU pods' --set overrides, with the values Kubernetes (or xpk's bash) puts in, load as the config of
+    node 1 of 2, rendezvousing at pod 0; so do those of the xpk command."""
+    rendering = _render("gke-gpu-2node")
+    path = tmp_path / "config.yaml"
+    path.write_text(rendering.files["config.yaml"])
+    (container,) = _documents(rendering)["JobSet"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"][
+        "spec"]["containers"]
+    command = next(a for a in rendering.xpk[0] if a.startswith("--command="))
+    xpk_words = shlex.split(command.split(" && ", 1)[1])
+    for words, env in ((container["command"], {"$(NODE_RANK)": "1", "$(COORDINATOR)": "pod-0.job"}),
+                       (xpk_words, {"$NODE_RANK": "1"})):
+        assert words[:3] == ["xla-shard", "train", words[2]] and words[2].endswith("config.yaml")
+        sets = [word.removeprefix("--set=") for word in words[3:]]
+        for name, value in env.items():
+            sets = [s.replace(name, value) for s in sets]
+        cfg = config.load(path, sets)
+        assert (cfg.launch.nnodes, cfg.launch.node_rank) == (2, 1)
+        assert cfg.launch.rdzv_endpoint.endswith(":29500") and cfg.launch.rdzv_id == cfg.deploy.name
 
 
 @pytest.mark.parametrize("sets, key, words", [
