@@ -13,6 +13,7 @@ import sys
 
 from xla_shard import config as cfglib
 from xla_shard import launch
+from xla_shard.deploy.render import TARGETS
 from xla_shard.errors import UserError, one_line, redact
 from xla_shard.io import device
 
@@ -66,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     render = gcp_commands.add_parser("render", help="deploy.sh, teardown.sh and the config (VMs: startup.sh; "
                                                          "gke: jobset.yaml and xpk.sh)")
     render.add_argument("config")
-    render.add_argument("--target", required=True, choices=["tpu-vm", "queued-resource", "gpu-vm", "gke"])
+    render.add_argument("--target", required=True, choices=TARGETS)
     render.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     render.add_argument("--out", metavar="DIR", help="write the files here (default: print deploy.sh)")
     render.set_defaults(func=_gcp_render)

@@ -27,8 +27,8 @@ import yaml
 from xla_shard.config import dump
 from xla_shard.config.schema import ShardConfig
 from xla_shard.deploy import tpu
-from xla_shard.deploy.scripts import HERE, Rendering, check_common, check_tpu_backend, common_header, messages, \
-    shell_line, template
+from xla_shard.deploy.scripts import (GPU_MACHINES, HERE, Rendering, check_common, check_tpu_backend, common_header,
+                                     messages, shell_line, template)
 from xla_shard.errors import ConfigError
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
@@ -38,15 +38,23 @@ RDZV_PORT = 29500
 USER_ERROR = 2  # xla-shard's exit status for a user error: no restart mends it
 COORDINATOR = "metadata.annotations['jobset.sigs.k8s.io/coordinator']"
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-# GPU machine types GKE node pools run: their accelerator node label and xpk's device type (8 GPUs unless said).
+# GPU machine types GKE node pools run: their accelerator node label and xpk's device type.
 GKE_GPUS = {"a3-highgpu-8g": ("nvidia-h100-80gb", "h100-80gb-8"),
             "a3-megagpu-8g": ("nvidia-h100-mega-80gb", "h100-mega-80gb-8"),
             "a3-ultragpu-8g": ("nvidia-h200-141gb", "h200-141gb-8"),
             "a2-highgpu-1g": ("nvidia-tesla-a100", "a100-40gb-1"),
             "a2-highgpu-8g": ("nvidia-tesla-a100", "a100-40gb-8"),
             "g2-standard-4": ("nvidia-l4", "l4-1"), "g2-standard-48": ("nvidia-l4", "l4-4")}
-# xpk names its JobSet after the workload and its replicated job so: pod 0 is <name>-slice-job-0-0.<name>.
-XPK_JOB = "slice-job"
+
+
+def _xpk_pod0(name: str) -> str:
+    """Pod 0 of an xpk workload: xpk names its JobSet after the workload and its replicated job `slice-job`."""
+    return f"{name}-slice-job-0-0.{name}"
+
+
+def _grace(cfg: ShardConfig) -> int:
+    """Seconds a SIGTERM (preemption, deletion) leaves the run to take its final checkpoint."""
+    return int(cfg.checkpoint.preemption_grace_s) + 30
 
 
 def render(cfg: ShardConfig, config_name: str) -> Rendering:
@@ -126,7 +134,7 @@ def _tpu(cfg: ShardConfig, config_name: str) -> tuple[list[dict], list[str] | No
     pod = _pod(cfg, container, selector) | {"hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet"}
     manifest = _manifest(cfg, config_name, "slice", d.num_slices, tpu_slice.hosts, pod,
                          annotations={"alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"})
-    run = ({"PJRT_DEVICE": "TPU"} if kind == "tpu" else {}) | {"MASTER_ADDR": f"{d.name}-{XPK_JOB}-0-0.{d.name}"}
+    run = ({"PJRT_DEVICE": "TPU"} if kind == "tpu" else {}) | {"MASTER_ADDR": _xpk_pod0(d.name)}
     xpk = _xpk(cfg, config_name, [f"--tpu-type={d.accelerator_type}", f"--num-slices={d.num_slices}"], run, []) \
         if xpk_knows(tpu_slice) else None
     return manifest, xpk
@@ -151,7 +159,7 @@ def _gpu(cfg: ShardConfig, config_name: str) -> tuple[list[dict], list[str]]:
                                            "workload starts one node per pod; set them alike")
     check_common(cfg, d.gpu_nodes)
     accelerator, device_type = GKE_GPUS[d.gpu_machine_type]
-    gpus = int(device_type.rsplit("-", 1)[1])
+    gpus = GPU_MACHINES[d.gpu_machine_type]
     nodes = [f"--set=launch.nnodes={d.gpu_nodes}", f"--set=launch.rdzv_id={d.name}"]
     sets = nodes + ["--set=launch.node_rank=$(NODE_RANK)", f"--set=launch.rdzv_endpoint=$(COORDINATOR):{RDZV_PORT}"]
     env = [{"name": "NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}},
@@ -161,7 +169,7 @@ def _gpu(cfg: ShardConfig, config_name: str) -> tuple[list[dict], list[str]]:
     pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     manifest = _manifest(cfg, config_name, "node", 1, d.gpu_nodes, pod)
     # xpk's GPU pods carry NODE_RANK themselves (expanded by the pod's bash); its pod 0 is the rendezvous.
-    xpk_sets = nodes + [f"--set=launch.rdzv_endpoint={d.name}-{XPK_JOB}-0-0.{d.name}:{RDZV_PORT}"]
+    xpk_sets = nodes + [f"--set=launch.rdzv_endpoint={_xpk_pod0(d.name)}:{RDZV_PORT}"]
     xpk = _xpk(cfg, config_name, [f"--device-type={device_type}", f"--num-nodes={d.gpu_nodes}"], {}, xpk_sets,
                expanded='--set=launch.node_rank="$NODE_RANK"')
     return manifest, xpk
@@ -179,9 +187,7 @@ def _container(cfg: ShardConfig, config_name: str, sets: list[str], env: list[di
 def _pod(cfg: ShardConfig, container: dict, selector: dict) -> dict:
     if cfg.deploy.provisioning == "spot":
         selector = selector | {"cloud.google.com/gke-spot": "true"}
-    # A SIGTERM (preemption, deletion) leaves the run its grace to take its final checkpoint.
-    grace = int(cfg.checkpoint.preemption_grace_s) + 30
-    return {"restartPolicy": "Never", "nodeSelector": selector, "terminationGracePeriodSeconds": grace,
+    return {"restartPolicy": "Never", "nodeSelector": selector, "terminationGracePeriodSeconds": _grace(cfg),
             "containers": [container],
             "volumes": [{"name": "config", "configMap": {"name": f"{cfg.deploy.name}-config"}}]}
 
@@ -225,5 +231,5 @@ def _xpk(cfg: ShardConfig, config_name: str, accelerator: list[str], env: dict[s
             f"--zone={d.zone}", *accelerator, f"--docker-image={d.image}", f"--max-restarts={d.max_restarts}",
             # xpk restarts on 42 and 127-255 only; 1 is a lost peer or a crash, which a restart may mend
             "--restart-on-exit-codes=1",
-            f"--termination-grace-period-seconds={int(cfg.checkpoint.preemption_grace_s) + 30}", *capacity,
+            f"--termination-grace-period-seconds={_grace(cfg)}", *capacity,
             f"--command={command}"]

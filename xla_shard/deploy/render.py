@@ -19,15 +19,12 @@ import shlex
 from xla_shard.config import dump
 from xla_shard.config.schema import ShardConfig
 from xla_shard.deploy import gke, tpu
-from xla_shard.deploy.scripts import HERE, Rendering, check_common, check_tpu_backend, common_header, messages, \
-    shell_line, template
+from xla_shard.deploy.scripts import (GPU_MACHINES, HERE, Rendering, check_common, check_tpu_backend, common_header,
+                                     messages, shell_line, template)
 from xla_shard.errors import ConfigError, UserError
 
 TARGETS = ("tpu-vm", "queued-resource", "gpu-vm", "gke")
 CLOUD_PLATFORM = "https://www.googleapis.com/auth/cloud-platform"
-# GPUs per VM for the machine types whose GPUs come built in.
-GPU_MACHINES = {"a3-highgpu-8g": 8, "a3-megagpu-8g": 8, "a3-ultragpu-8g": 8, "a2-highgpu-1g": 1,
-                "a2-highgpu-8g": 8, "a2-ultragpu-8g": 8, "g2-standard-4": 1, "g2-standard-48": 4}
 
 
 def _remote(remote_dir: str, *commands: str) -> str:

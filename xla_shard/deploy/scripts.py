@@ -13,6 +13,9 @@ from xla_shard.config.presets import PRESETS
 from xla_shard.config.schema import ShardConfig
 from xla_shard.errors import ConfigError, UserError
 
+# GPUs per VM for the machine types whose GPUs come built in (the gpu-vm target's VMs, the gke target's nodes).
+GPU_MACHINES = {"a3-highgpu-8g": 8, "a3-megagpu-8g": 8, "a3-ultragpu-8g": 8, "a2-highgpu-1g": 1,
+                "a2-highgpu-8g": 8, "a2-ultragpu-8g": 8, "g2-standard-4": 1, "g2-standard-48": 4}
 # The repository's gcp/ folder, linked into the package (and copied into the wheel by package-data).
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 

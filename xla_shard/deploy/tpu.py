@@ -9,6 +9,7 @@ accelerator labels and topologies are those of the GKE TPU documentation, which 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -125,15 +126,9 @@ def _topology(chips: int, dims: int) -> list[int] | None:
     if chips == 1:
         return [1] * dims
     shape = [2, 2] + [1] * (dims - 2)
-    while _product(shape) < chips:
+    while math.prod(shape) < chips:
         smallest = min(shape)
         last = max(i for i, side in enumerate(shape) if side == smallest)
         shape[last] *= 2
-    return shape if _product(shape) == chips else None
+    return shape if math.prod(shape) == chips else None
 
-
-def _product(shape: list[int]) -> int:
-    total = 1
-    for side in shape:
-        total *= side
-    return total
