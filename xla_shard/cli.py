@@ -16,6 +16,7 @@ from xla_shard import launch
 from xla_shard.deploy.render import TARGETS
 from xla_shard.errors import UserError, one_line, redact
 from xla_shard.io import device
+from xla_shard.io.overlap import Protected, refuse_overlap
 
 
 def _count(text: str) -> int:
@@ -212,6 +213,9 @@ def _gcp_render(args) -> int:
     if not args.out:
         print(rendering.files["deploy.sh"], end="")
     else:
+        refuse_overlap("--out", args.out, [Protected("the config being rendered", args.config),
+                                           Protected("checkpoint.dir", cfg.checkpoint.dir, inside_too=True),
+                                           Protected("output_dir", cfg.output_dir)])
         out = Path(args.out)
         blocker = file_in_the_way(out)
         if blocker:
@@ -295,6 +299,7 @@ def _config_import(args) -> int:
     native, kind, notes = cfglib.to_native(raw)
     text = cfglib.dump(cfglib.validate(native))
     if args.output:
+        refuse_overlap("-o", args.output, [Protected("the file being imported", args.file)])
         try:
             with open(args.output, "w") as out:
                 out.write(text)

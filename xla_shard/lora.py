@@ -53,6 +53,7 @@ def inject(model: nn.Module, section: LoraSection, task: str, seed: int) -> tupl
     the base is, to be filled after sharding) and the modules trained whole."""
     from peft import inject_adapter_in_model
 
+    _check_targets(model, section)
     modules_to_save = list(section.modules_to_save)
     if task == "sequence_classification":
         modules_to_save += [m for m in head_modules(model) if m not in modules_to_save]
@@ -62,6 +63,7 @@ def inject(model: nn.Module, section: LoraSection, task: str, seed: int) -> tupl
     except (ValueError, TypeError) as exc:
         raise ConfigError("model.lora.target_modules", f"peft cannot adapt {type(model).__name__}: "
                                                        f"{one_line(exc)[:300]}") from None
+    _check_ranks(model, section)
     values = _initial_values(model, config, seed)
     if section.base_dtype != "float32":
         dtype = getattr(torch, section.base_dtype)
@@ -69,6 +71,47 @@ def inject(model: nn.Module, section: LoraSection, task: str, seed: int) -> tupl
             if not param.requires_grad:
                 param.data = param.data.to(dtype)  # the same Parameter: tied weights stay tied
     return values, modules_to_save
+
+
+def _named_by(name: str, targets: list[str]) -> bool:
+    """peft's rule for a list of module names: the whole name, or its last dotted parts."""
+    return any(name == t or name.endswith(f".{t}") for t in targets)
+
+
+def _check_targets(model: nn.Module, section: LoraSection) -> None:
+    """What peft would do silently or crash on, refused before anything is allocated: a module to train whole
+    that names no module, and the output head when it shares its weight with the input embedding."""
+    names = [name for name, _ in model.named_modules() if name]
+    for wanted in section.modules_to_save:
+        if not _named_by(wanted, names):
+            raise ConfigError("model.lora.modules_to_save", f"{wanted!r} names no module of {type(model).__name__}")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if head is None or embedding is None or head.weight is not embedding.weight:
+        return
+    for name, module in model.named_modules():
+        if module is not head:
+            continue
+        if section.target_modules != "all-linear" and _named_by(name, section.target_modules):
+            raise ConfigError("model.lora.target_modules", f"{name} shares its weight with the input embedding "
+                                                           "(tie_word_embeddings): peft cannot adapt a tied head; "
+                                                           "leave it out, or untie it with model.overrides: "
+                                                           "{tie_word_embeddings: false}")
+        if _named_by(name, section.modules_to_save):
+            raise ConfigError("model.lora.modules_to_save", f"{name} shares its weight with the input embedding "
+                                                            "(tie_word_embeddings): it cannot be trained apart from it")
+
+
+def _check_ranks(model: nn.Module, section: LoraSection) -> None:
+    """A rank above an adapted layer's smaller side, refused while the adapters are still empty (peft made them
+    on the meta device): such an adapter has no more rank than that side, and would be allocated at r."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, layer in model.named_modules():
+        if isinstance(layer, LoraLayer) and section.r > min(layer.in_features, layer.out_features):
+            raise ConfigError("model.lora.r", f"{section.r} is above the smaller side of {name} ({layer.out_features} "
+                                              f"x {layer.in_features}): a LoRA rank is at most "
+                                              f"{min(layer.in_features, layer.out_features)} there")
 
 
 def trained_modules(model: nn.Module) -> list[nn.Module]:

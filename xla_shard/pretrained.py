@@ -72,6 +72,10 @@ class PretrainedWeights:
         self.skipped: list[str] = []
         self.fused: dict[str, fused.Fused] = {}  # MoE experts: fused parameters read from per-expert tensors
 
+    def identity(self) -> dict[str, Any]:
+        """What these weights are, for a LoRA run's manifest (see `hf_dir.identity`)."""
+        return {"directory": self.storage.url, "files": hf_dir.identity(self.storage, self.manifest)}
+
     @classmethod
     def find(cls, source: ModelSource, init: str, retry_deadline_s: float = 120.0) -> PretrainedWeights | None:
         """The weights `model.init` asks for: None for random init; an error where pretrained ones are wanted
@@ -114,7 +118,11 @@ class PretrainedWeights:
             key, converter, pattern = rename(stored[len("model/"):])
             expert = fused.expert_of(stored, pattern) if converter is not None else None
             if expert is not None and key in wanted:
-                pieces.setdefault(key, (converter, {}))[1].setdefault(pattern, {})[expert] = stored
+                experts = pieces.setdefault(key, (converter, {}))[1].setdefault(pattern, {})
+                if expert in experts:  # `experts.03` beside `experts.3`: transformers' own loader refuses it too
+                    raise ConfigError("model.name", f"{self.storage.url}: {experts[expert][len('model/'):]!r} and "
+                                                    f"{stored[len('model/'):]!r} are both expert {expert} of {key}")
+                experts[expert] = stored
             elif converter is not None and key in wanted:
                 raise ConfigError("model.name", f"stored tensor {stored[len('model/'):]!r} needs transformers' weight "
                                                 f"conversion ({converter}) to become {key!r}; xla_shard reads "

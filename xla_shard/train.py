@@ -21,12 +21,13 @@ from torch import nn
 from xla_shard import backends, launch, lora, metrics
 from xla_shard import data as datalib
 from xla_shard.backends.base import Backend
-from xla_shard.checkpoint import Checkpointer, CheckpointError, NoCheckpoints, layout
+from xla_shard.checkpoint import Checkpointer, CheckpointError, NoCheckpoints, hf_dir, layout
 from xla_shard.checkpoint.export import export
 from xla_shard.config.schema import ShardConfig, TrainSection
 from xla_shard.data import Batch, micro_rows
 from xla_shard.data.batches import scored
 from xla_shard.errors import ConfigError, UserError, file_in_the_way, redact
+from xla_shard.io.overlap import Protected, refuse_overlap
 from xla_shard.metrics import StepLogger, peak_for, train_flops_per_token
 from xla_shard.models import check_sequence_length, model_config, resolve_source
 from xla_shard.preemption import PreemptionGuard
@@ -57,9 +58,8 @@ def preflight(cfg: ShardConfig, capabilities=None) -> None:
     wrap_targets(model, cfg.fsdp)
     if cfg.fsdp.activation_checkpointing:
         checkpoint_targets(model, cfg.fsdp)
-    if cfg.fsdp.state_dict_type == "FULL_STATE_DICT" and not cfg.checkpoint.dir:
-        raise ConfigError("fsdp.state_dict_type", "FULL_STATE_DICT also exports the final checkpoint as one Hugging "
-                                                  "Face model directory (output_dir/model); set checkpoint.dir")
+    if cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
+        check_final_export(cfg, source.directory)
     if cfg.train.tensorboard:
         metrics.require_tensorboard()
     # Reads and tokenizes the files (cached by `datasets`: the training processes then read the cache).
@@ -77,6 +77,24 @@ def check_output_dir(path: str) -> None:
     blocker = file_in_the_way(Path(path))
     if blocker:
         raise ConfigError("output_dir", f"{path!r}: {blocker} is a file, not a directory")
+
+
+def final_export_dir(cfg: ShardConfig) -> str:
+    return f"{cfg.output_dir.rstrip('/')}/model"
+
+
+def check_final_export(cfg: ShardConfig, model_directory: str | None) -> None:
+    """FULL_STATE_DICT exports the last checkpoint to output_dir/model, replacing what is there: never the
+    checkpoints it reads or the model directory the run started from."""
+    if not cfg.checkpoint.dir:
+        raise ConfigError("fsdp.state_dict_type", "FULL_STATE_DICT also exports the final checkpoint as one Hugging "
+                                                  "Face model directory (output_dir/model); set checkpoint.dir")
+    try:
+        refuse_overlap("output_dir/model", final_export_dir(cfg),
+                       [Protected("checkpoint.dir", cfg.checkpoint.dir, inside_too=True),
+                        Protected("the model directory (model.name)", model_directory, inside_too=True)])
+    except UserError as exc:
+        raise ConfigError("output_dir", f"fsdp.state_dict_type=FULL_STATE_DICT exports to {exc}") from None
 
 
 class TrainingDiverged(UserError):
@@ -189,6 +207,7 @@ class Trainer:
             self._log(f"model: {model_class}, " + origin
                       + ("" if source.directory is None else f" (model.init={cfg.model.init})"))
         elif self.start_step and cfg.model.lora is not None:  # the checkpoint held what is trained, not the base
+            self._check_base(weights)
             report = weights.load(backend, self.model, frozen_only=True)
             self._log(f"model: resumed the LoRA adapters; the frozen weights read from {source.directory} "
                       f"({report.describe()})")
@@ -196,8 +215,26 @@ class Trainer:
             weights.load_buffers(backend, self.model)  # checkpoints hold parameters; stored buffers come from here
             self._log(f"model: resumed, so the pretrained weights of {source.directory} were not read")
         else:
+            if cfg.model.lora is not None and backend.processes.is_main:  # the base the adapters will be trained on
+                self.checkpointer.base = weights.identity()
             self._load_pretrained(weights, model_class)
         return self
+
+    def _check_base(self, weights: PretrainedWeights) -> None:
+        """A LoRA resume reads the frozen base from model.name again: it must be the base the checkpoint's
+        adapters were trained on (the same bytes, as far as `hf_dir.identity` tells), not merely its shapes."""
+        recorded = self.checkpointer.restored_base
+        if recorded is None:
+            self._log(f"the step-{self.start_step} checkpoint records no identity of its base (written by an older "
+                      f"xla_shard): {weights.source.directory} is taken as that base unchecked")
+            self.checkpointer.base = weights.identity()
+            return
+        differs = hf_dir.identity_mismatch(recorded["files"], weights.storage, weights.manifest)
+        if differs:
+            raise ConfigError("model.name", f"{differs}: the LoRA adapters of the step-{self.start_step} checkpoint "
+                                            f"were trained on another base ({recorded.get('directory')}); point "
+                                            "model.name at that base, or start a new run in another checkpoint.dir")
+        self.checkpointer.base = recorded
 
     def _total_steps(self) -> int:
         train = self.cfg.train
@@ -361,9 +398,9 @@ class Trainer:
         ckpt = self.checkpointer
         if not self.backend.processes.is_main or ckpt.last_committed is None:
             return
-        target = Path(self.cfg.output_dir) / "model"
+        target = final_export_dir(self.cfg)
         # The run's own output: a rerun that trains further replaces its earlier export (whole, never mixed).
-        report = export(ckpt.storage.url_of(layout.step_dir(ckpt.last_committed)), str(target), overwrite=True)
+        report = export(ckpt.storage.url_of(layout.step_dir(ckpt.last_committed)), target, overwrite=True)
         self._log(f"fsdp.state_dict_type=FULL_STATE_DICT: exported step {report.step} to {target} "
                   f"({report.tensors} tensors, {report.bytes} bytes"
                   + (f"; with {', '.join(report.companions)})" if report.companions else ")")

@@ -15,7 +15,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from xla_shard.checkpoint import layout, peft_adapter, schema
+from xla_shard.checkpoint import hf_dir, layout, peft_adapter, schema
 from xla_shard.checkpoint.inspect import open_checkpoint
 from xla_shard.checkpoint.manifest import CheckpointError
 from xla_shard.checkpoint.reader import ChunkReader
@@ -23,6 +23,7 @@ from xla_shard.config.presets import PRESETS
 from xla_shard.errors import UserError, file_in_the_way, one_line
 from xla_shard.hostmem import peak_growth
 from xla_shard.io.model_dir import copy_companions, model_directory
+from xla_shard.io.overlap import Protected, refuse_overlap
 from xla_shard.io.storage import Storage
 from xla_shard.io.untrusted_json import SchemaError, parse_json
 
@@ -58,9 +59,11 @@ def export(url: str, to: str, max_shard_bytes: int = 2 * 10**9, overwrite: bool 
     result appears whole or not at all: see `Destination`. A LoRA run's checkpoint is written as a peft adapter
     directory, or with `merge` as the whole model with the adapters merged into the weights of its model
     directory."""
+    refuse_overlap("--to", to, [Protected("the checkpoint being read", url, inside_too=True)])
     destination = Destination(to, overwrite)  # refused before the checkpoint is even opened
     with peak_growth() as growth:
         storage, manifest = open_checkpoint(url)
+        refuse_overlap("--to", to, _read_by(manifest))
         hf = manifest.data.get("hf_config")
         if not isinstance(hf, dict) or not hf:
             raise CheckpointError(f"{manifest.url}: the manifest has no hf_config; it cannot be exported")
@@ -69,8 +72,8 @@ def export(url: str, to: str, max_shard_bytes: int = 2 * 10**9, overwrite: bool 
             raise CheckpointError(f"{manifest.url} holds no model tensors (model/...): nothing to export")
         sizes = {n: schema.nbytes(manifest.tensors[n]["shape"], manifest.tensors[n]["dtype"]) for n in names}
         run_model = (manifest.data.get("config") or {}).get("model")
-        adapter = run_model.get("lora") if isinstance(run_model, dict) else None
-        if merge and not isinstance(adapter, dict):
+        adapter = peft_adapter.recorded_adapter(manifest, names)
+        if merge and adapter is None:
             raise CheckpointError(f"{manifest.url} is not a LoRA run's checkpoint: --merge has no adapters to "
                                   "merge (export it without --merge)")
         reader, source, transform = ChunkReader(storage, manifest), manifest, None
@@ -78,11 +81,12 @@ def export(url: str, to: str, max_shard_bytes: int = 2 * 10**9, overwrite: bool 
             merged = peft_adapter.Merge(_base_directory(manifest, run_model), reader, manifest, names, adapter)
             reader, source, names, sizes, transform = (merged.reader, merged.manifest, merged.names, merged.sizes,
                                                        merged.transform)
-        with destination as out:
-            if isinstance(adapter, dict) and not merge:  # the checkpoint holds the adapters: a peft directory
+        with destination as out, _source_kept(storage, manifest, to):
+            if adapter is not None and not merge:  # the checkpoint holds the adapters: a peft directory
                 files = _write_weights(reader, source, names, sizes, out, math.inf, peft_adapter.key,
                                        peft_adapter.WEIGHTS)
-                config = peft_adapter.CONFIG, peft_adapter.config_json(adapter, run_model, names)
+                config = peft_adapter.CONFIG, peft_adapter.config_json(adapter, run_model, names,
+                                                                       _base_name(run_model))
             else:
                 files = _write_weights(reader, source, names, sizes, out, max_shard_bytes, transform=transform)
                 config = "config.json", json.dumps(hf, indent=2).encode()
@@ -90,6 +94,41 @@ def export(url: str, to: str, max_shard_bytes: int = 2 * 10**9, overwrite: bool 
             out.write(*config)  # last: what loaders look for first
     return ExportReport(manifest.step, files, len(names), sum(sizes.values()), max(sizes.values()),
                         growth.bytes, copied, note)
+
+
+def _read_by(manifest) -> list[Protected]:
+    """What exporting this checkpoint reads or belongs to: the checkpoint, its directory, and (as the run
+    recorded them; relative paths are taken from here) the run's checkpoint.dir, output_dir and model directory."""
+    config = manifest.data.get("config") or {}
+
+    def recorded(section: str | None, key: str) -> str | None:
+        values = config.get(section) if section else config
+        value = values.get(key) if isinstance(values, dict) else None
+        return value if isinstance(value, str) and value else None
+
+    model = recorded("model", "name")
+    named = "/" in manifest.url and layout.parse_step_dir(manifest.url) is not None
+    parent = manifest.url.rsplit("/", 1)[0] if named else None  # a step-* directory lies in its checkpoint.dir
+    return [Protected("the checkpoint being read", manifest.url, inside_too=True),
+            Protected("its checkpoint directory", parent, inside_too=True),
+            Protected("the run's checkpoint.dir", recorded("checkpoint", "dir"), inside_too=True),
+            Protected("the run's output_dir", recorded(None, "output_dir")),
+            Protected("the model directory the run read", model and model_directory(model, PRESETS),
+                      inside_too=True)]
+
+
+@contextlib.contextmanager
+def _source_kept(storage: Storage, manifest, to: str):
+    """An export whose checkpoint is deleted under it (a running job's retention) says so, not which shard it
+    then missed."""
+    try:
+        yield
+    except UserError:  # a CheckpointError, or the StorageError of a write whose source went missing
+        if storage.exists(layout.MANIFEST):
+            raise
+        raise CheckpointError(f"{manifest.url} was deleted while it was being exported (a run still training there "
+                              "removes older checkpoints: checkpoint.keep_last / keep_every); nothing was written to "
+                              f"{to}: export a newer checkpoint") from None
 
 
 class Destination:
@@ -213,6 +252,16 @@ def _copy_companions(manifest, out: Storage) -> tuple[list[str], str | None]:
     return present, None
 
 
+def _base_name(run_model: dict) -> str:
+    """The base model as an exported adapter names it (peft's base_model_name_or_path): a model directory as an
+    absolute path or URL, which resolves from anywhere; else the name as the run gave it."""
+    name = str(run_model.get("name") or "")
+    directory = model_directory(name, PRESETS) if name else None
+    if directory and "://" not in directory:
+        return os.path.abspath(directory)
+    return directory or name
+
+
 def _base_directory(manifest, run_model) -> Storage:
     """The model directory a LoRA run adapted, checked to be the model its checkpoint describes (a manifest is
     untrusted: it must not make an export read weights from anywhere else)."""
@@ -223,6 +272,9 @@ def _base_directory(manifest, run_model) -> Storage:
                               "are no base weights to merge the adapters into; export the adapter without --merge")
     storage = Storage(source)
     differs = _differs(storage, manifest.data["hf_config"])
+    recorded = manifest.data.get("base")
+    if not differs and recorded is not None:
+        differs = hf_dir.identity_mismatch(recorded["files"], storage)
     if differs:
         raise CheckpointError(f"{source} is not the model this checkpoint adapted ({differs}): nothing merged")
     return storage

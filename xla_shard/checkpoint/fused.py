@@ -109,6 +109,10 @@ def plan(name: str, shape: tuple[int, ...], converter, found: dict[str, dict[int
         missing = [e for e in range(experts) if e not in have]
         if missing:
             return f"has {experts} experts but no stored tensor for expert {missing[0]} ({pattern})"
+        beyond = sorted(e for e in have if e >= experts)
+        if beyond:  # nothing stored is silently left out
+            extra = have[beyond[0]].removeprefix("model/")
+            return f"has {experts} experts, but the directory stores expert {beyond[0]} ({extra}) too"
         shapes = {stored_shapes[have[e]] for e in range(experts)}
         if len(shapes) != 1:
             return f"stores experts of different shapes for {pattern}: {sorted(shapes)}"

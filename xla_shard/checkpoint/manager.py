@@ -26,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from xla_shard.checkpoint import layout
+from xla_shard.checkpoint import layout, schema
 from xla_shard.checkpoint.contract import ShardedState
 from xla_shard.checkpoint.manifest import (
     UNRECORDED_RUN,
@@ -43,6 +43,7 @@ from xla_shard.checkpoint.reader import ChunkReader, fill
 from xla_shard.config.schema import ShardConfig
 from xla_shard.errors import ConfigError, UserError
 from xla_shard.io.storage import Storage
+from xla_shard.io.untrusted_json import MAX_JSON_DEPTH, SchemaError
 
 
 def versions() -> dict[str, str]:
@@ -60,19 +61,53 @@ def versions() -> dict[str, str]:
 Extra = dict[str, Any]  # name -> an object with state_dict()/load_state_dict(), or a dict
 
 
+# A manifest holds extra state at manifest -> "extra" -> name -> state: the reader's depth limit less those two.
+MAX_EXTRA_DEPTH = MAX_JSON_DEPTH - 2
+
+
 def _snapshot(extra: Extra) -> dict[str, Any]:
-    """The extra state as JSON values, taken now (the save may finish in the background)."""
+    """The extra state as JSON values, taken now (the save may finish in the background), refused here if the
+    manifest reader would not give it back as it was: keys that are not strings (JSON would turn `{1: 'a'}`
+    into `{'1': 'a'}`), values JSON cannot hold, or nesting deeper than the reader accepts (such a checkpoint
+    would be set aside as corrupt on resume)."""
     found = {}
     for name, value in extra.items():
+        if not isinstance(name, str) or not name:
+            raise UserError(f"checkpoint extra state {name!r}: names are non-empty strings")
         state = value.state_dict() if hasattr(value, "state_dict") else value
         if not isinstance(state, dict):
             raise UserError(f"checkpoint extra state {name!r}: expected a dict or an object with state_dict(), got "
                             f"{type(value).__name__}")
-        try:
-            found[name] = json.loads(json.dumps(state))  # Python's JSON: inf and nan round-trip
-        except (TypeError, ValueError) as exc:
-            raise UserError(f"checkpoint extra state {name!r} is not JSON data ({exc})") from None
+        problem = _unfaithful(state)
+        if problem:
+            raise UserError(f"checkpoint extra state {name!r}: {problem}; it would not come back as saved, so it is "
+                            "not saved")
+        found[name] = json.loads(json.dumps(state))  # Python's JSON: inf and nan round-trip
     return found
+
+
+def _unfaithful(state: dict) -> str | None:
+    """What of `state` JSON and the manifest reader would not return as it is, if anything (walked without
+    recursion, so any depth is reported rather than crashing)."""
+    stack: list[tuple[Any, str, int]] = [(state, "", 1)]
+    while stack:
+        node, where, depth = stack.pop()
+        if isinstance(node, dict):
+            if depth > MAX_EXTRA_DEPTH:
+                return f"nested deeper than {MAX_EXTRA_DEPTH} levels (at {where or 'the top'})"
+            for key, child in node.items():
+                if not isinstance(key, str):
+                    return f"key {key!r} at {where or 'the top'} is a {type(key).__name__}, not a string"
+                stack.append((child, f"{where}[{key!r}]", depth + 1))
+        elif isinstance(node, list):
+            if depth > MAX_EXTRA_DEPTH:
+                return f"nested deeper than {MAX_EXTRA_DEPTH} levels (at {where or 'the top'})"
+            stack.extend((child, f"{where}[{i}]", depth + 1) for i, child in enumerate(node))
+        elif isinstance(node, tuple):
+            return f"{where} is a tuple, which comes back as a list: store a list"
+        elif not (node is None or isinstance(node, (str, bool, int, float))):
+            return f"{where} is a {type(node).__name__}, not JSON data (dicts, lists, strings, numbers, None)"
+    return None
 
 
 def _check_extra(manifest: Manifest, wanted: Extra) -> None:
@@ -116,6 +151,11 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._hf_config: dict[str, Any] | None = None
         self._extra: dict[str, Any] | None = None  # what the save in flight stores as extra state
+        # The frozen base a LoRA run adapts ({"directory", "files": hf_dir.identity}), recorded in every manifest
+        # so that a resume or a merge can tell that the base is still the one the adapters were trained on;
+        # `restored_base` is what the checkpoint restored from recorded (None: nothing, or an older checkpoint).
+        self.base: dict[str, Any] | None = None
+        self.restored_base: dict[str, Any] | None = None
         self._error: BaseException | None = None
         self.saving_step: int | None = None
         self.last_saved: int | None = None  # newest step this process saved (committed or in flight)
@@ -202,7 +242,15 @@ class Checkpointer:
                     "files": files, "rng": rng, "tensors": tensors}
         if self._extra is not None:
             manifest["extra"] = self._extra
-        self.storage.write(f"{directory}/{layout.MANIFEST}", json.dumps(manifest, indent=1).encode())
+        if self.base is not None:
+            manifest["base"] = self.base
+        raw = json.dumps(manifest, indent=1).encode()
+        try:  # what is committed must read back: the reader's own rules, on the very bytes (the tensors' tiling
+            # was checked above, and is the costly part on a pod)
+            schema.check_manifest({**schema.parse_json(raw), "files": {}, "tensors": {}}, verified=True)
+        except SchemaError as exc:
+            raise CheckpointError(f"step {step}: the manifest would not read back ({exc}); not committing") from None
+        self.storage.write(f"{directory}/{layout.MANIFEST}", raw)
         self.last_committed = step
         self.log(f"checkpoint step {step} committed: {self.storage.url_of(directory)}")
 
@@ -337,6 +385,7 @@ class Checkpointer:
         _check_extra(manifest, extra)
         fill(ChunkReader(storage, manifest), targets)
         _load_extra(manifest, extra)
+        self.restored_base = manifest.data.get("base")
         rank, world = self.state.writer
         if manifest.data["writers"] == world and str(rank) in manifest.data["rng"]:
             try:

@@ -16,16 +16,19 @@ import json
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from xla_shard.checkpoint import hf_dir, schema
 from xla_shard.checkpoint.manifest import CheckpointError
 from xla_shard.checkpoint.reader import ChunkReader
+from xla_shard.config.schema import LoraSection
 from xla_shard.errors import one_line
 from xla_shard.io.storage import Storage
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
 _TASKS = {"causal_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS"}
+_RECORDED = ("r", "alpha", "dropout", "target_modules")  # written since model.lora exists; newer keys may be absent
 
 
 def key(name: str) -> str:
@@ -35,17 +38,59 @@ def key(name: str) -> str:
     return f"base_model.model.{param}"
 
 
-def config_json(lora: dict[str, Any], model: dict[str, Any], names: list[str]) -> bytes:
-    """peft's LoraConfig for the run's `model.lora` section, as save_pretrained writes it."""
+def recorded_adapter(manifest, names: list[str]) -> LoraSection | None:
+    """The run's `model.lora` as its manifest records it, None for a full fine-tune; checked as untrusted input:
+    by the config schema, and against the tensors the checkpoint holds (adapters exactly where it says: every
+    `lora_A` with its `lora_B` of rank `r`, nothing but adapters and modules trained whole)."""
+    model = (manifest.data.get("config") or {}).get("model")
+    raw = model.get("lora") if isinstance(model, dict) else None
+    adapters = [n for n in names if ".lora_A." in n or ".lora_B." in n]
+    where = f"{manifest.url}: the manifest's config.model.lora"
+    if raw is None:
+        if adapters:
+            raise CheckpointError(f"{where} is missing, yet the checkpoint holds LoRA tensors ({adapters[0]}): "
+                                  "the manifest was altered")
+        return None
+    missing = [key for key in _RECORDED if isinstance(raw, dict) and key not in raw]
+    if missing:  # every manifest that has the section writes these: a default would guess at the scale
+        raise CheckpointError(f"{where} lacks {missing[0]!r} (the manifest was altered or is not xla_shard's)")
+    try:
+        section = LoraSection.model_validate(raw)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = ".".join(str(p) for p in error["loc"])
+        raise CheckpointError(f"{where}{'.' + field if field else ''}: {error['msg']} (the manifest was "
+                              "altered or is not xla_shard's)") from None
+    others = [n for n in names if n not in adapters and ".modules_to_save.default." not in n]
+    if others:
+        raise CheckpointError(f"{where} says LoRA, but the checkpoint holds full model weights ({others[0]}): "
+                              "it is a full fine-tune's checkpoint with an altered manifest")
+    if not any(".lora_A." in n for n in adapters):
+        raise CheckpointError(f"{where} says LoRA, but the checkpoint holds no lora_A/lora_B adapters")
+    for name in adapters:
+        shape = manifest.tensors[name]["shape"]
+        partner = name.replace(".lora_B.", ".lora_A.") if ".lora_B." in name else name.replace(".lora_A.", ".lora_B.")
+        rank = shape[0] if ".lora_A." in name else shape[-1] if shape else None
+        if partner not in manifest.tensors:
+            raise CheckpointError(f"{manifest.url}: {name} has no {partner.rsplit('.lora_', 1)[1][:1]} partner "
+                                  f"({partner} is missing)")
+        if len(shape) != 2 or rank != section.r:
+            raise CheckpointError(f"{manifest.url}: {name} is {shape}, not a rank-{section.r} adapter as "
+                                  "config.model.lora.r says")
+    return section
+
+
+def config_json(lora: LoraSection, model: dict[str, Any], names: list[str], base: str) -> bytes:
+    """peft's LoraConfig for the run's `model.lora` section, as save_pretrained writes it; `base` is the base
+    model's name or path as peft should find it."""
     from peft import LoraConfig
 
     whole = sorted({n[len("model/"):].split(".modules_to_save.")[0] for n in names if ".modules_to_save." in n})
     try:
-        config = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                            target_modules=lora["target_modules"], modules_to_save=whole or None,
-                            task_type=_TASKS.get(model.get("task")),
-                            base_model_name_or_path=str(model.get("name") or ""))
-    except (KeyError, TypeError, ValueError) as exc:
+        config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                            target_modules=lora.target_modules, modules_to_save=whole or None,
+                            task_type=_TASKS.get(model.get("task")), base_model_name_or_path=base)
+    except (TypeError, ValueError) as exc:
         raise CheckpointError(f"the manifest's model.lora section is not a LoRA config peft accepts: {exc}") from None
     fields = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.to_dict().items()}  # JSON has no sets
     return json.dumps(fields, indent=2, default=str).encode()
@@ -55,14 +100,14 @@ class Merge:
     """The base directory's tensors (`names`, `sizes`, read through `reader`) and the `transform` that merges
     the checkpoint's adapters into them as each is written."""
 
-    def __init__(self, base: Storage, checkpoint: ChunkReader, manifest, names: list[str], lora: dict[str, Any]):
+    def __init__(self, base: Storage, checkpoint: ChunkReader, manifest, names: list[str], lora: LoraSection):
         self.manifest = hf_dir.read_manifest(base)
         self.reader = ChunkReader(base, self.manifest, bridge_gaps=False)
         self.names = sorted(self.manifest.tensors)
         self.sizes = {n: schema.nbytes(self.manifest.tensors[n]["shape"], self.manifest.tensors[n]["dtype"])
                       for n in self.names}
         self.checkpoint, self.checkpoint_manifest = checkpoint, manifest
-        self.scaling = lora["alpha"] / lora["r"]
+        self.scaling = lora.alpha / lora.r
         self.adapters: dict[str, tuple[str, str]] = {}  # "model/<layer>.weight" -> (A, B) checkpoint names
         self.whole: dict[str, str] = {}  # "model/<module>.<param>" -> the trained copy's checkpoint name
         for name in names:

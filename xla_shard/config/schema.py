@@ -363,6 +363,11 @@ class DataSection(_Section):
         return self
 
 
+# The longest wait or grace any duration key takes: a week. Beyond it a value is a mistake, and what it feeds
+# (timedelta, Kubernetes' terminationGracePeriodSeconds, xpk's flags) overflows or refuses it.
+MAX_SECONDS = 7 * 24 * 3600
+
+
 class LaunchSection(_Section):
     """How many processes torch_fsdp starts (through torchrun), on how many nodes. The XLA backends drive
     every local device from one process per host and take none of these keys. `--nproc-per-node` on the
@@ -378,7 +383,14 @@ class LaunchSection(_Section):
     rdzv_id: str = Field(default="xla_shard", pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
     # Seconds the nodes wait for each other: at the rendezvous, and in any collective once running (a node that
     # died makes the others stop after at most this long).
-    timeout_s: float = Field(default=600.0, gt=0)
+    timeout_s: float = Field(default=600.0, gt=0, le=MAX_SECONDS)
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _port(cls, value: str | None) -> str | None:
+        if value is not None and not 1 <= int(value.rsplit(":", 1)[1]) <= 65535:
+            raise ValueError(f"{value}: the port must be 1-65535")
+        return value
 
     @model_validator(mode="after")
     def _nodes(self) -> LaunchSection:
@@ -403,11 +415,11 @@ class CheckpointSection(_Section):
     # auto: the newest committed checkpoint under `dir`, if any; never; or the URL of one checkpoint.
     resume: str = "auto"
     # Seconds a SIGTERM (spot preemption) allows to finish or take the final save before exiting.
-    preemption_grace_s: float = Field(default=120.0, gt=0)
+    preemption_grace_s: float = Field(default=120.0, gt=0, le=MAX_SECONDS)
     # Transient storage errors (HTTP 429/5xx, timeouts, refused connections) are retried for this long.
-    retry_deadline_s: float = Field(default=120.0, gt=0)
+    retry_deadline_s: float = Field(default=120.0, gt=0, le=MAX_SECONDS)
     # How long the main process waits for every rank's shard before it declares the save failed.
-    commit_timeout_s: float = Field(default=600.0, gt=0)
+    commit_timeout_s: float = Field(default=600.0, gt=0, le=MAX_SECONDS)
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, populate_by_name=True)
 

@@ -28,7 +28,7 @@ def resolve_files(path: str, key: str) -> list[str]:
     except (ValueError, ImportError) as exc:
         raise ConfigError(key, f"cannot open {path!r}: {one_line(exc)}") from None
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    if _GLOB & set(root):
+    if _GLOB & set(root) and not fs.exists(root):  # a file or directory named `a[1]` is itself
         found = sorted(fs.glob(root))
     elif fs.isdir(root):
         found = sorted(p for p in fs.find(root) if format_of(p) is not None)

@@ -20,14 +20,14 @@ without one: `train_without_cache`); without packing each example is padded.
 from __future__ import annotations
 
 import inspect
-import re
 from dataclasses import dataclass
 
+from xla_shard.data import chat_template
 from xla_shard.data.tokenize import IGNORE, require_columns
 from xla_shard.errors import ConfigError, one_line
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' own test for assistant-mask support
+MAX_CHARS_PER_TOKEN = 256  # a rendering's bound, per token of seq_len (see _Renderer)
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,10 @@ def examples(rows, tokenizer, fields: SftFields, seq_len: int, num_proc: int | N
     how many rows were dropped because truncation left them no labelled token)."""
     if fields.kind == "chat":
         require_columns(rows, [fields.messages], "data.messages_field", path)
-        encode = _ChatEncoder(tokenizer, fields, path)
+        encode = _ChatEncoder(tokenizer, fields, path, seq_len)
     else:
         require_columns(rows, [fields.prompt, fields.completion], "data.prompt_field", path)
-        encode = _PromptCompletionEncoder(tokenizer, fields, path)
+        encode = _PromptCompletionEncoder(tokenizer, fields, path, seq_len)
 
     def tokenize(row, index):
         ids, labels = encode(row, index)
@@ -131,29 +131,60 @@ def require_position_ids(model_config) -> None:
                                           "row)")
 
 
-class _ChatEncoder:
-    def __init__(self, tokenizer, fields: SftFields, path: str):
+class _Renderer:
+    """Renders rows with the tokenizer's chat template, each rendering bounded (`chat_template.budget`) to
+    MAX_CHARS_PER_TOKEN characters per token of `seq_len`: far more than a row can keep. Past that, a rendering
+    whose labels are every token is cut there (tokens past `seq_len` are dropped anyway); any other is refused,
+    since its labels depend on where each turn ends."""
+
+    def __init__(self, tokenizer, fields: SftFields, path: str, seq_len: int):
+        self.tokenizer, self.fields, self.path = tokenizer, fields, path
+        self.template = chat_template.template_of(tokenizer)
+        self.max_chars = MAX_CHARS_PER_TOKEN * seq_len + 65536
+
+    def render(self, messages: list[dict], index: int, **options) -> dict:
+        cut = not self.fields.completion_only
+        try:
+            with chat_template.budget(self.template, self.max_chars, cut):
+                return self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **options)
+        except chat_template.OverBudget as exc:
+            raise ConfigError("data.tokenizer", f"{self.path}: row {index}: the chat template {exc} (at most "
+                                                f"{self.max_chars} characters, {chat_template.RENDER_SECONDS:g} s a "
+                                                "row); it is not rendered: fix the template or the row") from None
+        except Exception as exc:  # noqa: BLE001 - a template's raise_exception, or a jinja error: the user's to fix
+            raise ConfigError("data.kind", f"{self.path}: row {index}: the chat template cannot render it: "
+                                           f"{type(exc).__name__}: {one_line(exc)[:300]}") from None
+
+
+class _ChatEncoder(_Renderer):
+    def __init__(self, tokenizer, fields: SftFields, path: str, seq_len: int):
         if not tokenizer.chat_template:
             raise ConfigError("data.kind", f"chat renders {fields.messages!r} with the tokenizer's chat template, and "
                                            f"the tokenizer ({tokenizer.name_or_path}) has none: name a tokenizer "
                                            "with one (data.tokenizer)")
-        self.tokenizer, self.fields, self.path = tokenizer, fields, path
-        self.marked = bool(_GENERATION.search(tokenizer.chat_template))
+        super().__init__(tokenizer, fields, path, seq_len)
+        self.marked = chat_template.marks_generation(self.template)
 
     def __call__(self, row, index: int) -> tuple[list[int], list[int]]:
         messages = check_messages(row[self.fields.messages], "data.messages_field", self.fields.messages,
                                   self.path, index)
         if not self.fields.completion_only:
-            ids = _render(self.tokenizer, messages, self.path, index)["input_ids"]
+            ids = self.render(messages, index)["input_ids"]
             return ids, list(ids)
         if not any(m["role"] == "assistant" for m in messages):
             raise ConfigError("data.messages_field", f"{self.path}: row {index} has no assistant turn, so nothing to "
                                                      "learn (completion_only_loss)")
         if self.marked:
-            rendered = _render(self.tokenizer, messages, self.path, index, return_assistant_tokens_mask=True)
+            rendered = self.render(messages, index, return_assistant_tokens_mask=True)
             ids, mask = rendered["input_ids"], rendered["assistant_masks"]
+            if not any(mask) and any(m["role"] == "assistant" and m["content"] for m in messages):
+                raise ConfigError("data.tokenizer", f"{self.path}: row {index}: the chat template's "
+                                                    "{% generation %} blocks mark none of the assistant turns' "
+                                                    "tokens, so there is nothing to learn (are they around the "
+                                                    "answers?); fix the template, or set "
+                                                    "data.completion_only_loss: false")
         else:
-            ids = _render(self.tokenizer, messages, self.path, index)["input_ids"]
+            ids = self.render(messages, index)["input_ids"]
             mask = self._turn_mask(messages, ids, index)
         return ids, [t if m else IGNORE for t, m in zip(ids, mask)]
 
@@ -162,20 +193,24 @@ class _ChatEncoder:
         for turn, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            asked = _render(self.tokenizer, messages[:turn], self.path, index, add_generation_prompt=True)["input_ids"]
-            answered = _render(self.tokenizer, messages[:turn + 1], self.path, index)["input_ids"]
+            asked = self.render(messages[:turn], index, add_generation_prompt=True)["input_ids"]
+            answered = self.render(messages[:turn + 1], index)["input_ids"]
             if answered[:len(asked)] != asked or ids[:len(answered)] != answered:
                 raise ConfigError("data.kind", f"{self.path}: row {index}: the chat template renders the conversation "
                                                f"before assistant turn {turn} differently once the turn follows, so "
                                                "its answer tokens are not defined; give the template {% generation %} "
                                                "markers, or set data.completion_only_loss: false")
+            if len(answered) == len(asked) and message["content"]:
+                raise ConfigError("data.tokenizer", f"{self.path}: row {index}: the chat template renders assistant "
+                                                    f"turn {turn} as nothing (does it leave assistant messages "
+                                                    "out?), so there is no answer to learn; fix the template")
             mask[len(asked):len(answered)] = [1] * (len(answered) - len(asked))
         return mask
 
 
-class _PromptCompletionEncoder:
-    def __init__(self, tokenizer, fields: SftFields, path: str):
-        self.tokenizer, self.fields, self.path = tokenizer, fields, path
+class _PromptCompletionEncoder(_Renderer):
+    def __init__(self, tokenizer, fields: SftFields, path: str, seq_len: int):
+        super().__init__(tokenizer, fields, path, seq_len)
 
     def __call__(self, row, index: int) -> tuple[list[int], list[int]]:
         prompt, completion = row[self.fields.prompt], row[self.fields.completion]
@@ -194,8 +229,12 @@ class _PromptCompletionEncoder:
                                                "the tokenizer's chat template, and the tokenizer has none")
             prompt = check_messages(prompt, "data.prompt_field", self.fields.prompt, self.path, index)
             completion = check_messages(completion, "data.completion_field", self.fields.completion, self.path, index)
-            prompt_ids = _render(self.tokenizer, prompt, self.path, index, add_generation_prompt=True)["input_ids"]
-            ids = _render(self.tokenizer, prompt + completion, self.path, index)["input_ids"]
+            if completion[0]["role"] != "assistant":  # its labels would start inside the turn's header
+                raise ConfigError("data.completion_field", f"{self.path}: row {index}: the completion starts with a "
+                                                           f"{completion[0]['role']!r} turn; a completion is the "
+                                                           "assistant's answer to the prompt")
+            prompt_ids = self.render(prompt, index, add_generation_prompt=True)["input_ids"]
+            ids = self.render(prompt + completion, index)["input_ids"]
         else:
             raise ConfigError("data.prompt_field", f"{self.path}: row {index}: {self.fields.prompt!r} and "
                                                    f"{self.fields.completion!r} must both be text or both be lists of "
@@ -221,14 +260,6 @@ def check_messages(messages, key: str, field: str, path: str, index: int) -> lis
             raise ConfigError(key, f"{where}: message {turn} ({message['role']}) has no text content")
     # Arrow gives every message of a column the union of their keys (None where absent): drop those again.
     return [{k: v for k, v in message.items() if v is not None} for message in messages]
-
-
-def _render(tokenizer, messages: list[dict], path: str, index: int, **options) -> dict:
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **options)
-    except Exception as exc:  # noqa: BLE001 - a template's raise_exception, or a jinja error: the user's to fix
-        raise ConfigError("data.kind", f"{path}: row {index}: the chat template cannot render it: "
-                                       f"{type(exc).__name__}: {one_line(exc)[:300]}") from None
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fnmatch
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -77,6 +78,10 @@ def open_fs(url: str):
         fs = GCSFileSystem(**storage_options(url))
         return fs, fs._strip_protocol(url)
     return url_to_fs(url, **storage_options(url))
+
+
+def _matches(parts: list[str], segments: list[str]) -> bool:
+    return len(parts) == len(segments) and all(fnmatch.fnmatchcase(p, s) for p, s in zip(parts, segments))
 
 
 class Storage:
@@ -208,14 +213,22 @@ class Storage:
         return self.retry(f"stat {self.url_of(rel)}", lambda: self.fs.size(self.path(rel)))
 
     def glob(self, pattern: str) -> list[str]:
-        """Matches, relative to the root."""
+        """Paths below the root matching `pattern` (`fnmatch` per segment: `step-*/manifest.json`), relative to
+        the root. Only the pattern is a pattern: the root is listed, never globbed, so a directory named
+        `run[1]` or `a*b` is itself and nothing else."""
+        segments = pattern.strip("/").split("/")
         root = self.root.rstrip("/")
 
         def run():
             self.fs.invalidate_cache(root)
-            return self.fs.glob(self.path(pattern))
+            try:
+                found = self.fs.find(root, maxdepth=len(segments), withdirs=True, detail=False)
+            except FileNotFoundError:
+                return []
+            relative = (p.rstrip("/")[len(root) + 1:] for p in found if p.rstrip("/").startswith(root + "/"))
+            return [rel for rel in relative if _matches(rel.split("/"), segments)]
 
-        return sorted(p[len(root) + 1:] if p.startswith(root) else p for p in self.retry(f"listing {self.url}", run))
+        return sorted(set(self.retry(f"listing {self.url}", run)))
 
     def remove_tree(self, rel: str) -> None:
         def remove():

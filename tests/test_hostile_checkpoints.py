@@ -1,0 +1,219 @@
+"""Checkpoints and exports against what a user (or an attacker) may hand them, in process: destinations that
+would delete what an export reads, extra state the reader would not give back, manifests whose LoRA section was
+edited, and checkpoint directories whose names look like glob patterns."""
+
+import json
+import os
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from xla_shard import config
+from xla_shard.backends.processes import Processes
+from xla_shard.backends.state import BackendState
+from xla_shard.checkpoint import Checkpointer, layout
+from xla_shard.checkpoint.export import export
+from xla_shard.checkpoint.manager import MAX_EXTRA_DEPTH
+from xla_shard.checkpoint.manifest import committed_steps, read_manifest
+from xla_shard.errors import UserError
+from xla_shard.io.storage import Storage
+
+
+def _model(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2))
+
+
+def _checkpointer(directory, *sets) -> Checkpointer:
+    cfg = config.load(None, [f"checkpoint.dir={directory}", "checkpoint.async=false", *sets])
+    backend = types.SimpleNamespace(name="test", num_devices=1, plan=None, cfg=cfg, processes=Processes(),
+                                    wrapper_prefixes=())
+    return Checkpointer(cfg.checkpoint, BackendState(backend), log=lambda message: None)
+
+
+def _run(root: Path, steps=(1, 2), **saves) -> Path:
+    """A run directory as `xla-shard train` leaves it: checkpoints under RUN/ckpt, metrics beside them."""
+    run = root / "run"
+    (run / "ckpt").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    ckpt = _checkpointer(run / "ckpt", f"output_dir={run}")
+    ckpt.restore(_model(), None)
+    for step in steps:
+        ckpt.save(step, _model(step), None, **saves)
+    return run
+
+
+def _listing(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+# ---- exports never delete what they read, or where you stand -----------------------------------------------
+@pytest.mark.parametrize("where", ["run", "run/ckpt", "run/ckpt/step-00000002", "run/ckpt/step-00000002/x", ".",
+                                   "", "/", "..", "run/ckpt/../ckpt"])
+def test_an_export_that_would_replace_what_it_reads_is_refused_and_deletes_nothing(tmp_path, monkeypatch, where):
+    run = _run(tmp_path)
+    monkeypatch.chdir(tmp_path / "run" if where in (".", "..") else tmp_path)
+    before = _listing(tmp_path)
+    for overwrite in (False, True):
+        with pytest.raises(UserError) as refused:
+            export(str(tmp_path / "run/ckpt/step-00000002"), str(tmp_path / where) if where not in ("", ".", "..")
+                   else where, overwrite=overwrite)
+        assert "\n" not in str(refused.value) and "--to" in str(refused.value)
+    assert _listing(tmp_path) == before
+    assert (run / "metrics.jsonl").exists() and committed_steps(Storage(str(run / "ckpt"))) == [1, 2]
+
+
+def test_an_export_through_a_link_to_the_run_is_refused(tmp_path):
+    run = _run(tmp_path)
+    os.symlink(run, tmp_path / "alias")
+    with pytest.raises(UserError, match="contains the checkpoint"):
+        export(str(run / "ckpt"), str(tmp_path / "alias"), overwrite=True)
+    assert committed_steps(Storage(str(run / "ckpt"))) == [1, 2]
+
+
+def test_an_export_beside_the_run_works_and_an_overwrite_replaces_only_it(tmp_path):
+    run = _run(tmp_path)
+    (run / "export").mkdir()
+    (run / "export" / "stale.txt").write_text("old")
+    report = export(str(run / "ckpt"), str(run / "export"), overwrite=True)
+    assert report.step == 2 and (run / "export" / "config.json").exists()
+    assert not (run / "export" / "stale.txt").exists() and committed_steps(Storage(str(run / "ckpt"))) == [1, 2]
+
+
+def test_the_run_recorded_in_the_manifest_is_protected_even_when_read_elsewhere(tmp_path):
+    """A checkpoint copied away still names its run's output_dir: an export there is refused."""
+    run = _run(tmp_path)
+    copy = tmp_path / "copy"
+    Storage(str(run / "ckpt")).fs.copy(str(run / "ckpt" / "step-00000002"), str(copy), recursive=True)
+    with pytest.raises(UserError, match="the run's"):
+        export(str(copy), str(run), overwrite=True)
+    assert committed_steps(Storage(str(run / "ckpt"))) == [1, 2]
+
+
+def test_an_export_whose_checkpoint_retention_deleted_says_so(tmp_path, monkeypatch):
+    run = _run(tmp_path)
+    from xla_shard.checkpoint import export as export_module
+
+    real = export_module._write_weights
+
+    def deleted_meanwhile(reader, *args, **kwargs):
+        Storage(str(run / "ckpt")).remove_tree("step-00000002")  # a run's keep_last, mid-export
+        return real(reader, *args, **kwargs)
+
+    monkeypatch.setattr(export_module, "_write_weights", deleted_meanwhile)
+    with pytest.raises(UserError, match="was deleted while it was being exported") as refused:
+        export(str(run / "ckpt" / "step-00000002"), str(tmp_path / "out"))
+    assert "shard file" not in str(refused.value) and not (tmp_path / "out").exists()
+
+
+# ---- what the writer accepts, the reader accepts ------------------------------------------------------------
+def _nested(depth: int) -> dict:
+    value: dict = {"leaf": 1}
+    for _ in range(depth - 1):
+        value = {"d": value}
+    return value
+
+
+def test_extra_state_at_the_deepest_the_reader_takes_round_trips(tmp_path):
+    deepest = {"loader": _nested(MAX_EXTRA_DEPTH), "ints": {"epoch": 3, "seen": [1, 2, {"x": None}]}}
+    run = _run(tmp_path, steps=(1,), extra=deepest)
+    read_manifest(Storage(str(run / "ckpt")), layout.step_dir(1))  # the reader's own check
+    back = {"loader": {}, "ints": {}}
+    assert _checkpointer(run / "ckpt").restore(_model(), None, extra=back) == 1
+    assert back == deepest
+
+
+@pytest.mark.parametrize("state, problem", [
+    (_nested(MAX_EXTRA_DEPTH + 1), "nested deeper"),
+    ({"epoch": {1: "a"}}, "key 1"),
+    ({"betas": (0.9, 0.99)}, "tuple"),
+    ({"when": object()}, "not JSON data"),
+])
+def test_extra_state_the_reader_would_not_return_as_saved_is_refused_at_save(tmp_path, state, problem):
+    run = _run(tmp_path, steps=(1,))
+    ckpt = _checkpointer(run / "ckpt")
+    ckpt.restore(_model(), None)
+    with pytest.raises(UserError, match=problem) as refused:
+        ckpt.save(2, _model(), None, extra={"sampler": state})
+    assert "'sampler'" in str(refused.value) and "\n" not in str(refused.value)
+    assert committed_steps(Storage(str(run / "ckpt"))) == [1]  # the last good checkpoint stays the newest
+    assert _checkpointer(run / "ckpt").restore(_model(), None) == 1
+
+
+# ---- legal paths ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["run[1]", "a*b", "what?", "[!x]"])
+def test_a_checkpoint_dir_named_like_a_glob_saves_resumes_and_exports(tmp_path, name):
+    directory = tmp_path / name
+    (tmp_path / "run1").mkdir()  # what `run[1]` would match as a pattern
+    ckpt = _checkpointer(directory)
+    assert ckpt.restore(_model(), None) == 0
+    ckpt.save(1, _model(1), None)
+    ckpt.save(2, _model(2), None)
+    assert committed_steps(Storage(str(directory))) == [1, 2]
+    again = _checkpointer(directory)
+    assert again.restore(_model(), None) == 2  # resumes: no false "another run is writing here"
+    again.save(3, _model(3), None)
+    assert export(str(directory), str(tmp_path / "export")).step == 3
+
+
+# ---- the manifest's LoRA section is untrusted ----------------------------------------------------------
+def _lora_checkpoint(tmp_path: Path) -> Path:
+    from xla_shard import lora
+
+    cfg = config.load(None, ["model.lora.r=2", "model.lora.target_modules=[q_proj]"])
+    model = _model()
+    values, _ = lora.inject(model, cfg.model.lora, "causal_lm", seed=0)
+    lora.materialize(model, values)
+    ckpt = _checkpointer(tmp_path / "ckpt", "model.lora.r=2", "model.lora.target_modules=[q_proj]")
+    ckpt.trained_only = True
+    ckpt.restore(model, None)
+    ckpt.save(1, model, None)
+    return tmp_path / "ckpt" / layout.step_dir(1)
+
+
+def _tamper(step_dir: Path, change) -> None:
+    path = step_dir / layout.MANIFEST
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda m: m["config"]["model"]["lora"].update(r=0), "model.lora.r"),
+    (lambda m: m["config"]["model"]["lora"].update(r="8"), "model.lora.r"),
+    (lambda m: m["config"]["model"]["lora"].pop("alpha"), "lacks 'alpha'"),
+    (lambda m: m["config"]["model"]["lora"].update(r=3), "rank-3"),
+    (lambda m: m["config"]["model"]["lora"].update(target_modules=5), "target_modules"),
+    (lambda m: m["config"]["model"].update(lora="yes"), "model.lora"),
+    (lambda m: m["config"]["model"].update(lora=None), "LoRA tensors"),
+])
+@pytest.mark.parametrize("merge", [False, True])
+def test_a_tampered_lora_section_is_refused_in_one_line(tmp_path, change, problem, merge):
+    step = _lora_checkpoint(tmp_path)
+    _tamper(step, change)
+    with pytest.raises(UserError) as refused:
+        export(str(step), str(tmp_path / "out"), merge=merge)
+    assert problem in str(refused.value) and "\n" not in str(refused.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_full_fine_tune_relabelled_as_lora_is_refused(tmp_path):
+    run = _run(tmp_path, steps=(1,))
+    _tamper(run / "ckpt" / layout.step_dir(1), lambda m: m["config"]["model"].update(
+        lora={"r": 2, "alpha": 4, "dropout": 0, "target_modules": ["q_proj"]}))
+    with pytest.raises(UserError, match="full model weights"):
+        export(str(run / "ckpt"), str(tmp_path / "out"))
+
+
+def test_an_adapter_export_names_its_base_by_an_absolute_path(tmp_path):
+    step = _lora_checkpoint(tmp_path)
+    base = tmp_path / "base"
+    _model().save_pretrained(base)
+    _tamper(step, lambda m: m["config"]["model"].update(name=os.path.relpath(base)))
+    export(str(step), str(tmp_path / "out"))
+    adapter = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(base) and adapter["r"] == 2
