@@ -75,6 +75,30 @@ class Nodes:
                 f"--rdzv-conf=timeout={math.ceil(self.timeout_s)}", "--max-restarts=0"]
 
 
+    def explain_failure(self, exc: BaseException) -> None:
+        """Raise the one line that says why the nodes did not meet, for torch's rendezvous errors (any other
+        returns): a port in use is the user's to change (exit 2); a node that never came is not (exit 1)."""
+        from torch.distributed import DistError
+        from torch.distributed.elastic.rendezvous import RendezvousError
+
+        if not isinstance(exc, (DistError, RendezvousError, TimeoutError)):
+            return
+        text = " ".join(str(exc).split())
+        within = f"within launch.timeout_s={self.timeout_s:g}"
+        if "EADDRINUSE" in text or "address already in use" in text:
+            raise ConfigError("launch.rdzv_endpoint", f"{self.endpoint}: the port is already in use on node 0 (another "
+                                                      "run, or another node 0?); choose a free port on every node")
+        if "waiting for clients" in text:
+            joined = text.split("Timed out", 1)[-1]
+            raise PeerLost(f"node 0: not every node joined at launch.rdzv_endpoint={self.endpoint} {within} "
+                           f"({joined.split('. ', 1)[-1].rstrip('.') or text[:160]}): start every node of "
+                           f"launch.nnodes={self.count}, each with its launch.node_rank, naming this endpoint")
+        if self.rank:
+            raise PeerLost(f"node {self.rank}: node 0 did not serve the rendezvous at launch.rdzv_endpoint="
+                           f"{self.endpoint} {within}: start node 0 (launch.node_rank=0) there, or check the address")
+        raise PeerLost(f"node 0: the nodes did not meet at launch.rdzv_endpoint={self.endpoint} {within}: {text[:200]}")
+
+
 @dataclass(frozen=True)
 class Torchrun:
     """torchrun with `nproc` workers on this node, each running the same command (`argv`) again; in a worker
@@ -90,7 +114,13 @@ class Torchrun:
         if torchrun_worker():
             as_torchrun_worker()
             exit_without_finalizing(entry() or 0)
-        return run_torchrun(self.nproc, self.argv, self.nodes.torchrun_args() if self.nodes else ["--standalone"])
+        if self.nodes is None:
+            return run_torchrun(self.nproc, self.argv, ["--standalone"])
+        try:
+            return run_torchrun(self.nproc, self.argv, self.nodes.torchrun_args())
+        except Exception as exc:
+            self.nodes.explain_failure(exc)
+            raise
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,15 @@ override the collective parts in their backend's module."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from xla_shard.errors import one_line
+from xla_shard.errors import ConfigError, one_line
 
 
 class Processes:
@@ -107,3 +110,28 @@ class GroupProcesses(Processes):
         value = torch.tensor(counts, device=self.device)
         dist.all_reduce(value)
         return value.tolist()
+
+
+def meet_as_one_run(settings: dict[str, Any], timeout_s: float) -> None:
+    """Before a multi-node torchrun run's processes form their group, refuse what the group would not notice:
+    two nodes started with the same launch.node_rank (the group would pair either), and nodes whose settings
+    differ (a node told launch.nnodes=3 joins node 0's world of 2 and trains). Each worker counts itself in at
+    its rank on torchrun's store, and checks its `settings` ({dotted key: value}) against rank 0's."""
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) < 2:
+        return
+    rank, group_rank = int(os.environ["RANK"]), int(os.environ.get("GROUP_RANK", "0"))
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    if store.add(f"xla_shard/rank/{rank}", 1) > 1:
+        raise ConfigError("launch.node_rank", f"{group_rank} is taken: another node started with the same "
+                                              "launch.node_rank; give each node its own (0..launch.nnodes-1)")
+    mine = json.dumps(settings, sort_keys=True)
+    if rank == 0:
+        store.set("xla_shard/settings", mine)
+        return
+    store.wait(["xla_shard/settings"])
+    theirs = json.loads(store.get("xla_shard/settings"))
+    for key in sorted(settings.keys() | theirs.keys()):
+        if settings.get(key) != theirs.get(key):
+            raise ConfigError(key, f"is {settings.get(key)!r} on node {group_rank} but {theirs.get(key)!r} on node 0: "
+                                   "every node runs the same config")

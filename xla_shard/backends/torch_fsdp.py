@@ -23,12 +23,12 @@ from xla_shard import launch, lora
 from xla_shard.backends import fsdp2_devices
 from xla_shard.backends.base import Backend, apply_activation_checkpointing, on_meta
 from xla_shard.backends.fsdp2_devices import DeviceProfile
-from xla_shard.backends.processes import GroupProcesses
+from xla_shard.backends.processes import GroupProcesses, meet_as_one_run
 from xla_shard.backends.state import BackendState, pack_bytes, unpack_bytes
 from xla_shard.capabilities import Capabilities
 from xla_shard.checkpoint.contract import Box, Chunk
 from xla_shard.config.schema import ShardingStrategy
-from xla_shard.errors import ConfigError
+from xla_shard.errors import ConfigError, one_line
 from xla_shard.wrap import checkpoint_targets, wrap_targets
 
 
@@ -130,8 +130,19 @@ class TorchFsdpBackend(Backend):
         profile.import_runtime()
         self.device, self.device_kind = profile.select(int(os.environ.get("LOCAL_RANK", "0")))
         if not dist.is_initialized():
+            meet_as_one_run({**self.cfg.run_identity(), "launch.nnodes": self.cfg.launch.nnodes,
+                             "launch.nproc_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))},
+                            self.cfg.launch.timeout_s)
             # launch.timeout_s bounds every collective: a node that died stops the others after that long at most
-            dist.init_process_group(profile.process_group, timeout=timedelta(seconds=self.cfg.launch.timeout_s))
+            try:
+                dist.init_process_group(profile.process_group, timeout=timedelta(seconds=self.cfg.launch.timeout_s))
+            except dist.DistError as exc:
+                if int(os.environ.get("GROUP_WORLD_SIZE", "1")) < 2:
+                    raise
+                node = os.environ.get("GROUP_RANK", "?")
+                raise launch.PeerLost(f"node {node}: the nodes' processes did not all form one group within "
+                                      f"launch.timeout_s={self.cfg.launch.timeout_s:g} (a node stopped, or was "
+                                      f"started otherwise): {one_line(exc)[:200]}") from None
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.num_devices = self.world
         self.processes = GroupProcesses(self.rank, self.world, self.device)
