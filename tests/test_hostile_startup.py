@@ -62,7 +62,7 @@ def test_every_start_up_failure_is_one_line_within_the_timeout():
     ended = {name: _ends(node) for name, node in nodes.items()}
     took = time.monotonic() - started
     busy.close()
-    for name, (code, lines) in ended.items():
+    for name, (_, lines) in ended.items():
         if name in ("duplicate-0", "duplicate-1"):  # the pair that met trains; the latecomer is refused
             continue
         assert len(lines) == 1, (name, lines)

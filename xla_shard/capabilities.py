@@ -83,6 +83,12 @@ class Capabilities:
             self.refuse("launch", "sets torchrun's process counts (backend torch_fsdp); this backend drives every "
                                   "local device from one process per host: remove it")
 
+    def trains(self, cfg: ShardConfig) -> bool:
+        """Whether this backend trains the config's model as configured, whatever the sharding: its LoRA
+        adapters, its scanned layers, its compiled blocks."""
+        return not ((cfg.model.lora is not None and self.lora) or (cfg.fsdp.scan_layers and self.scan_layers)
+                    or (cfg.train.compile and self.compile))
+
     def runs(self, triple: Triple, devices: int) -> bool:
         """Whether this backend runs a planner `Triple` on `devices`."""
         return self.triple_refusal(from_planner(triple, devices)) is None

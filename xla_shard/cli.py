@@ -147,7 +147,7 @@ def _plan(args) -> int:
                           hbm_bytes=args.hbm_gib * 2**30 if args.hbm_gib else None, efficiency=args.efficiency)
 
     def running(e: planner.Estimate) -> list[str]:
-        return backends.running(e.triple, args.devices)
+        return backends.running(e.triple, args.devices, cfg)
 
     def runs(e: planner.Estimate) -> bool:
         return backend in running(e)

@@ -51,6 +51,19 @@ def inject(model: nn.Module, section: LoraSection, task: str, seed: int) -> tupl
     """Adapters into `model` in place, everything else frozen. Returns the adapters' initial values by
     parameter name (computed on the host from `seed`; the adapters themselves are left on the meta device when
     the base is, to be filled after sharding) and the modules trained whole."""
+    config, modules_to_save = _adapt(model, section, task)
+    values = _initial_values(model, config, seed)
+    if section.base_dtype != "float32":
+        dtype = getattr(torch, section.base_dtype)
+        for param in model.parameters():
+            if not param.requires_grad:
+                param.data = param.data.to(dtype)  # the same Parameter: tied weights stay tied
+    return values, modules_to_save
+
+
+def _adapt(model: nn.Module, section: LoraSection, task: str):
+    """peft's adapters put into `model`, still on the meta device (nothing allocated); (its LoraConfig, the
+    modules trained whole)."""
     from peft import inject_adapter_in_model
 
     _check_targets(model, section)
@@ -64,13 +77,14 @@ def inject(model: nn.Module, section: LoraSection, task: str, seed: int) -> tupl
         raise ConfigError("model.lora.target_modules", f"peft cannot adapt {type(model).__name__}: "
                                                        f"{one_line(exc)[:300]}") from None
     _check_ranks(model, section)
-    values = _initial_values(model, config, seed)
-    if section.base_dtype != "float32":
-        dtype = getattr(torch, section.base_dtype)
-        for param in model.parameters():
-            if not param.requires_grad:
-                param.data = param.data.to(dtype)  # the same Parameter: tied weights stay tied
-    return values, modules_to_save
+    return config, modules_to_save
+
+
+def trained_parameters(model: nn.Module, section: LoraSection, task: str) -> int:
+    """How many parameters a LoRA run of `model` trains (the adapters, and the modules trained whole), counted
+    by adapting it (in place) without allocating anything."""
+    _adapt(model, section, task)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def _named_by(name: str, targets: list[str]) -> bool:

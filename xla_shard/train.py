@@ -33,7 +33,7 @@ from xla_shard.models import check_sequence_length, model_config, resolve_source
 from xla_shard.preemption import PreemptionGuard
 from xla_shard.pretrained import PretrainedWeights, build_for
 from xla_shard.schedule import lr_factor
-from xla_shard.wrap import checkpoint_targets, inferred_layers, wrap_targets
+from xla_shard.wrap import check_scannable, checkpoint_targets, inferred_layers, wrap_targets
 
 
 def make_optimizer(params, train: TrainSection, accelerator: str = "cpu") -> torch.optim.Optimizer:
@@ -56,6 +56,8 @@ def preflight(cfg: ShardConfig, capabilities=None) -> None:
     check_sequence_length(model.config, cfg.train.seq_len)
     check_output_dir(cfg.output_dir)
     wrap_targets(model, cfg.fsdp)
+    if cfg.fsdp.scan_layers:
+        check_scannable(model, cfg.fsdp)
     if cfg.fsdp.activation_checkpointing:
         checkpoint_targets(model, cfg.fsdp)
     if cfg.fsdp.state_dict_type == "FULL_STATE_DICT":

@@ -94,3 +94,33 @@ def _size_based(root: nn.Module, module: nn.Module, min_params: int, out: list[n
         out.append(module)
         return 0
     return unwrapped
+
+
+def scanned_stacks(model: nn.Module, fsdp: FsdpSection) -> list[tuple[str, nn.ModuleList]]:
+    """The lists of two or more layers of the wrapped classes: what fsdp.scan_layers scans (it needs one)."""
+    classes = layer_classes(model, fsdp.transformer_layer_cls_to_wrap)
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, nn.ModuleList) and len(m) > 1 and all(isinstance(c, classes) for c in m)]
+
+
+def check_scannable(model: nn.Module, fsdp: FsdpSection) -> None:
+    """fsdp.scan_layers runs the layers through torch_xla's scan, whose backward cannot carry dropout inside a
+    layer (it writes a float into the boolean mask dropout keeps: "PRED vs F32" at step 1); refused up front,
+    naming the model's dropout settings that turn it off."""
+    stacks = scanned_stacks(model, fsdp)
+    if len(stacks) != 1:
+        return  # scan refuses it itself, naming what it found
+    layer = stacks[0][1][0]
+    active = [f"{name or type(layer).__name__} ({module.p:g})" for name, module in layer.named_modules()
+              if isinstance(module, nn.Dropout) and module.p > 0]
+    active += [f"{name}.{key} ({value:g})" if name else f"{key} ({value:g})" for name, module in layer.named_modules()
+               for key, value in vars(module).items()
+               if "dropout" in key and isinstance(value, float) and value > 0]
+    if active:
+        settings = getattr(model, "config", None)
+        keys = [k for k, v in (settings.to_dict() if settings is not None else {}).items()
+                if "drop" in k and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0]
+        raise ConfigError("fsdp.scan_layers", f"{type(layer).__name__} runs dropout ({', '.join(active[:3])}), which "
+                                              "torch_xla's scan cannot carry through its backward: set it to false, or "
+                                              "the dropout to 0 with model.overrides"
+                                              + (f" ({', '.join(f'{k}: 0' for k in keys)})" if keys else ""))

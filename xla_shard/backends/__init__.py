@@ -51,9 +51,11 @@ def capabilities(name: str) -> Capabilities:
     return BACKENDS[name].capabilities
 
 
-def running(triple: Triple, devices: int) -> list[str]:
-    """The backends that run a planner `Triple` on `devices` (what `xla-shard plan` shows per row)."""
-    return [name for name, cls in BACKENDS.items() if cls.capabilities.runs(triple, devices)]
+def running(triple: Triple, devices: int, cfg: ShardConfig | None = None) -> list[str]:
+    """The backends that run a planner `Triple` on `devices` (what `xla-shard plan` shows per row), and, given
+    the config, what it trains (a backend that refuses its LoRA, scan or compile does not run it)."""
+    return [name for name, cls in BACKENDS.items()
+            if cls.capabilities.runs(triple, devices) and (cfg is None or cls.capabilities.trains(cfg))]
 
 
 def create(cfg: ShardConfig) -> Backend:

@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from xla_shard.backends.xla_common import absl_quiet
 from xla_shard.config.schema import FsdpSection
 from xla_shard.errors import ConfigError
-from xla_shard.wrap import layer_classes
+from xla_shard.wrap import check_scannable, layer_classes, scanned_stacks
 
 KEY = "fsdp.scan_layers"
 _PER_LAYER = {"layer_idx"}  # attributes that differ between otherwise identical layers and only index a cache
@@ -52,9 +52,9 @@ def check_available() -> None:
 def scan_stack(model: nn.Module, fsdp: FsdpSection, checkpoint: bool) -> int:
     """Replace the model's decoder stack by a `ScannedLayers` holding the same modules; the layer count.
     Refuses a model whose layers are not one repeated layer."""
+    check_scannable(model, fsdp)
     classes = layer_classes(model, fsdp.transformer_layer_cls_to_wrap)
-    stacks = [(name, m) for name, m in model.named_modules()
-              if isinstance(m, nn.ModuleList) and len(m) > 1 and all(isinstance(c, classes) for c in m)]
+    stacks = scanned_stacks(model, fsdp)
     if len(stacks) != 1:
         found = ", ".join(name for name, _ in stacks) or "none"
         raise ConfigError(KEY, f"{type(model).__name__} needs exactly one list of its {classes[0].__name__} layers to "

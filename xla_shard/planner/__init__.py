@@ -92,10 +92,21 @@ def workload(cfg, devices: int, capabilities: Capabilities) -> Workload:
         model = build_model(cfg.model, cfg.train.seed)
     config = model.config
     tokens = cfg.train.global_batch_size * cfg.train.seq_len // devices
-    return Workload(params=sum(p.numel() for p in model.parameters()), units=len(wrap_targets(model, cfg.fsdp)) + 1,
-                    embedding_params=embedding_params(model) if capabilities.gathers_per_tensor else 0,
+    params = sum(p.numel() for p in model.parameters())
+    units = len(wrap_targets(model, cfg.fsdp)) + 1
+    flops = train_flops_per_token(model, cfg.train.seq_len)
+    embedding = embedding_params(model) if capabilities.gathers_per_tensor else 0
+    trained, frozen_bytes = None, 4
+    if cfg.model.lora is not None:  # adapters counted on the meta device: nothing allocated
+        from xla_shard import lora
+
+        trained = lora.trained_parameters(model, cfg.model.lora, cfg.model.task)
+        frozen_bytes = 2 if cfg.model.lora.base_dtype == "bfloat16" else 4
+        flops -= 2 * max(0, params - trained)  # backward computes no weight gradient for the frozen base
+    return Workload(params=params, units=units, trained_params=trained, frozen_bytes=frozen_bytes,
+                    embedding_params=embedding,
                     grad_reductions=cfg.train.grad_accum_steps if capabilities.reduces_every_micro_batch else 1,
-                    flops_per_token=train_flops_per_token(model, cfg.train.seq_len), tokens_per_device=max(1, tokens),
+                    flops_per_token=flops, tokens_per_device=max(1, tokens),
                     layers=getattr(config, "num_hidden_layers", 1), hidden=getattr(config, "hidden_size", 1),
                     seq_len=cfg.train.seq_len, compute_bytes=2 if cfg.fsdp.mixed_precision == "bf16" else 4,
                     optimizer=cfg.train.optimizer, activation_checkpointing=cfg.fsdp.activation_checkpointing,

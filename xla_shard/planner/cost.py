@@ -50,6 +50,14 @@ class Workload:
     micro_batches: int = 1  # gradient accumulation: parameters are gathered again for each micro-batch
     embedding_params: int = 0  # the input embedding (untied): not gathered again for backward
     grad_reductions: int = 1  # gradients reduced per step: once (FSDP's no_sync), or per micro-batch (SPMD)
+    # LoRA (model.lora): the parameters trained (adapters, modules trained whole); the rest is frozen, held in
+    # `frozen_bytes` per parameter, with no gradient, no optimizer state and no reduction. None: all trained.
+    trained_params: int | None = None
+    frozen_bytes: int = 4
+
+    @property
+    def trained(self) -> int:
+        return self.params if self.trained_params is None else self.trained_params
 
     def activation_bytes(self) -> float:
         """Per device, for one micro-batch: Korthikanti et al.'s 34 * s * b * h bytes per layer for 16-bit
@@ -86,9 +94,11 @@ def update_degree(optimizer: str, triple: Triple) -> int:
 
 def memory(work: Workload, triple: Triple) -> dict[str, float]:
     """Bytes per device: params, grads, optimizer, activations, gathered, kept, total."""
-    psi, c = work.params, work.compute_bytes
+    psi, c, trained = work.params, work.compute_bytes, work.trained
     p, g, os_, k = triple.params, triple.grads, triple.optimizer, triple.kept
-    found = {"params": 4 * psi / p, "grads": 4 * psi / g, "optimizer": OPTIMIZER_BYTES[work.optimizer] * psi / os_,
+    stored = 4 * trained + work.frozen_bytes * (psi - trained)
+    found = {"params": stored / p, "grads": 4 * trained / g,
+             "optimizer": OPTIMIZER_BYTES[work.optimizer] * trained / os_,
              "activations": work.activation_bytes(),
              "gathered": 2 * c * psi / max(1, work.units - 1) if p > 1 else 0.0,  # a unit in use + one prefetched
              "kept": c * psi / k if k < p else 0.0}  # every unit's parameters, held from forward for backward
@@ -98,17 +108,18 @@ def memory(work: Workload, triple: Triple) -> dict[str, float]:
 
 def collectives(work: Workload, triple: Triple, devices: int) -> list[Collective]:
     """The collectives a step of `triple` runs (those over one device left out)."""
-    psi, c, units, micro = work.params, work.compute_bytes, work.units, work.micro_batches
+    psi, c, units, micro, trained = work.params, work.compute_bytes, work.units, work.micro_batches, work.trained
     p, g, k = triple.params, triple.grads, triple.kept
     update = update_degree(work.optimizer, triple)
     again = (psi - work.embedding_params) * c * micro  # backward's gather
     found = [Collective("params", "all-gather", p, 1, psi * c * micro + (again if k == p else 0),
                         units * micro * (2 if k == p else 1)),
              Collective("params_backward", "all-gather", k, 1, again if 1 < k < p else 0, units * micro),
-             Collective("grads", "reduce-scatter", g, 1, psi * 4 * work.grad_reductions, units * work.grad_reductions),
-             Collective("replicas", "all-reduce", devices // g, g, psi * 4 / g * work.grad_reductions,
+             Collective("grads", "reduce-scatter", g, 1, trained * 4 * work.grad_reductions,
                         units * work.grad_reductions),
-             Collective("update", "all-gather", update // p, p, psi * 4 / p, units)]
+             Collective("replicas", "all-reduce", devices // g, g, trained * 4 / g * work.grad_reductions,
+                        units * work.grad_reductions),
+             Collective("update", "all-gather", update // p, p, trained * 4 / p, units)]
     return [x for x in found if x.size > 1 and x.tensor_bytes > 0]
 
 
