@@ -67,6 +67,22 @@ def test_an_export_that_would_replace_what_it_reads_is_refused_and_deletes_nothi
     assert (run / "metrics.jsonl").exists() and committed_steps(Storage(str(run / "ckpt"))) == [1, 2]
 
 
+@pytest.mark.e2e
+def test_on_gcs_an_export_over_its_run_is_refused_before_anything_is_deleted(gcs):
+    """On an object store there is no staging rename: the prefix used to be emptied before the source was read."""
+    run = f"gs://{gcs.bucket}/run"
+    Storage(run).write("metrics.jsonl", b'{"step": 1}\n')
+    ckpt = _checkpointer(f"{run}/ckpt", f"output_dir={run}")
+    ckpt.restore(_model(), None)
+    ckpt.save(1, _model(1), None)
+    before = Storage(run).glob("**")
+    for to in (run, f"{run}/ckpt", f"{run}/ckpt/step-00000001", f"gs://{gcs.bucket}"):
+        with pytest.raises(UserError, match="--to"):
+            export(f"{run}/ckpt/step-00000001", to, overwrite=True)
+    assert Storage(run).glob("**") == before and committed_steps(Storage(f"{run}/ckpt")) == [1]
+    assert export(f"{run}/ckpt", f"gs://{gcs.bucket}/exported").step == 1
+
+
 def test_an_export_through_a_link_to_the_run_is_refused(tmp_path):
     run = _run(tmp_path)
     os.symlink(run, tmp_path / "alias")
@@ -217,3 +233,40 @@ def test_an_adapter_export_names_its_base_by_an_absolute_path(tmp_path):
     export(str(step), str(tmp_path / "out"))
     adapter = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str(base) and adapter["r"] == 2
+
+
+# ---- the frozen base is the one the adapters were trained on --------------------------------------------
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_lora_resume_or_merge_over_another_base_of_the_same_shapes_is_refused(model_dirs, tmp_path):
+    """A base replaced by another model of the same shapes (another seed): the resume and `--merge` both refuse,
+    naming the weights file; the true base resumes and merges."""
+    import shutil
+
+    from conftest import FIXTURES, run_cli
+    from model_dirs import llama_dir
+
+    base = tmp_path / "base"
+    shutil.copytree(model_dirs.llama, base)
+    out = tmp_path / "run"
+    sets = [f"model.name={base}", f"data.path={FIXTURES / 'corpus.jsonl'}", "train.seq_len=32", "backend=torch_fsdp",
+            "model.lora.r=4", f"output_dir={out}", f"checkpoint.dir={out}/ckpt", "checkpoint.every_steps=1"]
+
+    def train(steps):
+        return run_cli("train", *[a for s in [*sets, f"train.steps={steps}"] for a in ("--set", s)],
+                       "--nproc-per-node", "1")
+
+    assert train(1).returncode == 0
+    recorded = read_manifest(Storage(str(out / "ckpt")), layout.step_dir(1)).data["base"]
+    assert set(recorded["files"]) == {p.name for p in base.glob("*.safetensors")}
+    original = tmp_path / "original"
+    base.rename(original)
+    llama_dir(base, files=2, seed=99)  # same config and shapes, other weights
+    resumed = train(2)
+    assert resumed.returncode == 2 and ".safetensors" in resumed.stderr and "another base" in resumed.stderr
+    merged = run_cli("ckpt", "export", str(out / "ckpt"), "--to", str(tmp_path / "merged"), "--merge")
+    assert merged.returncode == 2 and "other bytes" in merged.stderr and not (tmp_path / "merged").exists()
+    shutil.rmtree(base)
+    original.rename(base)
+    assert train(2).returncode == 0
+    assert run_cli("ckpt", "export", str(out / "ckpt"), "--to", str(tmp_path / "merged"), "--merge").returncode == 0
