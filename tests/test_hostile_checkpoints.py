@@ -270,3 +270,14 @@ def test_a_lora_resume_or_merge_over_another_base_of_the_same_shapes_is_refused(
     original.rename(base)
     assert train(2).returncode == 0
     assert run_cli("ckpt", "export", str(out / "ckpt"), "--to", str(tmp_path / "merged"), "--merge").returncode == 0
+
+
+@pytest.mark.parametrize("name", ["d[1]", "a*b", "q?"])
+def test_data_files_in_directories_named_like_globs_are_read_as_named(tmp_path, name):
+    from xla_shard.data.files import read_rows
+
+    for folder, text in ((name, "the file named"), ("d1", "a decoy"), ("axb", "a decoy"), ("qx", "a decoy")):
+        (tmp_path / folder).mkdir(exist_ok=True)
+        (tmp_path / folder / "rows.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    rows = read_rows(str(tmp_path / name / "rows.jsonl"), None, "data.path")
+    assert rows["text"] == ["the file named"]

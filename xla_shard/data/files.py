@@ -6,6 +6,7 @@ fingerprint of its input and function, so a restart reads the tokenized rows bac
 
 from __future__ import annotations
 
+import glob
 import itertools
 import os
 from pathlib import Path, PurePosixPath
@@ -94,7 +95,8 @@ def read_rows(path: str, declared_format: str | None, key: str):
     files = [local_copy(f) if "://" in f else f for f in files]
     datasets.disable_progress_bars()
     try:
-        rows = datasets.load_dataset(builder, data_files=files, split="train")
+        # The files are resolved already; `datasets` would read `[`, `*` and `?` in their names as patterns.
+        rows = datasets.load_dataset(builder, data_files=[glob.escape(f) for f in files], split="train")
     except Exception as exc:  # datasets wraps parse errors in several exception types, all naming the file
         if _holds_no_rows(files, builder):  # which datasets reports as an error of its own
             raise ConfigError(key, f"{path} holds no rows") from None
