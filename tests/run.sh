@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command of the README (and CI): lint, then the whole suite at both ends of the torch range
 # xla_shard accepts, each in its own virtualenv, the unit tier before the end-to-end tier:
-#   .venv         torch 2.9 + torch_xla 2.9 (extras xla, scan): every test
+#   .venv         torch 2.9 + torch_xla 2.9 (extras xla, scan, aot: libtpu for xla-shard compile): every test
 #   .venv-newest  the newest torch without torch_xla, TorchTPU installed: the same tests, the ones that need
 #                 torch_xla skipping (marker `xla`)
 #   .venv-xpk     xpk alone (it pins its dependencies exactly): tests/test_gke.py runs its argument parser
@@ -17,7 +17,7 @@ python3 -m venv .venv-xpk
 
 if [[ " $TIERS " == *" old "* ]]; then
   python3 -m venv .venv
-  .venv/bin/pip install -q -e '.[xla,scan,test]'
+  .venv/bin/pip install -q -e '.[xla,scan,aot,test]'
   .venv/bin/ruff check
   .venv/bin/python -m pytest -q -m "not e2e"
   .venv/bin/python -m pytest -q -m e2e

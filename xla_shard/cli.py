@@ -91,6 +91,16 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="every candidate, as JSON")
     plan.set_defaults(func=_plan)
 
+    aot = commands.add_parser("compile", help="compile the config's training step for a TPU slice with the TPU "
+                                               "compiler (no TPU needed): memory per device, collectives, roofline")
+    aot.add_argument("config", nargs="?", help="YAML config (defaults and --set alone if omitted)")
+    aot.add_argument("--tpu", required=True, metavar="SLICE", help="the slice, as deploy.accelerator_type names it: "
+                                                                  "v5p-64, v6e-16, v5litepod-8, v4-32")
+    aot.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    aot.add_argument("--json", action="store_true", help="the report as JSON")
+    aot.add_argument("--no-suggest", action="store_true", help=argparse.SUPPRESS)  # a compile of a suggestion
+    aot.set_defaults(func=_compile)
+
     ckpt = commands.add_parser("ckpt", help="list, verify or export checkpoints")
     ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
     ls = ckpt_commands.add_parser("list", help="checkpoints under a checkpoint.dir, committed or not")
@@ -199,6 +209,20 @@ def _plan(args) -> int:
         print(f"\n{wanted}{note}:")
         print(report.sharding_yaml(e.triple), end="")
     return 0
+
+
+def _compile(args) -> int:
+    import json
+
+    from xla_shard.aot import run
+
+    cfg = cfglib.load(args.config, args.set)
+    report = run.compile_for(cfg, args.tpu)
+    print(json.dumps(report.as_dict(), indent=1) if args.json else report.text())
+    if report.fits or args.no_suggest:
+        return 0
+    sys.stdout.flush()
+    raise run.refusal(report, run.what_fits(cfg, report, run.compile_elsewhere(args.config, args.set)))
 
 
 def _gcp_render(args) -> int:

@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 import torch.utils._pytree as pytree
@@ -127,6 +128,19 @@ class XlaBackend(Backend):
 
     def compilations(self) -> int:
         return compilations()
+
+    def traced_program(self, run_step: Callable[[], torch.Tensor], updated: Callable[[], list[torch.Tensor]]) -> bytes:
+        """The HloModuleProto of a step, traced and not run: `run_step` with the step's cut (`after_step`)
+        left out, so its graph stays pending, then the program that computes its loss and the tensors
+        `updated()` names (parameters, optimizer state). What `xla-shard compile` hands the TPU compiler."""
+        import torch_xla
+
+        self.after_step = lambda: None  # this instance only: the class's sync is back below
+        try:
+            loss = run_step()
+        finally:
+            del self.after_step
+        return torch_xla._XLAC._get_xla_tensors_hlo_proto([loss, *updated()])
 
     def prepare_wrap(self, model: nn.Module):
         """Apply activation checkpointing (before sharding, so the wrapper's hooks stay outside the recomputed

@@ -81,7 +81,7 @@ def parse(accelerator_type: str, zone: str, allow_unlisted_zone: bool = False) -
         raise ConfigError("deploy.accelerator_type", f"{accelerator_type!r}: TPU7x (Ironwood) and later are not "
                                                      "served by the Cloud TPU API that the tpu-vm and queued-resource "
                                                      "targets use; they run on GKE: use --target gke")
-    generation, chips = _parse_type(accelerator_type)
+    generation, chips = parse_type(accelerator_type)
     # Single-host slices: up to one host's chips (v5e/v6e single hosts go up to 8 chips).
     single_host = 8 if not generation.size_counts_cores else generation.chips_per_host
     hosts = 1 if chips <= single_host else chips // generation.chips_per_host
@@ -94,8 +94,8 @@ def parse(accelerator_type: str, zone: str, allow_unlisted_zone: bool = False) -
 
 def parse_gke(accelerator_type: str) -> GkeSlice:
     """A slice as GKE schedules it: node pools of 4-chip TPU VMs (1 for a single chip) in a fixed topology."""
-    generation, chips = _parse_type(accelerator_type)
-    shape = _topology(chips, generation.topology_dims)
+    generation, chips = parse_type(accelerator_type)
+    shape = topology(chips, generation.topology_dims)
     if shape is None or (chips == 1 and not generation.gke_single_chip):
         raise ConfigError("deploy.accelerator_type", f"{accelerator_type!r}: {chips} chips is no GKE TPU topology "
                                                      "(1 chip, or 4, 8, 16, ... chips)")
@@ -103,7 +103,7 @@ def parse_gke(accelerator_type: str) -> GkeSlice:
     return GkeSlice(accelerator_type, generation, chips, hosts, "x".join(map(str, shape)))
 
 
-def _parse_type(accelerator_type: str) -> tuple[Generation, int]:
+def parse_type(accelerator_type: str) -> tuple[Generation, int]:
     match = _TYPE.match(accelerator_type)
     if not match:
         known = ", ".join(f"{g.prefix}-N" for g in GENERATIONS.values())
@@ -111,6 +111,9 @@ def _parse_type(accelerator_type: str) -> tuple[Generation, int]:
                                                      f"({known}; e.g. v4-8, v5litepod-16, v6e-8)")
     generation = next(g for g in GENERATIONS.values() if g.prefix == match.group(1))
     size = int(match.group(2))
+    if generation.size_counts_cores and size % 2:
+        raise ConfigError("deploy.accelerator_type", f"{accelerator_type!r}: {generation.prefix} sizes count "
+                                                     "TensorCores, two per chip: an even number")
     chips = size // 2 if generation.size_counts_cores else size
     if chips < 1:
         raise ConfigError("deploy.accelerator_type", f"{accelerator_type!r} has no whole chip")
@@ -120,7 +123,7 @@ def _parse_type(accelerator_type: str) -> tuple[Generation, int]:
     return generation, chips
 
 
-def _topology(chips: int, dims: int) -> list[int] | None:
+def topology(chips: int, dims: int) -> list[int] | None:
     """The standard slice shape of `chips`: one host is 2x2 (2x2x1 in 3-D); each doubling doubles the
     smallest side (the last of equals), so 8 chips are 2x4 / 2x2x2, 16 are 4x4 / 2x2x4, 32 are 4x8 / 2x4x4."""
     if chips == 1:

@@ -26,18 +26,20 @@ class Accelerator:
     domain_max: int | None  # devices one fast domain can hold (None: a whole TPU slice, as deployed)
     fast_latency_s: float = 2e-6
     slow_latency_s: float = 10e-6
+    hbm_bw: float = 0.0  # bytes/s of HBM per device: the memory side of a roofline
 
 
 ACCELERATORS: dict[str, Accelerator] = {
     # Cloud TPU system architecture pages: HBM, bf16 peak, ICI per chip; DCN per chip from the hosts' NICs.
-    "v4": Accelerator("TPU v4", 32 * GiB, 275e12, 300e9, 6.25e9, "ICI", "DCN", None),
-    "v5e": Accelerator("TPU v5e", 16 * GiB, 197e12, 200e9, 3.1e9, "ICI", "DCN", None),
-    "v5p": Accelerator("TPU v5p", 95 * GiB, 459e12, 600e9, 6.25e9, "ICI", "DCN", None),
-    "v6e": Accelerator("TPU v6e", 32 * GiB, 918e12, 448e9, 3.1e9, "ICI", "DCN", None),
+    # HBM bandwidth per chip from the same pages: v4 1,228 GB/s, v5e 819, v5p 2,765, v6e 1,640; TPU7x 7,370.
+    "v4": Accelerator("TPU v4", 32 * GiB, 275e12, 300e9, 6.25e9, "ICI", "DCN", None, hbm_bw=1228e9),
+    "v5e": Accelerator("TPU v5e", 16 * GiB, 197e12, 200e9, 3.1e9, "ICI", "DCN", None, hbm_bw=819e9),
+    "v5p": Accelerator("TPU v5p", 95 * GiB, 459e12, 600e9, 6.25e9, "ICI", "DCN", None, hbm_bw=2765e9),
+    "v6e": Accelerator("TPU v6e", 32 * GiB, 918e12, 448e9, 3.1e9, "ICI", "DCN", None, hbm_bw=1640e9),
     # TPU7x (Ironwood), docs.cloud.google.com/tpu/docs/tpu7x (2026): 192 GiB HBM and 2,307 TFLOP/s bf16 per chip
     # (4,614 fp8); ICI 1.2 TB/s per chip both ways, as v5p (Google Cloud's Ironwood announcement, April 2025).
     # Its DCN per chip is not published there: v5p's is assumed.
-    "tpu7x": Accelerator("TPU7x", 192 * GiB, 2307e12, 600e9, 6.25e9, "ICI", "DCN", None),
+    "tpu7x": Accelerator("TPU7x", 192 * GiB, 2307e12, 600e9, 6.25e9, "ICI", "DCN", None, hbm_bw=7370e9),
     # NVIDIA SXM: NVLink 4 at 900 GB/s both ways; one 400 Gb/s NIC per GPU (an 8-GPU node, as A3/DGX).
     "h100": Accelerator("H100 80GB", 80e9, 989e12, 450e9, 50e9, "NVLink", "network", 8),
     "h200": Accelerator("H200 141GB", 141e9, 989e12, 450e9, 50e9, "NVLink", "network", 8),

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}
+_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "s32": 4, "u32": 4, "s16": 2, "u16": 2, "s8": 1, "u8": 1,
+          "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
 _OP = re.compile(r"= \(?([a-z0-9]+)\[([0-9,]*)\][^ ]* (all-gather|all-reduce|reduce-scatter)(?:-start)?\("
                  r".*?replica_groups=(\{\{[0-9,{} ]*\}\}|\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?)")
 
@@ -29,6 +30,26 @@ def collectives(hlo_text: str) -> dict[tuple[str, int, int], dict[str, int]]:
         entry["count"] += 1
         entry["bytes"] += elements * _BYTES.get(dtype, 4)
     return dict(totals)
+
+
+KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.-]+ = (.*?) (" + "|".join(KINDS) + r")(-start)?\(", re.M)
+_TENSOR = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+
+
+def collective_totals(hlo_text: str) -> dict[str, dict[str, int]]:
+    """{kind: {"count", "bytes"}} of every collective in an optimized program, any kind (KINDS), sync or async
+    (an async pair counted once, at its start); bytes of each op's results, all of a combined op's tensors."""
+    totals = {kind: {"count": 0, "bytes": 0} for kind in KINDS}
+    for match in _INSTRUCTION.finditer(hlo_text):
+        result, kind, start = match.groups()
+        tensors = _TENSOR.findall(result)
+        if start and len(tensors) > 1:  # an async start's tuple holds its operands, then its results
+            tensors = tensors[len(tensors) // 2:]
+        totals[kind]["count"] += 1
+        totals[kind]["bytes"] += sum(math.prod(int(d) for d in dims.split(",") if d) * _BYTES.get(dtype, 4)
+                                     for dtype, dims in tensors)
+    return totals
 
 
 def _first_group(groups: str) -> list[int]:

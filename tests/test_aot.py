@@ -1,0 +1,65 @@
+"""`xla-shard compile`: the trainer's own step, traced on virtual CPU devices and compiled by the real TPU compiler
+(libtpu, through jax's compile-only client) for a slice this machine does not have."""
+
+import json
+
+import pytest
+from conftest import run_cli
+
+from xla_shard.aot import target
+from xla_shard.errors import UserError
+
+pytestmark = pytest.mark.xla
+
+
+@pytest.mark.parametrize("name, topology, chips", [
+    ("v5p-8", "v5p:2x2x1", 4), ("v5p-64", "v5p:2x4x4", 32), ("v6e-16", "v6e:4x4", 16),
+    ("v5litepod-8", "v5e:2x4", 8), ("v4-32", "v4:2x2x4", 16), ("tpu7x-16", "tpu7x:2x2x2", 8),
+])
+def test_slices_are_named_as_deploy_names_them(name, topology, chips):
+    chosen = target.parse(name)
+    assert (chosen.topology, chosen.chips) == (topology, chips)
+    assert chosen.per_device(chips * 2).hbm_bytes == chosen.chip.hbm_bytes / 2
+
+
+@pytest.mark.parametrize("name", ["v5p-3", "v9-8", "v6e-512", "gpu-8"])
+def test_a_slice_that_does_not_exist_is_one_line(name):
+    with pytest.raises(UserError, match="--tpu"):
+        target.parse(name)
+
+
+def _compile(*args):
+    done = run_cli("compile", *args, "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.e2e
+def test_the_trainers_step_compiles_for_a_tpu_and_holds_its_shards_per_device():
+    """small-llama, FULL_SHARD over the 4 devices of a v5p-8: the TPU program takes, per device, the shards the
+    CPU trace holds (parameters and AdamW state, 1/4 each: within 2% of the compiled arguments with the batch),
+    gathers them (all-gathers), reduces gradients, and fits."""
+    pytest.importorskip("jax")
+    report = _compile("--tpu", "v5p-8", "--set", "model=small-llama")
+    consumers = report["consumers"]
+    sharded = consumers["parameters"] + consumers["optimizer state"]
+    assert report["devices"] == 4 and report["fits"]
+    assert abs(report["argument_bytes"] - sharded - consumers["batch"]) <= 0.02 * report["argument_bytes"]
+    assert 0.9 * 3 * consumers["parameters"] <= sharded <= 1.1 * 3 * consumers["parameters"]  # AdamW: 2 states
+    collectives = report["collectives"]
+    assert collectives["all-gather"]["count"] > 0
+    assert collectives.get("all-reduce", {}).get("count", 0) + collectives.get("reduce-scatter", {}).get("count", 0)
+    assert report["flops_per_device"] > 0 and 0 < report["roofline"]["mfu_ceiling"] <= 1
+
+
+@pytest.mark.e2e
+def test_a_step_that_does_not_fit_says_so_in_one_line_with_what_would_fit():
+    """A model of ~1.1 GB of fp32 parameters and AdamW state on one v5e chip (16 GiB) with a long sequence: the
+    activations do not fit; activation checkpointing, compiled, does."""
+    pytest.importorskip("jax")
+    sets = ["model=small-llama", "model.overrides={hidden_size: 1024, intermediate_size: 4096, num_hidden_layers: 8,"
+            " num_attention_heads: 8, num_key_value_heads: 8}", "train.seq_len=2048", "train.global_batch_size=8"]
+    done = run_cli("compile", "--tpu", "v5litepod-1", *[a for s in sets for a in ("--set", s)])
+    errors = [line for line in done.stderr.splitlines() if line.startswith("xla-shard: error:")]
+    assert done.returncode == 2 and len(errors) == 1, done.stderr[-3000:]
+    assert "does NOT fit" in done.stdout and "it fits with fsdp.activation_checkpointing: true" in errors[0]

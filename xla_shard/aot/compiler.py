@@ -1,0 +1,103 @@
+"""libtpu, driven through jax's compile-only client: no TPU needed to compile for one.
+
+The client compiles StableHLO for a topology's devices; torch_xla's HloModuleProto is converted with jaxlib's
+own `hlo_to_stablehlo`. Partitioning is torch_xla's SPMD: the program's sharding annotations, propagated to the
+parameters and outputs, over `num_partitions` = the slice's devices. libtpu prints warnings about TPU metadata
+it cannot find on a machine that has no TPU; they are silenced (TPU_* variables it would read are set to
+neutral values only for the duration of the call, where unset).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from dataclasses import dataclass, field
+
+from xla_shard.errors import UserError
+
+INSTALL = "pip install 'xla_shard[tpu-compile]'"  # jax and libtpu: see pyproject.toml
+
+
+@dataclass
+class Compiled:
+    devices: int
+    argument_bytes: int  # per device
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    code_bytes: int
+    flops: float  # per device, the compiler's cost analysis
+    bytes_accessed: float
+    hlo_text: str = field(repr=False)
+
+
+def topology_devices(topology: str) -> list:
+    """The devices of a slice, as jax describes them (no TPU needed). A slice smaller than one host's 2x2
+    chips is described with its own shape as the host's bounds."""
+    try:
+        from jax.experimental import topologies
+    except ImportError:
+        raise UserError(f"compiling for a TPU needs jax and libtpu: {INSTALL}") from None
+    with _quiet_libtpu():
+        try:
+            shape = [int(side) for side in topology.split(":")[1].split("x")]
+            bounds = {"chips_per_host_bounds": (shape + [1, 1])[:3]} if shape[0] * shape[1] < 4 else {}
+            return list(topologies.get_topology_desc(topology_name=topology, platform="tpu", **bounds).devices)
+        except Exception as exc:  # noqa: BLE001 - libtpu's own refusal (an unknown generation or shape)
+            raise UserError(f"libtpu cannot describe {topology}: {' '.join(str(exc).split())[:200]} (TPU7x needs a "
+                            "newer libtpu than torch_xla 2.9's jax pins)") from None
+
+
+def compile_program(proto: bytes, devices: list) -> Compiled:
+    """Compile torch_xla's HloModuleProto for `devices` (one slice), SPMD-partitioned over all of them."""
+    import jaxlib._jax as jaxlib_client
+    import numpy as np
+    from jax._src.lib import xla_client
+    from jaxlib._jax import mlir
+
+    options = xla_client.CompileOptions()
+    build = options.executable_build_options
+    build.num_replicas, build.num_partitions = 1, len(devices)
+    build.use_spmd_partitioning = True
+    build.allow_spmd_sharding_propagation_to_parameters = [True]
+    build.allow_spmd_sharding_propagation_to_output = [True]
+    build.device_assignment = xla_client.DeviceAssignment.create(np.array([[d.id for d in devices]]))
+    with _quiet_libtpu():
+        try:
+            executable = devices[0].client.compile(mlir.hlo_to_stablehlo(proto),
+                                                   jaxlib_client.DeviceList(tuple(devices)), options)
+        except Exception as exc:  # noqa: BLE001 - what the TPU compiler rejected, said in one line
+            raise CompileRejected(" ".join(str(exc).split())[:400]) from None
+    memory = executable.get_compiled_memory_stats()
+    cost = executable.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return Compiled(len(devices), memory.argument_size_in_bytes, memory.output_size_in_bytes,
+                    memory.alias_size_in_bytes, memory.temp_size_in_bytes, memory.generated_code_size_in_bytes,
+                    float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)),
+                    executable.hlo_modules()[0].to_string())
+
+
+class CompileRejected(UserError):
+    """The TPU compiler refused the program."""
+
+
+@contextlib.contextmanager
+def _quiet_libtpu():
+    """libtpu asks the environment (and the GCE metadata server) for the TPU it runs on: on a machine without
+    one, neutral answers keep it from warning and from waiting on the network."""
+    neutral = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0",
+               "TPU_STDERR_LOG_LEVEL": "3", "TPU_MIN_LOG_LEVEL": "3"}
+    added = {k: v for k, v in neutral.items() if k not in os.environ}
+    os.environ.update(added)
+    sys.stderr.flush()
+    saved = os.dup(2)  # libtpu writes its warnings to the C-level stderr, past Python's
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        for key in added:
+            os.environ.pop(key, None)

@@ -1,0 +1,91 @@
+"""What a user needs before renting a slice, from the TPU compiler's own numbers: memory per device against
+the chip's HBM, FLOPs and bytes, each collective, and a roofline lower bound of the step time.
+
+Memory. The compiled program's arguments (parameters, optimizer state, the batch), temporaries (activations,
+gradients, gathered parameters: the compiler's own peak of them) and code. torch_xla donates the buffers of
+tensors a step updates in place, so the outputs that replace them (`Trace.updated`) take no memory of their
+own; any other output does. What is not counted: the runtime's own reserve, and a second program (evaluation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xla_shard.aot.compiler import Compiled
+from xla_shard.aot.target import Target
+from xla_shard.aot.trace import Trace
+from xla_shard.planner.hardware import Accelerator
+from xla_shard.planner.hlo import collective_totals
+
+GiB = 2**30
+
+
+@dataclass
+class Report:
+    target: Target
+    trace: Trace
+    compiled: Compiled
+    device: Accelerator  # the chip's figures per device of the program
+
+    @property
+    def consumers(self) -> dict[str, int]:
+        """Bytes per device by what holds them, largest first."""
+        t, c = self.trace, self.compiled
+        other_args = max(0, c.argument_bytes - t.parameters - t.optimizer_state - t.batch)
+        parts = {"parameters": t.parameters, "optimizer state": t.optimizer_state, "batch": t.batch + other_args,
+                 "temporaries (activations, gradients, gathered parameters)": c.temp_bytes,
+                 "outputs not written in place": max(0, c.output_bytes - t.updated), "code": c.code_bytes}
+        return dict(sorted(parts.items(), key=lambda kv: -kv[1]))
+
+    @property
+    def needed(self) -> int:
+        return sum(self.consumers.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.needed <= self.device.hbm_bytes
+
+    @property
+    def collectives(self) -> dict[str, dict[str, int]]:
+        return {k: v for k, v in collective_totals(self.compiled.hlo_text).items() if v["count"]}
+
+    def roofline(self) -> dict[str, float]:
+        """Seconds per step if nothing but compute, HBM traffic or ICI traffic bounded it (each alone, perfectly
+        overlapped): the largest is a lower bound of the step time, and the MFU it allows is a ceiling."""
+        d, c = self.device, self.compiled
+        ici = sum(v["bytes"] for v in self.collectives.values())
+        times = {"compute_s": c.flops / d.peak_flops, "hbm_s": c.bytes_accessed / d.hbm_bw,
+                 "ici_s": ici / d.fast_bw if ici else 0.0}
+        bound = max(times.values())
+        ceiling = self.trace.model_flops / (bound * d.peak_flops * c.devices) if bound else 0.0
+        return {**times, "lower_bound_s": bound, "mfu_ceiling": min(1.0, ceiling)}
+
+    def as_dict(self) -> dict:
+        return {"target": self.target.name, "topology": self.target.topology, "devices": self.compiled.devices,
+                "chips": self.target.chips, "plan": self.trace.plan, "hbm_bytes_per_device": self.device.hbm_bytes,
+                "needed_bytes_per_device": self.needed, "fits": self.fits, "consumers": self.consumers,
+                "argument_bytes": self.compiled.argument_bytes, "output_bytes": self.compiled.output_bytes,
+                "temp_bytes": self.compiled.temp_bytes, "code_bytes": self.compiled.code_bytes,
+                "flops_per_device": self.compiled.flops, "bytes_accessed_per_device": self.compiled.bytes_accessed,
+                "collectives": self.collectives, "roofline": self.roofline()}
+
+    def text(self) -> str:
+        c, d, roof = self.compiled, self.device, self.roofline()
+        lines = [f"{self.target.name} ({self.target.topology}: {self.target.chips} chips, {c.devices} devices), "
+                 f"{self.trace.plan}",
+                 f"memory per device: {_gib(self.needed)} of {_gib(d.hbm_bytes)} HBM: "
+                 + (f"fits, {_gib(d.hbm_bytes - self.needed)} to spare" if self.fits
+                    else f"does NOT fit, {_gib(self.needed - d.hbm_bytes)} over")]
+        lines += [f"  {name}: {_gib(size)}" for name, size in self.consumers.items()]
+        lines.append(f"compiler's cost analysis per device: {c.flops / 1e12:.3f} TFLOP, "
+                     f"{c.bytes_accessed / 1e9:.3f} GB accessed")
+        lines.append("collectives in the compiled TPU program (per device, results' bytes):")
+        lines += [f"  {kind}: {v['count']} ops, {v['bytes'] / 2**20:.1f} MiB" for kind, v in self.collectives.items()]
+        lines.append(f"roofline lower bound of the step (not a measurement): {roof['lower_bound_s'] * 1e3:.1f} ms "
+                     f"(compute {roof['compute_s'] * 1e3:.1f}, HBM {roof['hbm_s'] * 1e3:.1f}, ICI "
+                     f"{roof['ici_s'] * 1e3:.1f}); MFU at most {roof['mfu_ceiling']:.2f}")
+        return "\n".join(lines)
+
+
+def _gib(size: float) -> str:
+    return f"{size / GiB:.2f} GiB" if size >= GiB else f"{size / 2**20:.1f} MiB"

@@ -1,0 +1,99 @@
+"""The step `xla-shard train` runs for a config, traced by torch_xla on as many virtual CPU devices as the target
+slice has, and left unrun: its HloModuleProto is what the TPU compiler gets.
+
+It is the trainer's own step (`Trainer.step`: micro-batches, token weights, mixed precision, clipping, the
+optimizer, the backend's shardings for the plan), on the config's own data, with the model built from its
+config (`model.init: random`: no weights read). The optimizer's state is made as a resume makes it, so the
+traced program is the one every step after the first repeats; no step runs, so no activation is ever held in
+host memory (the parameters and optimizer state are, sharded over the virtual devices). Nothing is written.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+from xla_shard.config.schema import ShardConfig
+from xla_shard.errors import UserError
+
+
+@dataclass
+class Trace:
+    proto: bytes
+    devices: int
+    plan: str
+    # Bytes per device of what the step takes as arguments, as the trace shards them.
+    parameters: int
+    optimizer_state: int
+    batch: int
+    updated: int  # of those, what the step writes back in place (trained parameters, optimizer state)
+    model_flops: float  # per step, all devices: PaLM's count, as the trainer's MFU
+
+
+def step_config(cfg: ShardConfig, devices: int, workdir: str) -> ShardConfig:
+    """The config as traced: xla_spmd on `devices` virtual devices, random init, nothing written but in
+    `workdir`, no evaluation."""
+    data = cfg.model_dump(mode="json", by_alias=True)
+    data.update(backend="xla_spmd", cpu_devices=devices, output_dir=workdir)
+    data["model"]["init"] = "random"
+    data["checkpoint"]["dir"] = None
+    data["train"].update(tensorboard=False, steps=max(2, cfg.train.steps or 2), epochs=None, eval_every=None)
+    return ShardConfig.model_validate(data)
+
+
+def trace(cfg: ShardConfig, devices: int) -> Trace:
+    from xla_shard.train import Trainer
+
+    _claim_devices(devices)
+    with tempfile.TemporaryDirectory(prefix="xla_shard_compile_") as workdir:
+        trainer = Trainer(step_config(cfg, devices, workdir)).setup()
+        backend = trainer.backend
+        _optimizer_state(trainer)
+        batch = sum(t.numel() * t.element_size() for rows in trainer.micro_batches(1) for t in rows.values())
+        params = list(trainer.model.parameters())
+        trained = [p for p in params if p.requires_grad]
+        states = [v for s in trainer.optimizer.state.values() for v in s.values()
+                  if isinstance(v, torch.Tensor) and v.device.type == "xla"]
+        proto = backend.traced_program(lambda: trainer.step(1), lambda: [*trained, *states])
+        local = backend.local_bytes
+        tokens = cfg.train.global_batch_size * cfg.train.seq_len
+        return Trace(proto, backend.num_devices, str(backend.plan), sum(local(params)), sum(local(states)),
+                     batch // backend.num_devices, sum(local(trained)) + sum(local(states)),
+                     trainer.flops_per_token * tokens)
+
+
+def _optimizer_state(trainer) -> None:
+    """The optimizer's state, made as a resume makes it (zeros laid out as the backend shards them), so that the
+    traced step is the one every step after the first repeats, without running one (which would hold the
+    activations in host memory). Which state the optimizer keeps is learnt from one step on a 2-element tensor."""
+    optimizer = trainer.optimizer
+    probe = torch.nn.Parameter(torch.zeros(2))
+    probe.grad = torch.zeros(2)
+    defaults = {k: v for k, v in optimizer.defaults.items() if k not in ("differentiable", "fused")}
+    replica = type(optimizer)([probe], **defaults)
+    replica.step()
+    kept = {key: value.dim() > 0 for key, value in replica.state[probe].items() if torch.is_tensor(value)}
+    state = trainer.backend.state
+    layers = state.layer_names(trainer.model)  # a stacked parameter (scan_layers) keeps state per layer
+    stored = {}
+    for name, param in state.named_parameters(trainer.model):
+        if not param.requires_grad:
+            continue
+        first, shape = (layers[name][0], tuple(param.shape[1:])) if name in layers else (name, tuple(param.shape))
+        for key, per_element in kept.items():
+            stored[f"optim/{first}/{key}"] = (shape if per_element else (), replica.state[probe][key].dtype)
+    state.tensors(trainer.model, optimizer, stored=stored)  # creates what is missing
+
+
+def _claim_devices(devices: int) -> None:
+    """XLA's CPU client takes its device count once per process, when torch_xla starts."""
+    import sys
+
+    have = os.environ.get("CPU_NUM_DEVICES")
+    if "torch_xla" in sys.modules and have and int(have) != devices:
+        raise UserError(f"this process's XLA runtime already has {have} devices; compiling for {devices} needs a "
+                        "fresh process")
+    os.environ["PJRT_DEVICE"], os.environ["CPU_NUM_DEVICES"] = "CPU", str(devices)
