@@ -81,6 +81,8 @@ class Report:
                      f"{c.bytes_accessed / 1e9:.3f} GB accessed")
         lines.append("collectives in the compiled TPU program (per device, results' bytes):")
         lines += [f"  {kind}: {v['count']} ops, {v['bytes'] / 2**20:.1f} MiB" for kind, v in self.collectives.items()]
+        if not self.collectives:
+            lines.append("  none (one device)")
         lines.append(f"roofline lower bound of the step (not a measurement): {roof['lower_bound_s'] * 1e3:.1f} ms "
                      f"(compute {roof['compute_s'] * 1e3:.1f}, HBM {roof['hbm_s'] * 1e3:.1f}, ICI "
                      f"{roof['ici_s'] * 1e3:.1f}); MFU at most {roof['mfu_ceiling']:.2f}")

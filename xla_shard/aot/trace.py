@@ -10,6 +10,7 @@ host memory (the parameters and optimizer state are, sharded over the virtual de
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -57,23 +58,34 @@ def trace(cfg: ShardConfig, devices: int) -> Trace:
         trained = [p for p in params if p.requires_grad]
         states = [v for s in trainer.optimizer.state.values() for v in s.values()
                   if isinstance(v, torch.Tensor) and v.device.type == "xla"]
+        # Measured before tracing, from the shardings (no data read: that would run the pending step).
+        sizes = [sum(_device_bytes(backend.state, t) for t in tensors) for tensors in (params, states, trained)]
         proto = backend.traced_program(lambda: trainer.step(1), lambda: [*trained, *states])
-        local = backend.local_bytes
         tokens = cfg.train.global_batch_size * cfg.train.seq_len
-        return Trace(proto, backend.num_devices, str(backend.plan), sum(local(params)), sum(local(states)),
-                     batch // backend.num_devices, sum(local(trained)) + sum(local(states)),
-                     trainer.flops_per_token * tokens)
+        return Trace(proto, backend.num_devices, str(backend.plan), sizes[0], sizes[1], batch // backend.num_devices,
+                     sizes[2] + sizes[1], trainer.flops_per_token * tokens)
+
+
+def _device_bytes(state, tensor: torch.Tensor) -> int:
+    """Bytes of `tensor` on one device: its largest shard (XLA pads uneven ones to it), or all of it where it
+    is not sharded (one device, a replicated plan)."""
+    import torch_xla
+
+    if not torch_xla._XLAC._get_xla_sharding_spec(tensor):
+        return tensor.numel() * tensor.element_size()
+    return max(math.prod(sizes) for _, sizes in state.local_boxes(tensor)) * tensor.element_size()
 
 
 def _optimizer_state(trainer) -> None:
     """The optimizer's state, made as a resume makes it (zeros laid out as the backend shards them), so that the
     traced step is the one every step after the first repeats, without running one (which would hold the
     activations in host memory). Which state the optimizer keeps is learnt from one step on a 2-element tensor."""
+    from xla_shard.train import make_optimizer
+
     optimizer = trainer.optimizer
     probe = torch.nn.Parameter(torch.zeros(2))
     probe.grad = torch.zeros(2)
-    defaults = {k: v for k, v in optimizer.defaults.items() if k not in ("differentiable", "fused")}
-    replica = type(optimizer)([probe], **defaults)
+    replica = make_optimizer([probe], trainer.cfg.train)  # the run's optimizer, as the trainer makes it
     replica.step()
     kept = {key: value.dim() > 0 for key, value in replica.state[probe].items() if torch.is_tensor(value)}
     state = trainer.backend.state
