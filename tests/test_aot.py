@@ -66,3 +66,4 @@ def test_a_step_that_does_not_fit_says_so_in_one_line_with_what_would_fit():
     errors = [line for line in done.stderr.splitlines() if line.startswith("xla-shard: error:")]
     assert done.returncode == 2 and len(errors) == 1, done.stderr[-3000:]
     assert "does NOT fit" in done.stdout and "it fits with fsdp.activation_checkpointing: true" in errors[0]
+    assert "the step needs" in errors[0] and "temporaries" in errors[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -68,7 +69,11 @@ def compile_program(proto: bytes, devices: list) -> Compiled:
             executable = devices[0].client.compile(mlir.hlo_to_stablehlo(proto),
                                                    jaxlib_client.DeviceList(tuple(devices)), options)
         except Exception as exc:  # noqa: BLE001 - what the TPU compiler rejected, said in one line
-            raise CompileRejected(" ".join(str(exc).split())[:400]) from None
+            text = " ".join(str(exc).split())
+            used = _OUT_OF_HBM.search(text)
+            if used:
+                raise OutOfHbm(_bytes(used.group(1)), _bytes(used.group(2)), _temporaries(text)) from None
+            raise CompileRejected(text[:400]) from None
     memory = executable.get_compiled_memory_stats()
     cost = executable.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -80,6 +85,30 @@ def compile_program(proto: bytes, devices: list) -> Compiled:
 
 class CompileRejected(UserError):
     """The TPU compiler refused the program."""
+
+
+class OutOfHbm(CompileRejected):
+    """The TPU compiler's own verdict that the program does not fit: `used` bytes of the `capacity` a device
+    leaves a program (its HBM less the runtime's reserve)."""
+
+    def __init__(self, used: int, capacity: int, temporaries: int | None):
+        self.used, self.capacity, self.temporaries = used, capacity, temporaries
+        super().__init__(f"the TPU compiler ran out of HBM: {used / 2**30:.2f} GiB used of {capacity / 2**30:.2f}")
+
+
+_OUT_OF_HBM = re.compile(r"Ran out of memory in memory space hbm\. Used ([0-9.]+[KMGT]?) of ([0-9.]+[KMGT]?) hbm")
+_TEMP = re.compile(r"HLO temp ([0-9.]+[KMGT]?)")
+
+
+def _bytes(text: str) -> int:
+    """XLA's human-readable sizes (binary units: 24.66G is GiB)."""
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(text[-1], 1)
+    return int(float(text.rstrip("KMGT")) * scale)
+
+
+def _temporaries(text: str) -> int | None:
+    match = _TEMP.search(text)
+    return _bytes(match.group(1)) if match else None
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xla_shard.aot.compiler import Compiled
+from xla_shard.aot.compiler import Compiled, OutOfHbm
 from xla_shard.aot.target import Target
 from xla_shard.aot.trace import Trace
 from xla_shard.planner.hardware import Accelerator
@@ -40,6 +40,10 @@ class Report:
     @property
     def needed(self) -> int:
         return sum(self.consumers.values())
+
+    @property
+    def available(self) -> float:
+        return self.device.hbm_bytes
 
     @property
     def fits(self) -> bool:
@@ -91,3 +95,45 @@ class Report:
 
 def _gib(size: float) -> str:
     return f"{size / GiB:.2f} GiB" if size >= GiB else f"{size / 2**20:.1f} MiB"
+
+
+@dataclass
+class Refused:
+    """A step the TPU compiler refused for want of HBM: its verdict, with what the trace knows of the rest."""
+
+    target: Target
+    trace: Trace
+    verdict: OutOfHbm
+    device: Accelerator
+
+    fits = False
+
+    @property
+    def needed(self) -> int:
+        return self.verdict.used
+
+    @property
+    def available(self) -> float:
+        return self.verdict.capacity
+
+    @property
+    def consumers(self) -> dict[str, int]:
+        t = self.trace
+        parts = {"parameters": t.parameters, "optimizer state": t.optimizer_state, "batch": t.batch}
+        if self.verdict.temporaries is not None:
+            parts["temporaries (activations, gradients, gathered parameters)"] = self.verdict.temporaries
+        return dict(sorted(parts.items(), key=lambda kv: -kv[1]))
+
+    def as_dict(self) -> dict:
+        return {"target": self.target.name, "topology": self.target.topology, "chips": self.target.chips,
+                "plan": self.trace.plan, "hbm_bytes_per_device": self.verdict.capacity,
+                "needed_bytes_per_device": self.needed, "fits": False, "consumers": self.consumers,
+                "compiler": str(self.verdict)}
+
+    def text(self) -> str:
+        lines = [f"{self.target.name} ({self.target.topology}: {self.target.chips} chips), {self.trace.plan}",
+                 f"memory per device: does NOT fit: the TPU compiler needs {_gib(self.needed)} of the "
+                 f"{_gib(self.verdict.capacity)} a device leaves a program, "
+                 f"{_gib(self.needed - self.verdict.capacity)} over"]
+        lines += [f"  {name}: {_gib(size)}" for name, size in self.consumers.items()]
+        return "\n".join(lines)

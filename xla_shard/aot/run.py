@@ -9,17 +9,21 @@ import sys
 from collections.abc import Callable
 
 from xla_shard.aot import compiler, target, trace
-from xla_shard.aot.report import Report
+from xla_shard.aot.report import Refused, Report
 from xla_shard.config.schema import ShardConfig, ShardingStrategy
 from xla_shard.errors import UserError
 
 
-def compile_for(cfg: ShardConfig, slice_name: str) -> Report:
+def compile_for(cfg: ShardConfig, slice_name: str) -> Report | Refused:
     chosen = target.parse(slice_name)
     devices = compiler.topology_devices(chosen.topology)  # first: without the compiler, nothing else runs
     traced = trace.trace(cfg, len(devices))
-    compiled = compiler.compile_program(traced.proto, devices)
-    return Report(chosen, traced, compiled, chosen.per_device(len(devices)))
+    per_device = chosen.per_device(len(devices))
+    try:
+        compiled = compiler.compile_program(traced.proto, devices)
+    except compiler.OutOfHbm as verdict:
+        return Refused(chosen, traced, verdict, per_device)
+    return Report(chosen, traced, compiled, per_device)
 
 
 def remedies(cfg: ShardConfig) -> list[tuple[str, ShardConfig]]:
@@ -39,7 +43,7 @@ def remedies(cfg: ShardConfig) -> list[tuple[str, ShardConfig]]:
     return found
 
 
-def what_fits(cfg: ShardConfig, report: Report, bigger: Callable[[str], Report | None]) -> str | None:
+def what_fits(cfg: ShardConfig, report: Report | Refused, bigger: Callable[[str], Report | None]) -> str | None:
     """The first remedy whose compiled step fits (each compiled in this process), else the next slice size
     (compiled in a fresh process: the device count is set once per process); None if neither does."""
     for change, changed in remedies(cfg):
@@ -74,9 +78,9 @@ class _Summary:
         self.fits, self.needed = data["fits"], data["needed_bytes_per_device"]
 
 
-def refusal(report: Report, fix: str | None) -> UserError:
+def refusal(report: Report | Refused, fix: str | None) -> UserError:
     consumers = ", ".join(f"{name.split(' (')[0]} {size / 2**30:.2f}" for name, size in
                           list(report.consumers.items())[:3])
     return UserError(f"the step needs {report.needed / 2**30:.2f} GiB per device on {report.target.name}, which has "
-                     f"{report.device.hbm_bytes / 2**30:.2f} GiB (largest: {consumers} GiB); "
+                     f"{report.available / 2**30:.2f} GiB (largest: {consumers} GiB); "
                      + (f"it fits with {fix}" if fix else "nothing tried fits: more chips, a smaller batch, or LoRA"))
