@@ -28,7 +28,8 @@ def main() -> None:
     args = parser.parse_args()
     heads = max(1, args.hidden // 128)
     overrides = (f"{{hidden_size: {args.hidden}, intermediate_size: {args.hidden * 4}, num_hidden_layers: "
-                 f"{args.layers}, num_attention_heads: {heads}, num_key_value_heads: {heads}, vocab_size: 32000}}")
+                 f"{args.layers}, num_attention_heads: {heads}, num_key_value_heads: {heads}, vocab_size: 32000, "
+                 f"max_position_embeddings: {args.seq_len}}}")
     sets = ["model=small-llama", f"model.overrides={overrides}", f"train.seq_len={args.seq_len}",
             f"train.global_batch_size={args.batch}", "fsdp.mixed_precision=bf16"]
     command = [sys.executable, "-m", "xla_shard.cli", "compile", "--tpu", args.tpu, "--json",
