@@ -67,3 +67,12 @@ def test_a_step_that_does_not_fit_says_so_in_one_line_with_what_would_fit():
     assert done.returncode == 2 and len(errors) == 1, done.stderr[-3000:]
     assert "does NOT fit" in done.stdout and "it fits with fsdp.activation_checkpointing: true" in errors[0]
     assert "the step needs" in errors[0] and "temporaries" in errors[0]
+
+
+@pytest.mark.e2e
+def test_a_generation_this_libtpu_cannot_compile_is_one_line_before_anything_is_traced():
+    pytest.importorskip("jax")
+    done = run_cli("compile", "--tpu", "tpu7x-8", "--set", "model=small-llama")
+    errors = [line for line in done.stderr.splitlines() if line.startswith("xla-shard: error:")]
+    assert done.returncode == 2 and len(errors) == 1 and "TPU7x" in errors[0], done.stderr[-2000:]
+    assert "xla_spmd on" not in done.stderr  # refused before the trace
