@@ -223,13 +223,14 @@ def run_torchrun(nproc: int, argv: list[str], rendezvous: list[str] | None = Non
         codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
         if said:  # the others were stopped by the agent when the first failed
             raise UserError(said[0].read_text().strip()) from None
-        if lost:
+        crashed = sorted(set(codes) - {int(p.stem.split("-")[1]) for p in lost})
+        if lost and not crashed:  # every failure here a peer's loss: say it once
             print(f"xla-shard: error: {lost[0].read_text().strip()}", file=sys.stderr)
             return 1
         if all(code == PREEMPTED_EXIT for code in codes.values()):
             return PREEMPTED_EXIT
-        rank, code = min(codes.items())
-        print(f"xla-shard: worker {rank} failed (exit code {code}); its traceback is above", file=sys.stderr)
+        rank = crashed[0] if crashed else min(codes)
+        print(f"xla-shard: worker {rank} failed (exit code {codes[rank]}); its traceback is above", file=sys.stderr)
         return 1
     finally:
         shutil.rmtree(errors, ignore_errors=True)
@@ -244,6 +245,11 @@ def report_worker_error(message: str, kind: str = "rank") -> bool:
         return False
     Path(errors, f"{kind}-{int(os.environ.get('RANK', 0))}.txt").write_text(message)
     return True
+
+
+def several_nodes() -> bool:
+    """True in a worker of a multi-node torchrun run."""
+    return int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1
 
 
 def torchrun_worker() -> bool:

@@ -525,8 +525,11 @@ def run(cfg: ShardConfig) -> int:
         lost = trainer.backend.processes.lost_peer(error)
         if lost is None:
             raise
-        raise launch.PeerLost(f"another node's processes went away ({lost}); this node stops too: restart every "
-                              "node (checkpoint.resume: auto continues from the last committed checkpoint)") from None
+        if launch.several_nodes():
+            raise launch.PeerLost(f"another node's processes went away ({lost}); this node stops too: restart "
+                                  "every node (checkpoint.resume: auto continues from the last committed "
+                                  "checkpoint)") from None
+        raise launch.PeerLost(f"another worker of this run stopped ({lost}); this one stops too") from None
     finally:
         trainer.backend.shutdown()
     return launch.PREEMPTED_EXIT if trainer.preempted else 0

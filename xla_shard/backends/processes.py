@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from xla_shard import launch
 from xla_shard.errors import ConfigError, one_line
 
 
@@ -96,9 +97,10 @@ class GroupProcesses(Processes):
         return bool(value.item())
 
     def lost_peer(self, error: BaseException) -> str | None:
-        """A multi-node run (torchrun's GROUP_WORLD_SIZE nodes) whose collective failed because a peer closed
-        its connection or stopped answering (gloo says so in a RuntimeError, NCCL in a DistBackendError)."""
-        if int(os.environ.get("GROUP_WORLD_SIZE", "1")) < 2 or not isinstance(error, RuntimeError):
+        """A collective that failed because a peer closed its connection or stopped answering (gloo says so in
+        a RuntimeError, NCCL in a DistBackendError): another node's processes, or on one node a worker that
+        already stopped (one that met a user error, whose one line the launcher prints)."""
+        if self.count < 2 or not isinstance(error, RuntimeError):
             return None
         text = str(error)
         if not isinstance(error, dist.DistBackendError) and not any(
@@ -117,7 +119,7 @@ def meet_as_one_run(settings: dict[str, Any], timeout_s: float) -> None:
     two nodes started with the same launch.node_rank (the group would pair either), and nodes whose settings
     differ (a node told launch.nnodes=3 joins node 0's world of 2 and trains). Each worker counts itself in at
     its rank on torchrun's store, and checks its `settings` ({dotted key: value}) against rank 0's."""
-    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) < 2:
+    if not launch.several_nodes():  # one node: nothing to disagree with
         return
     rank, group_rank = int(os.environ["RANK"]), int(os.environ.get("GROUP_RANK", "0"))
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,

@@ -137,7 +137,7 @@ class TorchFsdpBackend(Backend):
             try:
                 dist.init_process_group(profile.process_group, timeout=timedelta(seconds=self.cfg.launch.timeout_s))
             except dist.DistError as exc:
-                if int(os.environ.get("GROUP_WORLD_SIZE", "1")) < 2:
+                if not launch.several_nodes():
                     raise
                 node = os.environ.get("GROUP_RANK", "?")
                 raise launch.PeerLost(f"node {node}: the nodes' processes did not all form one group within "
