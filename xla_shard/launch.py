@@ -74,7 +74,6 @@ class Nodes:
                 f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.rdzv_id}",
                 f"--rdzv-conf=timeout={math.ceil(self.timeout_s)}", "--max-restarts=0"]
 
-
     def explain_failure(self, exc: BaseException) -> None:
         """Raise the one line that says why the nodes did not meet, for torch's rendezvous errors (any other
         returns): a port in use is the user's to change (exit 2); a node that never came is not (exit 1)."""

@@ -229,7 +229,8 @@ class Trainer:
         if recorded is None:
             self._log(f"the step-{self.start_step} checkpoint records no identity of its base (written by an older "
                       f"xla_shard): {weights.source.directory} is taken as that base unchecked")
-            self.checkpointer.base = weights.identity()
+            if self.backend.processes.is_main:  # the one process that writes manifests
+                self.checkpointer.base = weights.identity()
             return
         differs = hf_dir.identity_mismatch(recorded["files"], weights.storage, weights.manifest)
         if differs:

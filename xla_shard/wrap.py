@@ -104,13 +104,17 @@ def scanned_stacks(model: nn.Module, fsdp: FsdpSection) -> list[tuple[str, nn.Mo
 
 
 def check_scannable(model: nn.Module, fsdp: FsdpSection) -> None:
-    """fsdp.scan_layers runs the layers through torch_xla's scan, whose backward cannot carry dropout inside a
-    layer (it writes a float into the boolean mask dropout keeps: "PRED vs F32" at step 1); refused up front,
-    naming the model's dropout settings that turn it off."""
+    """What `config check` can tell of fsdp.scan_layers on the meta device: the layer it would scan runs no
+    dropout (`refuse_dropout`). A model with no single stack is refused by the scan itself, naming what it found."""
     stacks = scanned_stacks(model, fsdp)
-    if len(stacks) != 1:
-        return  # scan refuses it itself, naming what it found
-    layer = stacks[0][1][0]
+    if len(stacks) == 1:
+        refuse_dropout(model, stacks[0][1][0])
+
+
+def refuse_dropout(model: nn.Module, layer: nn.Module) -> None:
+    """torch_xla's scan cannot carry dropout inside a scanned layer through its backward (it writes a float into
+    the boolean mask dropout keeps: "PRED vs F32" at step 1): refused, naming the model's dropout settings that
+    turn it off."""
     active = [f"{name or type(layer).__name__} ({module.p:g})" for name, module in layer.named_modules()
               if isinstance(module, nn.Dropout) and module.p > 0]
     active += [f"{name}.{key} ({value:g})" if name else f"{key} ({value:g})" for name, module in layer.named_modules()

@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from xla_shard.backends.xla_common import absl_quiet
 from xla_shard.config.schema import FsdpSection
 from xla_shard.errors import ConfigError
-from xla_shard.wrap import check_scannable, layer_classes, scanned_stacks
+from xla_shard.wrap import layer_classes, refuse_dropout, scanned_stacks
 
 KEY = "fsdp.scan_layers"
 _PER_LAYER = {"layer_idx"}  # attributes that differ between otherwise identical layers and only index a cache
@@ -52,14 +52,14 @@ def check_available() -> None:
 def scan_stack(model: nn.Module, fsdp: FsdpSection, checkpoint: bool) -> int:
     """Replace the model's decoder stack by a `ScannedLayers` holding the same modules; the layer count.
     Refuses a model whose layers are not one repeated layer."""
-    check_scannable(model, fsdp)
-    classes = layer_classes(model, fsdp.transformer_layer_cls_to_wrap)
     stacks = scanned_stacks(model, fsdp)
     if len(stacks) != 1:
         found = ", ".join(name for name, _ in stacks) or "none"
+        classes = layer_classes(model, fsdp.transformer_layer_cls_to_wrap)
         raise ConfigError(KEY, f"{type(model).__name__} needs exactly one list of its {classes[0].__name__} layers to "
                                f"scan (found: {found}); set it to false")
     name, stack = stacks[0]
+    refuse_dropout(model, stack[0])
     difference = _first_difference(list(stack))
     if difference:
         raise ConfigError(KEY, f"the layers of {type(model).__name__}.{name} are not one repeated layer "

@@ -9,6 +9,7 @@ each header is checked against the schema every checkpoint passes (`checkpoint.s
 
 from __future__ import annotations
 
+import hashlib
 import struct
 
 from xla_shard.checkpoint import layout, schema
@@ -100,8 +101,6 @@ def identity(storage: Storage, manifest: Manifest | None = None) -> dict[str, st
     every load of a 70B base: each tensor's name, dtype and shape, and its bytes whole below three windows,
     else its first, middle and last IDENTITY_WINDOW bytes (about 35 MB read for a 70B Llama). Another model of
     the same shapes differs in every window; a file edited only between windows is not told apart."""
-    import hashlib
-
     manifest = manifest or read_manifest(storage)
     spans: dict[str, list[tuple[str, int, int]]] = {}
     for name, meta in sorted(manifest.tensors.items()):

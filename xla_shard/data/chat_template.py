@@ -37,7 +37,6 @@ class _Budget:
     deadline: float
     chars_left: int
     cut: bool  # stop the output at the limit (True) or refuse it (False)
-    was_cut: bool = False
 
     def check_time(self) -> None:
         if time.monotonic() > self.deadline:
@@ -79,7 +78,7 @@ def marks_generation(template: str) -> bool:
 @contextlib.contextmanager
 def budget(template: str, max_chars: int, cut: bool):
     """Render `template` (through transformers) within RENDER_SECONDS and `max_chars` characters: past the
-    limit the output stops there (`cut`) or `OverBudget` is raised. Yields the budget (`was_cut`)."""
+    limit the output stops there (`cut`) or `OverBudget` is raised."""
     _guard(template)
     state = _Budget(time.monotonic() + RENDER_SECONDS, max_chars, cut)
     token = _BUDGET.set(state)
@@ -91,7 +90,7 @@ def budget(template: str, max_chars: int, cut: bool):
         previous = signal.signal(signal.SIGALRM, expire)
         signal.setitimer(signal.ITIMER_REAL, RENDER_SECONDS)
     try:
-        yield state
+        yield
     finally:
         if timer:
             signal.setitimer(signal.ITIMER_REAL, 0)
@@ -118,7 +117,6 @@ def _guard(template: str) -> None:
                 if len(part) > state.chars_left:
                     if not state.cut:
                         raise OverBudget("writes more than its limit of characters")
-                    state.was_cut = True
                     yield part[:state.chars_left]
                     return
                 state.chars_left -= len(part)

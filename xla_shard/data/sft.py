@@ -209,9 +209,6 @@ class _ChatEncoder(_Renderer):
 
 
 class _PromptCompletionEncoder(_Renderer):
-    def __init__(self, tokenizer, fields: SftFields, path: str, seq_len: int):
-        super().__init__(tokenizer, fields, path, seq_len)
-
     def __call__(self, row, index: int) -> tuple[list[int], list[int]]:
         prompt, completion = row[self.fields.prompt], row[self.fields.completion]
         if isinstance(prompt, str) and isinstance(completion, str):

@@ -16,6 +16,11 @@ _OP = re.compile(r"= \(?([a-z0-9]+)\[([0-9,]*)\][^ ]* (all-gather|all-reduce|red
                  r".*?replica_groups=(\{\{[0-9,{} ]*\}\}|\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?)")
 
 
+def _tensor_bytes(dtype: str, dims: str) -> int:
+    """Bytes of an HLO shape `dtype[dims]` (dims as written: `4,256`, or empty for a scalar)."""
+    return math.prod(int(d) for d in dims.split(",") if d) * _BYTES.get(dtype, 4)
+
+
 def collectives(hlo_text: str) -> dict[tuple[str, int, int], dict[str, int]]:
     """{(op, group size, stride): {"count", "bytes"}}; bytes of each op's result (the whole gathered or reduced
     tensor for all-gather and all-reduce, one shard for reduce-scatter). The stride is the distance between
@@ -23,12 +28,11 @@ def collectives(hlo_text: str) -> dict[tuple[str, int, int], dict[str, int]]:
     totals: dict[tuple[str, int, int], dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
     for match in _OP.finditer(hlo_text):
         dtype, dims, op, groups = match.groups()
-        elements = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
         first = sorted(_first_group(groups))
         size, stride = len(first), (first[1] - first[0] if len(first) > 1 else 1)
         entry = totals[(op, size, stride)]
         entry["count"] += 1
-        entry["bytes"] += elements * _BYTES.get(dtype, 4)
+        entry["bytes"] += _tensor_bytes(dtype, dims)
     return dict(totals)
 
 
@@ -47,8 +51,7 @@ def collective_totals(hlo_text: str) -> dict[str, dict[str, int]]:
         if start and len(tensors) > 1:  # an async start's tuple holds its operands, then its results
             tensors = tensors[len(tensors) // 2:]
         totals[kind]["count"] += 1
-        totals[kind]["bytes"] += sum(math.prod(int(d) for d in dims.split(",") if d) * _BYTES.get(dtype, 4)
-                                     for dtype, dims in tensors)
+        totals[kind]["bytes"] += sum(_tensor_bytes(dtype, dims) for dtype, dims in tensors)
     return totals
 
 
