@@ -66,6 +66,43 @@ def runnable(backends: dict) -> dict:
     return {name: value for name, value in backends.items() if HAS_XLA or not needs_xla(name)}
 
 
+# The suite's budget (README, "Tests"): a unit test's call may take UNIT_LIMIT_S at most, or it belongs in the
+# end-to-end tier; tests/run.sh states each tier's minutes in XLA_SHARD_TIER_MINUTES, and a tier over them fails.
+UNIT_LIMIT_S = 5.0
+_TIER_MINUTES = "XLA_SHARD_TIER_MINUTES"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if (report.when == "call" and report.passed and report.duration > UNIT_LIMIT_S
+            and not item.get_closest_marker("e2e")):
+        report.outcome = "failed"
+        report.longrepr = (f"over the unit tier's budget: {report.duration:.1f} s > {UNIT_LIMIT_S:g} s (make it "
+                           "cheaper, or mark it e2e)")
+
+
+def pytest_sessionstart(session):
+    import time
+
+    session.config._xla_shard_started = time.monotonic()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import time
+
+    minutes = os.environ.get(_TIER_MINUTES)
+    took = (time.monotonic() - session.config._xla_shard_started) / 60
+    if minutes and took > float(minutes) and exitstatus == 0:
+        terminal = session.config.pluginmanager.get_plugin("terminalreporter")
+        terminal.write("\n")
+        terminal.write_line(
+            f"over budget: this tier took {took:.1f} min, its budget is {minutes} min ({_TIER_MINUTES}, tests/run.sh)",
+            red=True)
+        session.exitstatus = 1
+
+
 def pytest_collection_modifyitems(items):
     """A slow test is an end-to-end one, whether or not it says so: the unit tier stays fast. Without torch_xla
     (the base install, on the newest torch) the tests that need it skip."""

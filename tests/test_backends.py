@@ -12,7 +12,7 @@ from xla_shard import config
 from xla_shard.data import SyntheticSource
 from xla_shard.models import build_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.torch_version]
 
 TINY = ["model=tiny-llama", "train.seq_len=32", "train.global_batch_size=8", "train.seed=3"]
 BACKENDS = {

@@ -11,7 +11,7 @@ import torch
 
 from tests.conftest import REPO, start_cli
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.torch_version]
 
 CONFIG = "scripts/configs/tiny_llama_cpu.yaml"
 STEPS = 6

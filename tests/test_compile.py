@@ -8,6 +8,8 @@ import pytest
 from xla_shard import backends, config
 from xla_shard.errors import ConfigError
 
+pytestmark = pytest.mark.torch_version  # its subject depends on torch's version
+
 COMMON = ["backend=torch_fsdp", "cpu_devices=2", "train.steps=4", "train.max_grad_norm=0.5",
           "train.grad_accum_steps=2", "checkpoint.every_steps=2", "checkpoint.keep_last=2"]
 

@@ -10,7 +10,7 @@ import torch
 from conftest import run_cli, run_load_probe
 from model_dirs import assemble, stored_tensors
 
-pytestmark = [pytest.mark.cuda,
+pytestmark = [pytest.mark.torch_version, pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 

@@ -14,6 +14,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from xla_shard import config
 from xla_shard.data import build
 
+pytestmark = pytest.mark.torch_version  # its subject depends on torch's version
+
 TEXT = [f"data.path={FIXTURES / 'corpus.jsonl'}", "train.seq_len=32"]
 PAIRS = [f"data.path={FIXTURES / 'nli.csv'}", "data.text_fields=[premise, hypothesis]", "train.seq_len=32",
          "model.task=sequence_classification"]

@@ -13,6 +13,8 @@ from conftest import REPO, _env
 from xla_shard import config
 from xla_shard.errors import ConfigError
 
+pytestmark = pytest.mark.torch_version  # its subject depends on torch's version
+
 TIMEOUT_S = 10
 # What a node may take past launch.timeout_s to say so: start-up (imports, the config, the agent) and, for
 # node 0, a second wait while its workers form their group; measured 26-38 s on the 2-core machine.
@@ -42,7 +44,7 @@ def _ends(node: subprocess.Popen) -> tuple[int, str]:
 @pytest.mark.slow
 def test_every_start_up_failure_is_one_line_within_the_timeout():
     """All at once (each on its own port): a node 0 no one joins, a node 1 with no node 0, node 0 on a port in
-    use, a node 1 told nnodes=3, and a node 1 started twice (which of the two is refused is a race)."""
+    use, a node 1 told nnodes=3, and a node 1 started twice (which of the two trains is a race)."""
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
@@ -56,27 +58,28 @@ def test_every_start_up_failure_is_one_line_within_the_timeout():
         "disagree-1": _node(disagree, 1, "launch.nnodes=3"),
         "duplicate-0": _node(duplicate, 0),
         "duplicate-1": _node(duplicate, 1),
+        "duplicate-1-again": _node(duplicate, 1),
     }
-    time.sleep(3)
-    nodes["duplicate-1-again"] = _node(duplicate, 1)
     ended = {name: _ends(node) for name, node in nodes.items()}
     took = time.monotonic() - started
     busy.close()
-    twins = ("duplicate-1", "duplicate-1-again")  # whichever counts itself in second is refused
-    refused = [name for name in twins if ended[name][0] == 2]
-    assert len(refused) == 1, {name: ended[name] for name in twins}
+    twins = ("duplicate-1", "duplicate-1-again")
+    trained = [name for name in twins if ended[name][0] == 0]
+    assert len(trained) == 1, {name: ended[name] for name in twins}  # one pair meets and trains
+    late = next(name for name in twins if name not in trained)
     for name, (_, lines) in ended.items():
-        if name in ("duplicate-0", *twins) and name not in refused:  # the pair that met trains
-            continue
-        assert len(lines) == 1, (name, lines)
+        if name not in ("duplicate-0", *trained):
+            assert len(lines) == 1, (name, lines)
     assert ended["alone-0"][0] == 1 and "not every node joined" in ended["alone-0"][1][0]
     assert ended["alone-1"][0] == 1 and "node 1: node 0 did not serve" in ended["alone-1"][1][0]
     assert ended["port-in-use"][0] == 2 and "launch.rdzv_endpoint" in ended["port-in-use"][1][0]
     assert ended["disagree-1"][0] == 2 and "'launch.nnodes': is 3 on node 1 but 2" in ended["disagree-1"][1][0]
     assert ended["disagree-0"][0] == 1 and "node 0" in ended["disagree-0"][1][0]
-    assert "launch.node_rank" in ended[refused[0]][1][0]
-    trained = next(name for name in twins if name not in refused)
-    assert {ended["duplicate-0"][0], ended[trained][0]} == {0}
+    assert ended["duplicate-0"][0] == 0
+    # The other twin counts itself in second and is refused; on a loaded machine it may come only after the
+    # pair's run ended, and then it says node 0 went away.
+    assert (ended[late][0] == 2 and "launch.node_rank" in ended[late][1][0]) or (
+        ended[late][0] == 1 and "node 1:" in ended[late][1][0]), ended[late]
     assert took < 2 * (TIMEOUT_S + GRACE_S)  # seven launchers on two cores; each alone stays inside one bound
 
 

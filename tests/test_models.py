@@ -12,6 +12,8 @@ from xla_shard import config
 from xla_shard.errors import ConfigError
 from xla_shard.models import build_model
 
+pytestmark = pytest.mark.torch_version  # its subject depends on torch's version
+
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2", "tiny-bert"])
 def test_eager_and_sdpa_agree_and_the_choice_is_kept(preset):

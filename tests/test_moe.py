@@ -17,6 +17,8 @@ from xla_shard.data import build
 from xla_shard.errors import ConfigError
 from xla_shard.pretrained import build_for
 
+pytestmark = pytest.mark.torch_version  # its subject depends on torch's version
+
 BACKENDS = {
     "xla_spmd": (["backend=xla_spmd", "cpu_devices=4"], 0),
     "xla_fsdp": (["backend=xla_fsdp", "cpu_devices=1"], 0),

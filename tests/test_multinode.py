@@ -16,6 +16,8 @@ from conftest import FIXTURES, REPO, _env, run_cli
 from xla_shard import backends, config, launch
 from xla_shard.errors import ConfigError
 
+pytestmark = pytest.mark.torch_version  # its subject depends on torch's version
+
 
 
 def _free_port() -> int:
@@ -120,7 +122,7 @@ def test_several_nodes_need_each_nodes_rank_and_the_rendezvous():
     args = launch.Nodes(3, 2, "10.0.0.1:29400", "job", 90.5).torchrun_args()
     assert {"--nnodes=3", "--node-rank=2", "--rdzv-endpoint=10.0.0.1:29400", "--rdzv-id=job",
             "--rdzv-conf=timeout=91", "--max-restarts=0"} <= set(args)
-    assert launch.pick("torchrun", argv=[], nproc=2, nodes=launch.Nodes(1, None, None)).nodes is None
+    assert launch.pick("torchrun", nproc=2, nodes=launch.Nodes(1, None, None)).nodes is None
 
 
 @pytest.mark.parametrize("sets", [["launch.node_rank=0"], ["launch.rdzv_endpoint=host:29400"]])

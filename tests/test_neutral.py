@@ -10,6 +10,8 @@ import pytest
 
 from tests.conftest import HAS_XLA, WORKERS, _env
 
+pytestmark = pytest.mark.torch_version  # its subject depends on torch's version
+
 # With torch_xla importable, transformers itself moves a Trainer onto the XLA device (and its fused AdamW
 # refuses XLA tensors); USE_TORCH_XLA=0 is the opt-out the README gives. xla_shard's own part then is to tell
 # torch_xla which PJRT device it is on, before transformers imports it: those two variables, nothing else.

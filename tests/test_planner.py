@@ -16,6 +16,8 @@ from xla_shard.planner import Triple, Workload, accelerator, candidates, estimat
 from xla_shard.planner import memory as planner_memory
 from xla_shard.planner.settle import auto, settle
 
+pytestmark = pytest.mark.torch_version  # its subject depends on torch's version
+
 PSI = 1_000_000
 
 

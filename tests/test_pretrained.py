@@ -19,6 +19,8 @@ from xla_shard.data import build as build_data
 from xla_shard.errors import ConfigError
 from xla_shard.train import preflight
 
+pytestmark = pytest.mark.torch_version  # its subject depends on torch's version
+
 BACKENDS = {  # the three backends at the sizes that run on a CPU
     "xla_spmd": (["backend=xla_spmd", "cpu_devices=4"], 0),
     "xla_fsdp": (["backend=xla_fsdp", "cpu_devices=1"], 0),

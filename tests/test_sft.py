@@ -17,6 +17,8 @@ from xla_shard.data.tokenize import IGNORE
 from xla_shard.errors import ConfigError
 from xla_shard.models import model_config, resolve_source
 
+pytestmark = pytest.mark.torch_version  # its subject depends on torch's version
+
 CHAT = FIXTURES / "chat.jsonl"
 PROMPTS = FIXTURES / "prompt_completion.jsonl"
 BACKENDS = {

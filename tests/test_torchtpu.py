@@ -13,6 +13,8 @@ from xla_shard.backends import fsdp2_devices
 from xla_shard.errors import ConfigError
 from xla_shard.io.device import on_tpu
 
+pytestmark = pytest.mark.torch_version  # its subject depends on torch's version
+
 
 def test_off_a_tpu_torch_tpu_refuses_to_start_naming_backend():
     if on_tpu():

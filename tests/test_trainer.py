@@ -17,6 +17,8 @@ from xla_shard.planner.settle import settle
 from xla_shard.models import build_model
 from xla_shard.schedule import lr_factor
 
+pytestmark = pytest.mark.torch_version  # its subject depends on torch's version
+
 BACKENDS = {
     "xla_spmd": (["backend=xla_spmd", "cpu_devices=4"], []),
     "xla_fsdp": (["backend=xla_fsdp", "cpu_devices=1"], []),

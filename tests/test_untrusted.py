@@ -488,6 +488,7 @@ def test_export_to_a_bucket_writes_there_and_loads(tmp_path, capsys, checkpoint,
 # ---- 6. a user error in a worker is one line and exit 2 ------------------------------------------------
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.torch_version  # torchrun's and xmp.spawn's ends
 @pytest.mark.parametrize("sets", [["backend=torch_fsdp", "cpu_devices=2"],   # torchrun, 2 workers
                                   pytest.param(["backend=xla_fsdp", "cpu_devices=1"], marks=pytest.mark.xla)])
 def test_a_worker_error_under_each_launcher_is_one_line_and_exit_2(tmp_path, checkpoint, sets):

@@ -28,6 +28,8 @@ class Capabilities:
     launcher: LauncherKind
     # Where it runs: "tpu", "cuda", "cpu" (the CPU path is how CI tests it).
     platforms: tuple[str, ...] = ("cpu",)
+    # Whether it runs on torch_xla (the others tell transformers not to import it: `device.declare_runtime`).
+    torch_xla: bool = False
     # What a run's device count counts, in messages ("devices", "torchrun processes", "replicas").
     unit: str = "devices"
     # Named strategies it cannot run, each with the reason and what to use instead.

@@ -307,10 +307,10 @@ def _ckpt_export(args) -> int:
 
 
 def _config_check(args) -> int:
+    cfg = cfglib.load(args.config, args.set)  # a mistake in it is said before torch and transformers load
     from xla_shard import backends
     from xla_shard.train import preflight
 
-    cfg = cfglib.load(args.config, args.set)
     backend = backends.create(cfg)  # the backend's own checks, without starting it
     backends.check_devices(backend)  # ... and the plan against the devices it will have, where known already
     preflight(cfg, backend.capabilities)
@@ -338,18 +338,21 @@ def _config_import(args) -> int:
 
 
 def _train(args) -> int:
-    from xla_shard import backends, train
-
     cfg, kind, notes = cfglib.load_with_notes(args.config, args.set)
+    from xla_shard import backends
+
     if notes and not launch.torchrun_worker():  # said once, by the launcher
         print(f"xla-shard: {args.config} imported from {kind} ({len(notes)} note(s); `xla-shard config import "
               f"{args.config}` lists them)", file=sys.stderr)
     backend = backends.create(cfg)  # refuses what this backend cannot honour, before anything starts
+    device.declare_runtime(backend.capabilities.torch_xla)  # before transformers loads
+    from xla_shard import train
+
     launch.refuse_nproc_flag(backend.capabilities.launcher, args.nproc_per_node, backend.name)
     devices = backends.check_devices(backend, args.nproc_per_node)
     backend.check_runtime()
     nodes = cfg.launch
-    launcher = launch.pick(backend.capabilities.launcher, argv=args.argv,
+    launcher = launch.pick(backend.capabilities.launcher, settled=cfglib.dump(cfg),
                            nproc=devices // nodes.nnodes if devices else devices, prepare=backend.configure,
                            nodes=launch.Nodes(nodes.nnodes, nodes.node_rank, nodes.rdzv_endpoint, nodes.rdzv_id,
                                               nodes.timeout_s))
@@ -359,26 +362,8 @@ def _train(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     device.declare_xla_device()
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = _parser().parse_args(argv)
-    args.argv = argv  # launchers that start this command again in other processes (torchrun) pass it on
-    try:
-        return args.func(args)
-    except UserError as exc:
-        line = redact(one_line(exc))
-        if not launch.report_worker_error(line):  # a torchrun worker's launcher prints it, once
-            print(f"xla-shard: error: {line}", file=sys.stderr)
-        return launch.USER_ERROR_EXIT
-    except launch.PeerLost as exc:  # not the user's mistake, and a restart helps: exit 1, in one line
-        line = redact(one_line(exc))
-        if not launch.report_worker_error(line, kind="lost"):
-            print(f"xla-shard: error: {line}", file=sys.stderr)
-        return 1
-    except Exception:  # a bug: keep the traceback, but never print a credential it may hold
-        import traceback
-
-        print(redact(traceback.format_exc()), end="", file=sys.stderr)
-        return 1
+    args = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    return launch.exit_status(functools.partial(args.func, args))
 
 
 if __name__ == "__main__":

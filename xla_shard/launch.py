@@ -100,23 +100,24 @@ class Nodes:
 
 @dataclass(frozen=True)
 class Torchrun:
-    """torchrun with `nproc` workers on this node, each running the same command (`argv`) again; in a worker
-    (this command run by torchrun) the entry point itself, dying with torchrun. One node: `--standalone`;
-    several (`nodes`): every node runs `xla-shard train` with its `launch.node_rank`, meeting at node 0's
-    static rendezvous (`Nodes`)."""
+    """torchrun with `nproc` workers on this node, each a `python -m xla_shard.worker` that trains the run this
+    launcher settled (`settled`: the resolved config, as YAML), so the workers never repeat the launcher's
+    checks. Under a torchrun someone else started (the command is itself a worker), the entry point runs
+    here, dying with torchrun. One node: `--standalone`; several (`nodes`): every node runs `xla-shard train`
+    with its `launch.node_rank`, meeting at node 0's static rendezvous (`Nodes`)."""
 
     nproc: int
-    argv: list[str]
+    settled: str
     nodes: Nodes | None = None
 
     def start(self, entry: Entry) -> int:
         if torchrun_worker():
             as_torchrun_worker()
-            exit_without_finalizing(entry() or 0)
+            exit_without_finalizing(exit_status(entry))
         if self.nodes is None:
-            return run_torchrun(self.nproc, self.argv, ["--standalone"])
+            return run_torchrun(self.nproc, self.settled, ["--standalone"])
         try:
-            return run_torchrun(self.nproc, self.argv, self.nodes.torchrun_args())
+            return run_torchrun(self.nproc, self.settled, self.nodes.torchrun_args())
         except Exception as exc:
             self.nodes.explain_failure(exc)
             raise
@@ -145,14 +146,15 @@ def refuse_nproc_flag(kind: str, nproc_per_node: int | None, backend: str) -> No
                                 "one process per host (on a CPU, cpu_devices sets its devices)")
 
 
-def pick(kind: str, *, argv: list[str], nproc: int | None = None, nodes: Nodes | None = None,
+def pick(kind: str, *, settled: str = "", nproc: int | None = None, nodes: Nodes | None = None,
          prepare: Callable[[], None] = lambda: None) -> Launcher:
-    """The launcher a backend's capabilities name (`Capabilities.launcher`); `nproc`: the processes torchrun
-    starts on this node; `nodes`: this node's place in a multi-node run."""
+    """The launcher a backend's capabilities name (`Capabilities.launcher`); `settled`: the resolved config
+    (YAML) that processes it starts train; `nproc`: the processes torchrun starts on this node; `nodes`: this
+    node's place in a multi-node run."""
     if kind == "torchrun":
         if nproc is None:
             raise ValueError("torchrun needs its process count")
-        return Torchrun(nproc, argv, nodes if nodes and nodes.count > 1 else None)
+        return Torchrun(nproc, settled, nodes if nodes and nodes.count > 1 else None)
     if kind == "xmp_spawn":
         return XmpSpawn(prepare)
     return InProcess()
@@ -188,9 +190,10 @@ def exit_without_finalizing(status: int) -> None:
     os._exit(status)
 
 
-def run_torchrun(nproc: int, argv: list[str], rendezvous: list[str] | None = None) -> int:
-    """Run the same command under torchrun (`nproc` workers; `rendezvous`: its arguments saying how this node
-    meets the others, `--standalone` for one), its elastic agent in this process: the agent keeps this PID,
+def run_torchrun(nproc: int, settled: str, rendezvous: list[str] | None = None) -> int:
+    """Run `nproc` workers (`xla_shard.worker`) of the settled config under torchrun (`rendezvous`: its
+    arguments saying how this node meets the others, `--standalone` for one), its elastic agent in this
+    process: the agent keeps this PID,
     so a SIGTERM sent to the launcher reaches it and it forwards it to the workers. How the workers end
     decides the exit status: a user error in any worker is that worker's one line and exit 2 (each writes its
     line to a file the launcher reads; none prints it); a crash is exit 1 with the worker's own traceback
@@ -203,13 +206,15 @@ def run_torchrun(nproc: int, argv: list[str], rendezvous: list[str] | None = Non
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    errors = tempfile.mkdtemp(prefix="xla_shard_worker_errors_")
+    errors = tempfile.mkdtemp(prefix="xla_shard_run_")  # the settled config in, the workers' one lines out
+    settled_path = Path(errors, "settled.yaml")
+    settled_path.write_text(settled)
     os.environ[LAUNCHER_PID] = str(os.getpid())
     os.environ[WORKER_ERRORS] = errors
     # The agent logs each failed worker as an error with its own stack; what failed is said below, once.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    args = torchrun.parse_args([*(rendezvous or ["--standalone"]), f"--nproc-per-node={nproc}", "-m", "xla_shard.cli",
-                                *argv])
+    args = torchrun.parse_args([*(rendezvous or ["--standalone"]), f"--nproc-per-node={nproc}",
+                                "-m", "xla_shard.worker", str(settled_path)])
     try:
         torchrun.run(args)
         return 0
@@ -244,6 +249,31 @@ def report_worker_error(message: str, kind: str = "rank") -> bool:
         return False
     Path(errors, f"{kind}-{int(os.environ.get('RANK', 0))}.txt").write_text(message)
     return True
+
+
+def exit_status(entry: Entry) -> int:
+    """Run `entry` and map how it ends to the exit status: a user error is one line and USER_ERROR_EXIT (in a
+    torchrun worker handed to its launcher, which prints it once); a lost peer is one line and 1 (a restart
+    helps); a bug keeps its traceback (with credentials redacted) and is 1."""
+    from xla_shard.errors import one_line, redact
+
+    try:
+        return entry() or 0
+    except UserError as exc:
+        line = redact(one_line(exc))
+        if not report_worker_error(line):
+            print(f"xla-shard: error: {line}", file=sys.stderr)
+        return USER_ERROR_EXIT
+    except PeerLost as exc:
+        line = redact(one_line(exc))
+        if not report_worker_error(line, kind="lost"):
+            print(f"xla-shard: error: {line}", file=sys.stderr)
+        return 1
+    except Exception:
+        import traceback
+
+        print(redact(traceback.format_exc()), end="", file=sys.stderr)
+        return 1
 
 
 def several_nodes() -> bool:

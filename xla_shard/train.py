@@ -516,9 +516,10 @@ def evaluate(model, backend, source, cfg) -> dict[str, float]:
     return result
 
 
-def run(cfg: ShardConfig) -> int:
-    """Train `cfg` in this process (the entry point a launcher runs); the exit status for the CLI."""
-    trainer = Trainer(cfg)
+def run(cfg: ShardConfig, backend: Backend | None = None) -> int:
+    """Train `cfg` in this process (the entry point a launcher runs), on `backend` if given (created, not
+    started); the exit status for the CLI."""
+    trainer = Trainer(cfg, backend)
     try:
         trainer.setup().run()
         trainer.backend.processes.barrier()  # every process done (the writer's last commit too) before teardown

@@ -130,11 +130,11 @@ class TorchFsdpBackend(Backend):
         profile.import_runtime()
         self.device, self.device_kind = profile.select(int(os.environ.get("LOCAL_RANK", "0")))
         if not dist.is_initialized():
-            meet_as_one_run({**self.cfg.run_identity(), "launch.nnodes": self.cfg.launch.nnodes,
-                             "launch.nproc_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))},
-                            self.cfg.launch.timeout_s)
             # launch.timeout_s bounds every collective: a node that died stops the others after that long at most
             try:
+                meet_as_one_run({**self.cfg.run_identity(), "launch.nnodes": self.cfg.launch.nnodes,
+                                 "launch.nproc_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))},
+                                self.cfg.launch.timeout_s)  # node 0's store may be gone (its run over) by now
                 dist.init_process_group(profile.process_group, timeout=timedelta(seconds=self.cfg.launch.timeout_s))
             except dist.DistError as exc:
                 if not launch.several_nodes():

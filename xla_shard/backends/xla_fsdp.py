@@ -124,7 +124,7 @@ class FsdpV1State(BackendState):
 
 class XlaFsdpBackend(xla_common.XlaBackend):
     capabilities = Capabilities(
-        "xla_fsdp", launcher="xmp_spawn", platforms=("tpu", "cpu"), unit="replicas",
+        "xla_fsdp", launcher="xmp_spawn", platforms=("tpu", "cpu"), torch_xla=True, unit="replicas",
         offload_params=xla_common.XlaBackend.NO_OFFLOAD, xla_settings=None,
         strategies={ShardingStrategy.NO_SHARD: "is data parallelism; use backend xla_spmd with NO_SHARD, which runs "
                                                "it without FSDP",

@@ -176,7 +176,8 @@ class SpmdState(BackendState):
 
 class XlaSpmdBackend(xla_common.XlaBackend):
     capabilities = Capabilities(
-        "xla_spmd", launcher="in_process", platforms=("tpu", "cpu"), offload_params=xla_common.XlaBackend.NO_OFFLOAD,
+        "xla_spmd", launcher="in_process", platforms=("tpu", "cpu"), torch_xla=True,
+        offload_params=xla_common.XlaBackend.NO_OFFLOAD,
         strategies={ShardingStrategy.SHARD_GRAD_OP: _NOT_UNDER_SPMD,
                     ShardingStrategy.HYBRID_SHARD_ZERO2: _NOT_UNDER_SPMD},
         nonuniform_triple=None,  # per-tensor annotations: any nested triple

@@ -25,6 +25,15 @@ def declare_xla_device() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
+def declare_runtime(torch_xla: bool) -> None:
+    """Before transformers is imported, for a run whose backend does (`torch_xla`) or does not run on torch_xla:
+    accelerate and transformers import torch_xla wherever it is installed (~3 s a process, and a PJRT client
+    nobody uses); USE_TORCH_XLA=0 is their switch for a native torch run. The processes a launcher starts
+    inherit it."""
+    if not torch_xla:
+        os.environ.setdefault("USE_TORCH_XLA", "0")
+
+
 def tpu_chips() -> int:
     """This host's TPU chips, counted from their device files (asking a runtime would claim them)."""
     accel = list(Path("/dev").glob("accel[0-9]*"))
