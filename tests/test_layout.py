@@ -23,7 +23,8 @@ LAYERS = [
     ("loading and planning", ["xla_shard.pretrained", "xla_shard.planner"]),
     ("backends", ["xla_shard.backends"]),
     ("training", ["xla_shard.train"]),
-    ("front ends", ["xla_shard.cli", "xla_shard.worker", "xla_shard.deploy", "xla_shard.aot", "xla_shard.__main__", "xla_shard"]),
+    ("front ends", ["xla_shard.cli", "xla_shard.worker", "xla_shard.deploy", "xla_shard.aot", "xla_shard.__main__",
+                    "xla_shard"]),
 ]
 
 
