@@ -1,4 +1,4 @@
-"""The public API as the README shows it: its "Use from Python" program runs as written, and resumes."""
+"""The public API as the manual shows it: the program of docs/python.md runs as written, and resumes."""
 
 import re
 import subprocess
@@ -12,21 +12,21 @@ from tests.conftest import REPO, _env
 pytestmark = pytest.mark.slow
 
 
-def _readme_program() -> str:
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Use from Python", 1)[1].split("\n## ", 1)[0]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+def _manual_program() -> str:
+    """The program of docs/python.md (the README links it)."""
+    page = (REPO / "docs" / "python.md").read_text()
+    return re.search(r"```python\n(.*?)```", page, re.S).group(1)
 
 
 @pytest.mark.xla
 @pytest.mark.e2e
-def test_the_readme_program_trains_evaluates_and_resumes_exactly(tmp_path: Path, model_dirs):
-    """The README's own loop, with its model directory and data file: run whole in one directory; in another,
+def test_the_manual_program_trains_evaluates_and_resumes_exactly(tmp_path: Path, model_dirs):
+    """The manual's own loop, with its model directory and data file: run whole in one directory; in another,
     stopped after step 2 and run again. The resumed run continues at step 3 (extra state included) and prints
     the whole run's losses, learning rates, gradient norms and evaluations."""
     import shutil
 
-    program = _readme_program()
+    program = _manual_program()
     stop_after_two = program.replace("for step in range(start, train.steps):", "for step in range(start, 2):")
     assert stop_after_two != program
 
@@ -60,7 +60,7 @@ def test_the_readme_program_trains_evaluates_and_resumes_exactly(tmp_path: Path,
 @pytest.mark.xla
 @pytest.mark.e2e
 def test_restore_refuses_a_checkpoint_without_the_extra_state_it_asks_for(tmp_path: Path, model_dirs):
-    program = _readme_program().replace("for step in range(start, train.steps):", "for step in range(start, 1):")
+    program = _manual_program().replace("for step in range(start, train.steps):", "for step in range(start, 1):")
     without = program.replace('extra={"best": best})  # sharded', 'extra=None)  # sharded')
     assert without != program
     import shutil

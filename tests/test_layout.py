@@ -16,7 +16,7 @@ LAYERS = [
     ("ground", ["xla_shard.errors", "xla_shard.io", "xla_shard.hostmem", "xla_shard.launch"]),
     ("config", ["xla_shard.config"]),
     ("plan", ["xla_shard.plan", "xla_shard.capabilities", "xla_shard.planner.cost", "xla_shard.planner.hardware",
-              "xla_shard.planner.hlo", "xla_shard.planner.report", "xla_shard.schedule", "xla_shard.preemption",
+              "xla_shard.planner.hlo", "xla_shard.schedule", "xla_shard.preemption",
               "xla_shard.attention", "xla_shard.metrics"]),
     ("storage formats and data", ["xla_shard.checkpoint", "xla_shard.data"]),
     ("model", ["xla_shard.models", "xla_shard.wrap", "xla_shard.lora"]),
@@ -116,6 +116,16 @@ def test_each_backend_declares_one_frozen_capabilities_under_its_own_name(name):
         capabilities.scan_layers = None  # frozen
 
 
+def test_the_registry_and_the_schema_name_the_same_backends():
+    """The schema's names are what the config and the CLI's --backend choices accept; the registry runs them."""
+    from xla_shard.cli import _parser
+    from xla_shard.config.schema import Backend as BackendName
+
+    assert set(BACKENDS) == {b.value for b in BackendName} - {"auto"}
+    plan = next(a for a in _parser()._subparsers._group_actions[0].choices["plan"]._actions if a.dest == "backend")
+    assert set(plan.choices) == set(BACKENDS)
+
+
 def test_no_code_outside_a_backend_compares_a_backend_name():
     names = set(BACKENDS)
     found = []
@@ -123,11 +133,24 @@ def test_no_code_outside_a_backend_compares_a_backend_name():
         if module.startswith("xla_shard.backends.") and module != "xla_shard.backends.base":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Compare):
-                operands = [node.left, *node.comparators]
-                if any(isinstance(o, ast.Constant) and o.value in names for o in operands):
-                    found.append(f"{module}:{node.lineno}")
+            if isinstance(node, ast.Compare) and _names_a_backend([node.left, *node.comparators], names):
+                found.append(f"{module}:{node.lineno}")
     assert not found, found
+
+
+def _names_a_backend(operands: list[ast.expr], names: set[str]) -> bool:
+    """An operand that is a backend's name, or a tuple, list or set holding one (`name in ("a", "b")`)."""
+    for operand in operands:
+        items = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+        if any(isinstance(item, ast.Constant) and item.value in names for item in items):
+            return True
+    return False
+
+
+def test_the_name_check_looks_inside_tuples():
+    compare = ast.parse('backend not in ("auto", "torch_fsdp")').body[0].value
+    assert _names_a_backend([compare.left, *compare.comparators], set(BACKENDS))
+    assert not _names_a_backend([compare.left], set(BACKENDS))
 
 
 def test_the_backend_interface_stays_small_and_its_parts_are_objects_of_their_own():

@@ -1,5 +1,5 @@
 """The sharding plan and what each backend can run: data on the backend classes, checked by the base class,
-and the README's table checked against that data."""
+and the strategy table of docs/backends.md checked against that data."""
 
 import re
 from pathlib import Path
@@ -11,12 +11,12 @@ from xla_shard.backends import BACKENDS
 from xla_shard.config.schema import ShardingStrategy
 from xla_shard.errors import ConfigError
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+STRATEGY_PAGE = Path(__file__).resolve().parent.parent / "docs" / "backends.md"
 
 
 def _readme_table() -> dict[str, dict[str, str]]:
-    """strategy -> {backend: cell} from the README's "What each backend does with the strategy" table."""
-    section = README.read_text().split("### What each backend does with the strategy", 1)[1]
+    """strategy -> {backend: cell} from docs/backends.md's "What each backend does with the strategy" table."""
+    section = STRATEGY_PAGE.read_text().split("### What each backend does with the strategy", 1)[1]
     rows_text = section.strip().split("\n\n", 1)[0]  # the first table, up to its blank line
     lines = [line for line in rows_text.splitlines() if line.startswith("|")]
     header = [cell.strip().split()[0] for cell in lines[0].strip("|").split("|")]

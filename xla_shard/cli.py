@@ -13,6 +13,7 @@ import sys
 
 from xla_shard import config as cfglib
 from xla_shard import launch
+from xla_shard.config.schema import Backend as BackendName
 from xla_shard.deploy.render import TARGETS
 from xla_shard.errors import UserError, one_line, redact
 from xla_shard.io import device
@@ -83,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--hbm-gib", type=_positive, default=None, help="memory per device (default: the table's)")
     plan.add_argument("--efficiency", type=_positive, default=0.7,
                       help="fraction of peak FLOP/s the step's kernels reach when not waiting (default 0.7)")
-    plan.add_argument("--backend", choices=["xla_spmd", "xla_fsdp", "torch_fsdp"],
+    plan.add_argument("--backend", choices=[b.value for b in BackendName if b is not BackendName.AUTO],
                       help="rank for this backend (default: the config's; auto: torch_fsdp on GPUs, xla_spmd on TPUs)")
     plan.add_argument("--show", action="append", default=[], metavar="P/G/OS",
                       help="also print the fsdp: YAML of this row (as written in the table, e.g. 8(1)/64/64)")
@@ -155,18 +156,9 @@ def _plan(args) -> int:
     ranked = planner.plan(planner.workload(cfg, args.devices, backends.capabilities(backend)), args.devices, hardware,
                           hosts=args.hosts, slices=args.slices,
                           hbm_bytes=args.hbm_gib * 2**30 if args.hbm_gib else None, efficiency=args.efficiency)
-
-    def running(e: planner.Estimate) -> list[str]:
-        return backends.running(e.triple, args.devices, cfg)
-
-    def runs(e: planner.Estimate) -> bool:
-        return backend in running(e)
-
-    ordered = report.for_backend(ranked.ranked, runs)
-    best = next((e for e in ordered if e.fits and runs(e)), None)
-    asked = {str(e.triple): e for e in ordered}
+    view = report.BackendView(ranked, backend, lambda e: backends.running(e.triple, args.devices, cfg))
     for wanted in args.show:
-        if wanted not in asked:
+        if view.row(wanted) is None:
             raise UserError(f"--show {wanted}: no such row; write it as the table does (P/G/OS, or P(k)/G/OS)")
     train = cfg.train
     micro = train.global_batch_size // train.grad_accum_steps
@@ -174,40 +166,13 @@ def _plan(args) -> int:
         f"train.global_batch_size={train.global_batch_size} in {train.grad_accum_steps} micro-batch(es) of {micro} "
         f"rows does not split over {args.devices} devices: no row runs with this batch")
     if args.json:
-        print(json.dumps({"devices": args.devices, "accelerator": hardware.name, "fast_domain": ranked.domain,
-                          "backend": backend, "batch_splits": split is None,
-                          "best": ({"triple": str(best.triple), "yaml": report.sharding_yaml(best.triple)}
-                                   if best else None),
-                          "candidates": [dict(e.as_dict(), backends=running(e), runs=runs(e), rank=rank)
-                                         for e, rank in zip(ordered, report.ranks(ordered, runs))]}, indent=1))
+        print(json.dumps(view.as_json(batch_splits=split is None), indent=1))
         return 0
     if split:
         print(f"xla-shard: WARNING: {split}", file=sys.stderr)
-    fast, slow = hardware.fast_name, hardware.slow_name
-    print(f"{args.devices} x {hardware.name} ({ranked.domain} per {fast} domain), {cfg.model.name}, "
-          f"{train.global_batch_size} x {train.seq_len} tokens per step; ranked for backend {backend}")
-    print(f"| rank | P/G/OS | fits | runs on {backend} | GiB/device | {fast} GB/step | {slow} GB/step | step ms | MFU "
-          "| backends |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    rows = list(zip(ordered, report.ranks(ordered, runs)))
-    shown = rows[:args.top] + [(e, r) for e, r in rows[args.top:] if e is ranked.baseline]
-    for e, rank in shown:
-        label = f"{e.triple}" + (" (FULL_SHARD)" if e is ranked.baseline else "")
-        print(f"| {rank} | {label} | {'yes' if e.fits else 'no'} | {'yes' if runs(e) else 'no'} "
-              f"| {e.memory['total'] / 2**30:.1f} | {e.traffic[fast] / 1e9:.1f} | {e.traffic[slow] / 1e9:.1f} "
-              f"| {e.step_s * 1e3:.0f} | {e.mfu:.2f} | {', '.join(running(e)) or 'none yet'} |")
-    print("P(k): parameters stay split over k devices between forward and backward (fsdp.sharding."
-          "params_after_forward; (1): kept whole). Equal ranks: the same step time to the millisecond.")
-    if best is None:
-        print(f"nothing that {backend} runs fits in {ranked.accelerator.hbm_bytes / 2**30:.0f} GiB per device")
-    else:
-        print(f"\nthe pick for {backend}, {best.triple} (in your config, in place of fsdp.sharding_strategy):")
-        print(report.sharding_yaml(best.triple), end="")
-    for wanted in args.show:
-        e = asked[wanted]
-        note = "" if runs(e) else f" (not on {backend}: {', '.join(running(e)) or 'no backend yet'})"
-        print(f"\n{wanted}{note}:")
-        print(report.sharding_yaml(e.triple), end="")
+    print(view.table(f"{args.devices} x {hardware.name} ({ranked.domain} per {hardware.fast_name} domain), "
+                     f"{cfg.model.name}, {train.global_batch_size} x {train.seq_len} tokens per step; ranked for "
+                     f"backend {backend}", args.top, args.show), end="")
     return 0
 
 

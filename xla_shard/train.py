@@ -21,8 +21,7 @@ from torch import nn
 from xla_shard import backends, launch, lora, metrics
 from xla_shard import data as datalib
 from xla_shard.backends.base import Backend
-from xla_shard.checkpoint import Checkpointer, CheckpointError, NoCheckpoints, hf_dir, layout
-from xla_shard.checkpoint.export import export
+from xla_shard.checkpoint import Checkpointer, CheckpointError, NoCheckpoints, hf_dir
 from xla_shard.config.schema import ShardConfig, TrainSection
 from xla_shard.data import Batch, micro_rows
 from xla_shard.data.batches import scored
@@ -398,12 +397,13 @@ class Trainer:
 
     def _export_final(self) -> None:
         """FULL_STATE_DICT: the final checkpoint also becomes one Hugging Face model directory."""
-        ckpt = self.checkpointer
-        if not self.backend.processes.is_main or ckpt.last_committed is None:
+        if not self.backend.processes.is_main:
             return
         target = final_export_dir(self.cfg)
         # The run's own output: a rerun that trains further replaces its earlier export (whole, never mixed).
-        report = export(ckpt.storage.url_of(layout.step_dir(ckpt.last_committed)), target, overwrite=True)
+        report = self.checkpointer.export_last(target, overwrite=True)
+        if report is None:
+            return
         self._log(f"fsdp.state_dict_type=FULL_STATE_DICT: exported step {report.step} to {target} "
                   f"({report.tensors} tensors, {report.bytes} bytes"
                   + (f"; with {', '.join(report.companions)})" if report.companions else ")")

@@ -28,6 +28,7 @@ from typing import Any
 
 from xla_shard.checkpoint import layout, schema
 from xla_shard.checkpoint.contract import ShardedState
+from xla_shard.checkpoint.export import ExportReport, export
 from xla_shard.checkpoint.manifest import (
     UNRECORDED_RUN,
     CheckpointError,
@@ -190,6 +191,14 @@ class Checkpointer:
             self._upload_and_commit(step, entries, rng)
         except BaseException as exc:  # handed to the training thread at the next save or at exit
             self._error = exc
+
+    def export_last(self, to: str, overwrite: bool = False) -> ExportReport | None:
+        """The newest checkpoint this run committed, written as a Hugging Face model directory at `to` (a peft
+        adapter for a LoRA run); None if it committed none. Waits for a save in flight first."""
+        self.wait()
+        if self.last_committed is None:
+            return None
+        return export(self.storage.url_of(layout.step_dir(self.last_committed)), to, overwrite=overwrite)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the save in flight is done; raise its error. False if `timeout` passed first."""
@@ -459,6 +468,9 @@ class NoCheckpoints:
 
     def restore(self, model, optimizer, extra: Extra | None = None) -> int:
         return 0
+
+    def export_last(self, to: str, overwrite: bool = False) -> None:
+        return None
 
 
 def _architecture(hf_config: dict[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import yaml
 from xla_shard.config import dump
 from xla_shard.config.schema import ShardConfig
 from xla_shard.deploy import tpu
-from xla_shard.deploy.scripts import (GPU_MACHINES, HERE, Rendering, check_common, check_tpu_backend, common_header,
+from xla_shard.deploy.scripts import (GPU_MACHINES, HERE, Rendering, check_backend, check_common, common_header,
                                      messages, shell_line, template)
 from xla_shard.errors import ConfigError
 
@@ -119,7 +119,7 @@ def _tpu(cfg: ShardConfig, config_name: str) -> tuple[list[dict], list[str] | No
     tpu_slice = tpu.parse_gke(d.accelerator_type)
     hosts = tpu_slice.hosts * d.num_slices
     check_common(cfg, hosts)
-    capabilities = check_tpu_backend(cfg, hosts)
+    capabilities = check_backend(cfg, "tpu", hosts)
     kind = capabilities.tpu_setup
     if d.num_slices > 1 and capabilities.launcher != "in_process":
         raise ConfigError("deploy.num_slices", f"{d.num_slices} slices run as one SPMD program over DCN, one "

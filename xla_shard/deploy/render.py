@@ -19,7 +19,7 @@ import shlex
 from xla_shard.config import dump
 from xla_shard.config.schema import ShardConfig
 from xla_shard.deploy import gke, tpu
-from xla_shard.deploy.scripts import (GPU_MACHINES, HERE, Rendering, check_common, check_tpu_backend, common_header,
+from xla_shard.deploy.scripts import (GPU_MACHINES, HERE, Rendering, check_backend, check_common, common_header,
                                      messages, shell_line, template)
 from xla_shard.errors import ConfigError, UserError
 
@@ -94,7 +94,7 @@ def _render_tpu(cfg: ShardConfig, target: str, config_name: str) -> Rendering:
     copy = ["gcloud", "compute", "tpus", "tpu-vm", "scp", f"{HERE}/xla_shard.tar.gz", f"{HERE}/{config_name}",
             f"{node}:~/", *where, "--worker=all"]
     # torch_xla reads PJRT_DEVICE; TorchTPU needs no variable, and its setup installs torch_tpu instead.
-    kind = check_tpu_backend(cfg, tpu_slice.hosts).tpu_setup
+    kind = check_backend(cfg, "tpu", tpu_slice.hosts).tpu_setup
     launch_env = {"PJRT_DEVICE": "TPU"} if kind == "tpu" else {}
     setup = ssh + [f"--command={_setup(d.remote_dir, kind)}"]
     launch = ssh + [f"--command={_remote(d.remote_dir, _launch(launch_env, config_name, '> ~/train.log'))}"]
@@ -115,8 +115,7 @@ def _render_tpu(cfg: ShardConfig, target: str, config_name: str) -> Rendering:
 
 def _render_gpu(cfg: ShardConfig, config_name: str) -> Rendering:
     d = cfg.deploy
-    if cfg.backend.value not in ("auto", "torch_fsdp"):
-        raise ConfigError("backend", f"{cfg.backend.value} runs on TPUs; the GPU fallback is torch_fsdp (or auto)")
+    check_backend(cfg, "cuda")
     gpus = GPU_MACHINES.get(d.gpu_machine_type)
     if gpus is None:
         raise ConfigError("deploy.gpu_machine_type", f"{d.gpu_machine_type!r} is not a GPU machine type xla_shard "

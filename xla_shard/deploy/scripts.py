@@ -94,18 +94,22 @@ def check_common(cfg: ShardConfig, hosts: int) -> None:
                                                                         if key == "model.name" else ""))
 
 
-def check_tpu_backend(cfg: ShardConfig, hosts: int) -> Capabilities:
-    """What the slice's backend can do (auto: torch_xla's SPMD, what `[tpu]` installs), refused if it cannot
-    run there."""
+PLATFORM_NAMES = {"tpu": "a TPU", "cuda": "GPUs"}
+OTHER_TARGET = {"tpu": "--target gpu-vm", "cuda": "--target tpu-vm"}
+
+
+def check_backend(cfg: ShardConfig, platform: str, hosts: int = 1) -> Capabilities:
+    """What the backend can do on `platform` ("tpu": a slice of `hosts` hosts; "cuda": GPU VMs), `auto` resolved
+    as it would be there, refused if it cannot run there."""
     from xla_shard import backends
 
-    name = backends.resolve_name(cfg, on="tpu")
+    name = backends.resolve_name(cfg, on=platform)
     capabilities = backends.capabilities(name)
-    if "tpu" not in capabilities.platforms:
-        on_tpu = [n for n, cls in backends.BACKENDS.items() if "tpu" in cls.capabilities.platforms]
-        raise ConfigError("backend", f"{name} does not run on a TPU; use {' or '.join(on_tpu)} "
-                                     "(or --target gpu-vm)")
-    if capabilities.launcher == "torchrun" and hosts > 1:
+    if platform not in capabilities.platforms:
+        there = [n for n, cls in backends.BACKENDS.items() if platform in cls.capabilities.platforms]
+        raise ConfigError("backend", f"{name} does not run on {PLATFORM_NAMES[platform]}; use {' or '.join(there)} "
+                                     f"(or {OTHER_TARGET[platform]})")
+    if platform == "tpu" and capabilities.launcher == "torchrun" and hosts > 1:
         raise ConfigError("backend", f"{name} on a {hosts}-host slice needs torchrun's rendezvous across the "
                                      "hosts, which the TPU deployments do not render yet; use a single-host "
                                      "slice or xla_spmd")
