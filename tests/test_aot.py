@@ -10,6 +10,7 @@ from xla_shard.aot import target
 from xla_shard.errors import UserError
 
 pytestmark = pytest.mark.xla
+USERS_XLA = ("XLA_FLAGS",)  # the TPU compiler as users run it, not the test harness's fast CPU compiles
 
 
 @pytest.mark.parametrize("name, topology, chips", [
@@ -29,7 +30,7 @@ def test_a_slice_that_does_not_exist_is_one_line(name):
 
 
 def _compile(*args):
-    done = run_cli("compile", *args, "--json")
+    done = run_cli("compile", *args, "--json", drop=USERS_XLA)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 
@@ -62,7 +63,7 @@ def test_a_step_that_does_not_fit_says_so_in_one_line_with_what_would_fit():
     shape = ("{hidden_size: 1024, intermediate_size: 4096, num_hidden_layers: 8, num_attention_heads: 8, "
              "num_key_value_heads: 8, max_position_embeddings: 2048}")
     sets = ["model=small-llama", f"model.overrides={shape}", "train.seq_len=2048", "train.global_batch_size=16"]
-    done = run_cli("compile", "--tpu", "v5litepod-1", *[a for s in sets for a in ("--set", s)])
+    done = run_cli("compile", "--tpu", "v5litepod-1", *[a for s in sets for a in ("--set", s)], drop=USERS_XLA)
     errors = [line for line in done.stderr.splitlines() if line.startswith("xla-shard: error:")]
     assert done.returncode == 2 and len(errors) == 1, done.stderr[-3000:]
     assert "does NOT fit" in done.stdout and "it fits with fsdp.activation_checkpointing: true" in errors[0]
@@ -72,7 +73,7 @@ def test_a_step_that_does_not_fit_says_so_in_one_line_with_what_would_fit():
 @pytest.mark.e2e
 def test_a_generation_this_libtpu_cannot_compile_is_one_line_before_anything_is_traced():
     pytest.importorskip("jax")
-    done = run_cli("compile", "--tpu", "tpu7x-8", "--set", "model=small-llama")
+    done = run_cli("compile", "--tpu", "tpu7x-8", "--set", "model=small-llama", drop=USERS_XLA)
     errors = [line for line in done.stderr.splitlines() if line.startswith("xla-shard: error:")]
     assert done.returncode == 2 and len(errors) == 1 and "TPU7x" in errors[0], done.stderr[-2000:]
     assert "xla_spmd on" not in done.stderr  # refused before the trace
