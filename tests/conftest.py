@@ -100,6 +100,8 @@ def pytest_sessionfinish(session, exitstatus):
     import time
 
     minutes = os.environ.get(_TIER_MINUTES)
+    if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: the controller judges the whole tier
+        return
     took = (time.monotonic() - session.config._xla_shard_started) / 60
     if minutes and took > float(minutes) and exitstatus == 0:
         terminal = session.config.pluginmanager.get_plugin("terminalreporter")

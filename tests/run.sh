@@ -6,7 +6,8 @@
 #                 tier the tests whose subject depends on torch's version (marker `torch_version`)
 #   .venv-xpk     xpk alone (it pins its dependencies exactly): tests/test_gke.py runs its argument parser
 # TIERS=old or TIERS=newest runs one environment only. The budget: each tier reports its slowest tests and
-# fails past its minutes below (a unit test past 5 s fails: tests/conftest.py).
+# fails past its minutes below (a unit test past 5 s fails: tests/conftest.py). The end-to-end tier runs on two
+# pytest-xdist workers (a test file per worker, so module fixtures are shared), and then its `serial` tests alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NEWEST_TORCH="2.15.0"
@@ -26,12 +27,14 @@ if [[ " $TIERS " == *" old "* ]]; then
   .venv/bin/pip install -q -e '.[xla,scan,aot,test]'
   .venv/bin/ruff check
   tier 3 .venv/bin/python -m "not e2e"
-  tier 45 .venv/bin/python -m e2e
+  tier 30 .venv/bin/python -m "e2e and not serial" -n 2 --dist loadfile
+  tier 5 .venv/bin/python -m "e2e and serial"
 fi
 if [[ " $TIERS " == *" newest "* ]]; then
   python3 -m venv .venv-newest
   # No machine-wide pip configuration: some images constrain torch below the release under test.
   PIP_CONFIG_FILE=/dev/null .venv-newest/bin/pip install -q -e '.[torchtpu,test]' "torch==$NEWEST_TORCH"
   tier 3 .venv-newest/bin/python -m "not e2e and not xla"
-  tier 15 .venv-newest/bin/python -m "e2e and torch_version and not xla"
+  tier 15 .venv-newest/bin/python -m "e2e and torch_version and not serial and not xla" -n 2 --dist loadfile
+  tier 5 .venv-newest/bin/python -m "e2e and torch_version and serial and not xla"
 fi

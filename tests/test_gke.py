@@ -359,6 +359,7 @@ def test_a_slice_xpk_lacks_gets_an_xpk_script_that_says_so():
     assert done.returncode == 2 and "xpk has no v5litepod-4 device type" in done.stderr
 
 
+@pytest.mark.e2e  # a fresh process
 def test_the_cli_renders_gke_and_says_which_scripts_to_run(tmp_path):
     sets = [f"--set={s}" for s in OWN]
     done = subprocess.run([sys.executable, "-m", "xla_shard.cli", "gcp", "render", TPU, "--target", "gke", *sets,

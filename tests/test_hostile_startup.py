@@ -13,7 +13,7 @@ from conftest import REPO, _env
 from xla_shard import config
 from xla_shard.errors import ConfigError
 
-pytestmark = pytest.mark.torch_version  # its subject depends on torch's version
+pytestmark = [pytest.mark.torch_version, pytest.mark.serial]  # its subject depends on torch's version; timing-bound
 
 TIMEOUT_S = 10
 # What a node may take past launch.timeout_s to say so: start-up (imports, the config, the agent) and, for

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import start_cli
 
-pytestmark = [pytest.mark.slow, pytest.mark.torch_version]
+pytestmark = [pytest.mark.serial, pytest.mark.slow, pytest.mark.torch_version]
 
 
 def _processes() -> dict[int, tuple[int, str]]:

@@ -16,7 +16,7 @@ from conftest import FIXTURES, REPO, _env, run_cli
 from xla_shard import backends, config, launch
 from xla_shard.errors import ConfigError
 
-pytestmark = pytest.mark.torch_version  # its subject depends on torch's version
+pytestmark = [pytest.mark.torch_version, pytest.mark.serial]  # its subject depends on torch's version; timing-bound
 
 
 
