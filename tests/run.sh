@@ -27,14 +27,14 @@ if [[ " $TIERS " == *" old "* ]]; then
   .venv/bin/pip install -q -e '.[xla,scan,aot,test]'
   .venv/bin/ruff check
   tier 3 .venv/bin/python -m "not e2e"
-  tier 30 .venv/bin/python -m "e2e and not serial" -n 2 --dist loadfile
-  tier 5 .venv/bin/python -m "e2e and serial"
+  tier 45 .venv/bin/python -m "e2e and not serial" -n 2 --dist loadfile
+  tier 8 .venv/bin/python -m "e2e and serial"
 fi
 if [[ " $TIERS " == *" newest "* ]]; then
   python3 -m venv .venv-newest
   # No machine-wide pip configuration: some images constrain torch below the release under test.
   PIP_CONFIG_FILE=/dev/null .venv-newest/bin/pip install -q -e '.[torchtpu,test]' "torch==$NEWEST_TORCH"
   tier 3 .venv-newest/bin/python -m "not e2e and not xla"
-  tier 15 .venv-newest/bin/python -m "e2e and torch_version and not serial and not xla" -n 2 --dist loadfile
-  tier 5 .venv-newest/bin/python -m "e2e and torch_version and serial and not xla"
+  tier 20 .venv-newest/bin/python -m "e2e and torch_version and not serial and not xla" -n 2 --dist loadfile
+  tier 8 .venv-newest/bin/python -m "e2e and torch_version and serial and not xla"
 fi
