@@ -35,6 +35,6 @@ if [[ " $TIERS " == *" newest "* ]]; then
   # No machine-wide pip configuration: some images constrain torch below the release under test.
   PIP_CONFIG_FILE=/dev/null .venv-newest/bin/pip install -q -e '.[torchtpu,test]' "torch==$NEWEST_TORCH"
   tier 3 .venv-newest/bin/python -m "not e2e and not xla"
-  tier 20 .venv-newest/bin/python -m "e2e and torch_version and not serial and not xla" -n 2 --dist loadfile
+  tier 25 .venv-newest/bin/python -m "e2e and torch_version and not serial and not xla" -n 2 --dist loadfile
   tier 8 .venv-newest/bin/python -m "e2e and torch_version and serial and not xla"
 fi
