@@ -73,7 +73,7 @@ def runnable(backends: dict) -> dict:
     return {name: value for name, value in backends.items() if HAS_XLA or not needs_xla(name)}
 
 
-# The suite's budget (README, "Tests"): a unit test's call may take UNIT_LIMIT_S at most, or it belongs in the
+# The suite's budget (docs/contributing.md, "Tests and their budget"): a unit test's call may take UNIT_LIMIT_S at most, or it belongs in the
 # end-to-end tier; tests/run.sh states each tier's minutes in XLA_SHARD_TIER_MINUTES, and a tier over them fails.
 UNIT_LIMIT_S = 5.0
 _TIER_MINUTES = "XLA_SHARD_TIER_MINUTES"
@@ -99,9 +99,9 @@ def pytest_sessionstart(session):
 def pytest_sessionfinish(session, exitstatus):
     import time
 
-    minutes = os.environ.get(_TIER_MINUTES)
     if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: the controller judges the whole tier
         return
+    minutes = os.environ.get(_TIER_MINUTES)
     took = (time.monotonic() - session.config._xla_shard_started) / 60
     if minutes and took > float(minutes) and exitstatus == 0:
         terminal = session.config.pluginmanager.get_plugin("terminalreporter")
