@@ -73,8 +73,9 @@ def runnable(backends: dict) -> dict:
     return {name: value for name, value in backends.items() if HAS_XLA or not needs_xla(name)}
 
 
-# The suite's budget (docs/contributing.md, "Tests and their budget"): a unit test's call may take UNIT_LIMIT_S at most, or it belongs in the
-# end-to-end tier; tests/run.sh states each tier's minutes in XLA_SHARD_TIER_MINUTES, and a tier over them fails.
+# The suite's budget (docs/contributing.md, "Tests and their budget"): a unit test's call may take UNIT_LIMIT_S
+# at most, or it belongs in the end-to-end tier; tests/run.sh states each tier's minutes in
+# XLA_SHARD_TIER_MINUTES, and a tier over them fails.
 UNIT_LIMIT_S = 5.0
 _TIER_MINUTES = "XLA_SHARD_TIER_MINUTES"
 
