@@ -311,7 +311,9 @@ TRIPLES = [(8, 8, 8), (2, 4, 8), (1, 2, 8), (1, 1, 8), (1, 8, 8), (2, 8, 8), (4,
 def run_triples(tmp, triples, *sets) -> dict:
     """tests/workers/triples.py: 4 steps of tiny-llama under each triple, in one 8-device xla_spmd process."""
     dump, out = tmp / "hlo", tmp / "rows.pt"
-    env = {**_env(), "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$"}
+    env = _env()  # the harness's XLA_FLAGS (a faster CPU compile), and XLA's dump of the optimized HLO
+    dumped = f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$"
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {dumped}"
     sets = ["model=tiny-llama", "backend=xla_spmd", "cpu_devices=8", "train.seq_len=32", f"output_dir={tmp}/run", *sets]
     done = subprocess.run([sys.executable, str(REPO / "tests/workers/triples.py"), str(out), str(dump),
                            *[f"{p}/{g}/{o}" for p, g, o in triples], "--", *sets],

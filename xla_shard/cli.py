@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     render.add_argument("--target", required=True, choices=TARGETS)
     render.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     render.add_argument("--out", metavar="DIR", help="write the files here (default: print deploy.sh)")
-    render.set_defaults(func=_gcp_render)
+    render.set_defaults(func=_gcp_render, torch_xla=False)
 
     plan = commands.add_parser("plan", help="rank the sharding triples for a model and a cluster by the cost model")
     plan.add_argument("config", nargs="?", help="YAML config (its model, batch, precision and optimizer)")
@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="also print the fsdp: YAML of this row (as written in the table, e.g. 8(1)/64/64)")
     plan.add_argument("--top", type=_count, default=10, help="rows to print")
     plan.add_argument("--json", action="store_true", help="every candidate, as JSON")
-    plan.set_defaults(func=_plan)
+    plan.set_defaults(func=_plan, torch_xla=False)
 
     aot = commands.add_parser("compile", help="compile the config's training step for a TPU slice with the TPU "
                                                "compiler (no TPU needed): memory per device, collectives, roofline")
@@ -103,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     aot.set_defaults(func=_compile)
 
     ckpt = commands.add_parser("ckpt", help="list, verify or export checkpoints")
+    ckpt.set_defaults(torch_xla=False)
     ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
     ls = ckpt_commands.add_parser("list", help="checkpoints under a checkpoint.dir, committed or not")
     ls.add_argument("url", help="checkpoint.dir: a local path, gs://bucket/prefix, ...")
@@ -328,6 +329,8 @@ def _train(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     device.declare_xla_device()
     args = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    if getattr(args, "torch_xla", True) is False:  # a command that never runs on XLA (train decides by backend)
+        device.declare_runtime(torch_xla=False)
     return launch.exit_status(functools.partial(args.func, args))
 
 
