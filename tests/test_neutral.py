@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import HAS_XLA, WORKERS, _env
+from tests.conftest import HAS_XLA, REPO, WORKERS, _env
 
 pytestmark = pytest.mark.torch_version  # its subject depends on torch's version
 
@@ -41,3 +41,25 @@ def test_a_plain_transformers_trainer_runs_as_without_xla_shard(model_dirs):
         assert {key for key in set(before) | set(after) if before.get(key) != after.get(key)} <= XLA_VARIABLES
     else:
         assert changed == {}, "the base install changed the process for other libraries"
+
+
+def _imports_torch_xla(*args: str) -> bool:
+    """Whether `xla-shard ARGS` imported torch_xla (Python's own import log), after it succeeded."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "xla_shard.cli", *args], env=_env(),
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return any(line.rsplit("|", 1)[-1].strip() == "torch_xla" for line in done.stderr.splitlines())
+
+
+@pytest.mark.xla
+@pytest.mark.e2e
+def test_commands_that_do_not_run_on_xla_leave_torch_xla_unloaded(tmp_path):
+    """transformers (through accelerate) imports torch_xla wherever it is installed, ~3 s a process; the plan,
+    the renderings, checkpoint commands and a torch_fsdp config check never run on it, and keep it out."""
+    tiny = ["--set", "model=tiny-llama"]
+    assert not _imports_torch_xla("plan", *tiny, "--devices", "8", "--accelerator", "h100")
+    assert not _imports_torch_xla("ckpt", "list", str(tmp_path))
+    assert not _imports_torch_xla("gcp", "render", str(REPO / "scripts/configs/tpu_v4_spmd.yaml"), "--target",
+                                  "tpu-vm")
+    assert not _imports_torch_xla("config", "check", *tiny, "--set", "backend=torch_fsdp")
+    assert _imports_torch_xla("config", "check", *tiny, "--set", "backend=xla_spmd")  # the log would show it

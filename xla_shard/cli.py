@@ -275,9 +275,10 @@ def _ckpt_export(args) -> int:
 def _config_check(args) -> int:
     cfg = cfglib.load(args.config, args.set)  # a mistake in it is said before torch and transformers load
     from xla_shard import backends
+
+    backend = _backend(cfg)  # the backend's own checks, without starting it
     from xla_shard.train import preflight
 
-    backend = backends.create(cfg)  # the backend's own checks, without starting it
     backends.check_devices(backend)  # ... and the plan against the devices it will have, where known already
     preflight(cfg, backend.capabilities)
     print(cfglib.dump(cfg), end="")
@@ -303,6 +304,16 @@ def _config_import(args) -> int:
     return 0
 
 
+def _backend(cfg):
+    """The config's backend, created (its checks run), with the runtime declared before transformers loads: a
+    backend that does not run on torch_xla keeps it out of the process."""
+    from xla_shard import backends
+
+    backend = backends.create(cfg)
+    device.declare_runtime(backend.capabilities.torch_xla)
+    return backend
+
+
 def _train(args) -> int:
     cfg, kind, notes = cfglib.load_with_notes(args.config, args.set)
     from xla_shard import backends
@@ -310,8 +321,7 @@ def _train(args) -> int:
     if notes and not launch.torchrun_worker():  # said once, by the launcher
         print(f"xla-shard: {args.config} imported from {kind} ({len(notes)} note(s); `xla-shard config import "
               f"{args.config}` lists them)", file=sys.stderr)
-    backend = backends.create(cfg)  # refuses what this backend cannot honour, before anything starts
-    device.declare_runtime(backend.capabilities.torch_xla)  # before transformers loads
+    backend = _backend(cfg)  # refuses what this backend cannot honour, before anything starts
     from xla_shard import train
 
     launch.refuse_nproc_flag(backend.capabilities.launcher, args.nproc_per_node, backend.name)
