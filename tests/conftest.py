@@ -44,11 +44,14 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, drop: tuple
                           capture_output=True, text=True, timeout=timeout)
 
 
-def run_probe(out: Path, *overrides: str, nproc: int = 0, timeout: int = 600) -> dict:
-    """tests/workers/probe.py in a fresh process (under torchrun when nproc > 0); returns what it saved."""
+def run_probe(out: Path, *overrides: str, nproc: int = 0, timeout: int = 600, each: list[list[str]] = ()
+              ) -> dict | list[dict]:
+    """tests/workers/probe.py in a fresh process (under torchrun when nproc > 0); returns what it saved. `each`:
+    a run per list of overrides (added to `overrides`), all in the same process (one start-up for several), and
+    the list of what they saved."""
     import torch
 
-    probe = [str(WORKERS / "probe.py"), str(out), *overrides]
+    probe = [str(WORKERS / "probe.py"), str(out), *overrides, *[arg for run in each for arg in ("--", *run)]]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc \
         else [sys.executable]
     done = subprocess.run(launcher + probe, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=out.parent)

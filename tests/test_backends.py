@@ -94,10 +94,10 @@ def probes(tmp_path_factory):
 
     results = {}
     for name, (sets, nproc) in runnable(BACKENDS).items():
-        for ckpt in (False, True):
-            out = tmp_path_factory.mktemp(f"{name}_{ckpt}") / "probe.pt"
-            results[name, ckpt] = run_probe(out, *TINY, *sets, "train.optimizer=adamw",
-                                            f"fsdp.activation_checkpointing={str(ckpt).lower()}", nproc=nproc)
+        out = tmp_path_factory.mktemp(name) / "probe.pt"
+        plain, checkpointed = run_probe(out, *TINY, *sets, "train.optimizer=adamw", nproc=nproc, each=[
+            ["fsdp.activation_checkpointing=false"], ["fsdp.activation_checkpointing=true"]])
+        results[name, False], results[name, True] = plain, checkpointed
     return results
 
 

@@ -113,8 +113,7 @@ def test_fp32_adapters_over_a_bf16_base_follow_peft(model_dirs, tmp_path, backen
 @pytest.mark.slow
 def test_optimizer_state_and_gradients_are_the_adapters_only(model_dirs, tmp_path):
     base = [f"model.name={model_dirs.llama}", "train.seq_len=32", "backend=torch_fsdp", "train.optimizer=adamw"]
-    full = run_probe(tmp_path / "full.pt", *base, nproc=2)["memory"]
-    adapted = run_probe(tmp_path / "lora.pt", *base, *LORA, nproc=2)["memory"]
+    full, adapted = (run["memory"] for run in run_probe(tmp_path / "probe.pt", *base, nproc=2, each=[[], LORA]))
     cfg = config.load(None, [*base, *LORA])
     model, _, _ = build_for(cfg)
     trained = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)

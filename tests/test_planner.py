@@ -257,19 +257,17 @@ FSDP2_SETS = ["model=tiny-llama", "train.seq_len=32", "backend=torch_fsdp", "tra
 
 @pytest.fixture(scope="module")
 def fsdp2_runs(tmp_path_factory):
-    """tests/workers/fsdp2_collectives.py for each of FSDP2_RUNS."""
+    """tests/workers/fsdp2_collectives.py: each of FSDP2_RUNS in turn, in one torchrun of 4 processes."""
     tmp = tmp_path_factory.mktemp("fsdp2")
-    runs = {}
-    for p, g, o, kept in FSDP2_RUNS:
-        out = tmp / f"{p}{g}{o}{kept}.json"
-        sharding = f"{{params: {p}, grads: {g}, optimizer: {o}, params_after_forward: {kept}}}"
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                               str(REPO / "tests/workers/fsdp2_collectives.py"), str(out), "3", *FSDP2_SETS,
-                               f"output_dir={tmp}/run", f"fsdp.sharding={sharding}"],
-                              env=_env(), capture_output=True, text=True, timeout=600, cwd=tmp)
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs[p, g, o, kept] = json.loads(out.read_text())
-    return runs
+    out = tmp / "runs.json"
+    runs = [("--", f"fsdp.sharding={{params: {p}, grads: {g}, optimizer: {o}, params_after_forward: {kept}}}")
+            for p, g, o, kept in FSDP2_RUNS]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                           str(REPO / "tests/workers/fsdp2_collectives.py"), str(out), "3", *FSDP2_SETS,
+                           *[arg for run in runs for arg in run]],
+                          env=_env(), capture_output=True, text=True, timeout=600, cwd=tmp)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(zip(FSDP2_RUNS, json.loads(out.read_text())))
 
 
 @pytest.mark.e2e

@@ -1,7 +1,9 @@
 """Train under torchrun, recording the collectives torch.distributed runs in the first step; rank 0 writes them
 with the losses and the bytes of parameters, gradients and optimizer state on one process (JSON).
 
-Usage: fsdp2_collectives.py OUT STEPS [KEY=VALUE ...]
+Usage: fsdp2_collectives.py OUT STEPS [KEY=VALUE ...] -- [KEY=VALUE ...] [-- ...]
+Each `--` starts a run of its own with its overrides added (a sharding, say); the runs share the processes and
+their process group (one start-up for all), and OUT holds the list of their results in order.
 Recorded per (op, group size, stride): calls and the bytes of each op's result (the gathered or reduced tensor;
 one shard for a reduce-scatter), as xla_shard.planner.hlo reads a compiled XLA step.
 """
@@ -11,6 +13,7 @@ import sys
 from collections import defaultdict
 
 import torch.distributed as dist
+from runs import split_runs
 
 from bench.measure import bytes_after_backward
 from xla_shard import config
@@ -25,9 +28,10 @@ RECORDED = {"all_gather_into_tensor": ("all-gather", "output_tensor", 0),
             "reduce_scatter_single": ("reduce-scatter", "output", 0), "all_reduce": ("all-reduce", "tensor", 0)}
 
 
-def main(out: str, steps: str, *overrides: str) -> None:
+def main(out: str, steps: str, *args: str) -> None:
+    common, *runs = split_runs(args)
     seen = defaultdict(lambda: {"count": 0, "bytes": 0})
-    recording = [True]
+    recording = [False]
 
     def wrap(op, result, result_at, original):
         def recorded(*args, **kwargs):
@@ -45,16 +49,22 @@ def main(out: str, steps: str, *overrides: str) -> None:
     for name, (op, result, result_at) in RECORDED.items():
         if hasattr(dist, name):
             setattr(dist, name, wrap(op, result, result_at, getattr(dist, name)))
-    trainer = Trainer(config.load(None, overrides)).setup()
-    losses = []
-    for step in range(int(steps)):
-        losses.append(trainer.backend.mean_loss(trainer.step(step)))
-        recording[0] = False
-    memory = bytes_after_backward(trainer, int(steps))
-    if trainer.backend.processes.is_main:
+    results = []
+    for index, run in enumerate(runs):
+        seen.clear()
+        recording[0] = True
+        trainer = Trainer(config.load(None, [*common, *run, f"output_dir={out}.run{index}"])).setup()
+        losses = []
+        for step in range(int(steps)):
+            losses.append(trainer.backend.mean_loss(trainer.step(step)))
+            recording[0] = False
+        memory = bytes_after_backward(trainer, int(steps))
+        results.append({"losses": losses, "collectives": dict(seen), "memory": memory})
+        del trainer
+    if dist.get_rank() == 0:
         with open(out, "w") as f:
-            json.dump({"losses": losses, "collectives": dict(seen), "memory": memory}, f)
-    trainer.backend.shutdown()
+            json.dump(results, f)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

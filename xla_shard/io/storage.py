@@ -40,6 +40,8 @@ class StorageError(UserError):
 
 
 def is_transient(exc: BaseException) -> bool:
+    if _retried_by_gcsfs(exc):
+        return True
     code = getattr(exc, "code", None) or getattr(exc, "status", None)
     if isinstance(code, int):
         return code in _TRANSIENT_HTTP
@@ -52,6 +54,17 @@ def is_transient(exc: BaseException) -> bool:
     except ImportError:  # only gcsfs/http filesystems bring aiohttp
         return False
     return isinstance(exc, aiohttp.ClientError) and not isinstance(exc, aiohttp.ClientResponseError)
+
+
+def _retried_by_gcsfs(exc: BaseException) -> bool:
+    """What gcsfs's own retries covered before `Storage` took them over (xla_shard/io/gcs.py): among others, a
+    failed credential refresh, a checksum mismatch, expired credentials."""
+    module = type(exc).__module__
+    if not module.startswith(("gcsfs", "google", "requests")):
+        return False
+    from gcsfs.retry import is_retriable
+
+    return is_retriable(exc)
 
 
 def _emulated(url: str) -> bool:
@@ -68,12 +81,16 @@ def storage_options(url: str) -> dict:
     return {}
 
 
-def open_fs(url: str):
+def open_fs(url: str, retried_by_caller: bool = False):
     """(filesystem, root path) for a URL. Against a GCS emulator, gcsfs's plain client, whatever gcsfs chose
     as its default class at import (its experimental one probes each bucket over gRPC, which hung a test run
-    for minutes when gcsfs had been imported before the emulator was set)."""
-    if _emulated(url):
-        from gcsfs.core import GCSFileSystem
+    for minutes when gcsfs had been imported before the emulator was set). `retried_by_caller`: gs:// gets
+    a client that tries each request once (xla_shard/io/gcs.py), for `Storage`, which retries to its deadline."""
+    if url.startswith(("gs://", "gcs://")) and (retried_by_caller or _emulated(url)):
+        if retried_by_caller:
+            from xla_shard.io.gcs import SingleAttemptGCSFileSystem as GCSFileSystem
+        else:
+            from gcsfs.core import GCSFileSystem
 
         fs = GCSFileSystem(**storage_options(url))
         return fs, fs._strip_protocol(url)
@@ -91,7 +108,7 @@ class Storage:
         self.url = url.rstrip("/")
         self.retry_deadline_s = retry_deadline_s
         try:
-            self.fs, self.root = open_fs(self.url)
+            self.fs, self.root = open_fs(self.url, retried_by_caller=True)
         except (ValueError, ImportError) as exc:
             raise StorageError(redact(one_line(f"cannot open storage URL {self.url!r}: {exc}"))) from None
         self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))

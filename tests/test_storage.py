@@ -1,0 +1,57 @@
+"""`Storage` against a GCS server that is down or stalls: the caller's retry deadline bounds every call."""
+
+import socket
+import threading
+import time
+
+import pytest
+
+from xla_shard.io.storage import Storage, StorageError
+
+
+def _gave_up_within(storage: Storage, seconds: float) -> float:
+    started = time.monotonic()
+    with pytest.raises(StorageError, match=f"gave up after retrying for {storage.retry_deadline_s:g}s"):
+        storage.exists("step-00000001/manifest.json")
+    took = time.monotonic() - started
+    assert took < seconds, f"{took:.1f}s past a {storage.retry_deadline_s:g}s deadline"
+    return took
+
+
+@pytest.mark.e2e
+def test_a_server_that_went_away_fails_at_the_deadline_not_after_gcsfs_retries(gcs):
+    """gcsfs's own six attempts (31 s of backoff) used to run beneath each of our retries."""
+    Storage(gcs.url("run")).write("x", b"x")  # a connection is open and pooled
+    gcs.stop()
+    _gave_up_within(Storage(gcs.url("run"), retry_deadline_s=1), seconds=10)
+
+
+def test_a_server_that_accepts_and_never_answers_times_out_per_read(monkeypatch):
+    from xla_shard.io import gcs
+    from xla_shard.io.gcs import SingleAttemptGCSFileSystem
+
+    held = []
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        threading.Thread(target=lambda: held.extend(server.accept() for _ in range(100)), daemon=True).start()
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{server.getsockname()[1]}")
+        monkeypatch.setattr(gcs, "READ_TIMEOUT_S", 0.3)
+        SingleAttemptGCSFileSystem.clear_instance_cache()
+        try:
+            _gave_up_within(Storage("gs://bucket/run", retry_deadline_s=1), seconds=4)
+        finally:
+            SingleAttemptGCSFileSystem.clear_instance_cache()
+    assert held, "the client never connected"
+
+
+def test_what_gcsfs_used_to_retry_itself_is_transient_and_a_refusal_is_not():
+    from gcsfs.retry import ChecksumError, HttpError
+    from google.auth.exceptions import RefreshError
+
+    from xla_shard.io.storage import is_transient
+
+    assert is_transient(RefreshError("metadata server: timed out")) and is_transient(ChecksumError("md5"))
+    assert is_transient(HttpError({"code": 401, "message": "Invalid Credentials"}))
+    assert not is_transient(HttpError({"code": 403, "message": "forbidden"}))
+    assert not is_transient(HttpError({"code": 401, "message": "Anonymous caller does not have access"}))
