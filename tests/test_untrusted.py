@@ -597,7 +597,7 @@ def test_unreachable_storage_during_a_pretrained_load_says_so(capsys, monkeypatc
     start = time.monotonic()
     refused(capsys, ["config", "check", CONFIG, "--set", "model.name=gs://bucket/model",
                      "--set", "checkpoint.retry_deadline_s=2"], "model.name", "could not be read")
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 15  # the 2 s deadline, not gcsfs's own retries beneath it (33 s)
     gcsfs.GCSFileSystem.clear_instance_cache()
 
 
