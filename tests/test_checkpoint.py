@@ -191,12 +191,12 @@ def test_an_emulator_outage_fails_the_save_loudly_and_keeps_the_last_good_one(cl
 
     while process.poll() is None and not committed_steps(Storage(url)):
         time.sleep(0.1)
-    gcs.stop()  # mid-run: the next upload (or its commit) finds nobody listening
+    gcs.outage()  # mid-run: the next upload (or its commit) finds nobody listening
     assert process.wait(timeout=180) == 2
     log = (tmp_path / "log").read_text()
     assert "checkpoint save failed" in log and "gave up after retrying for 2s" in log, log[-2000:]
     assert "Traceback" not in log
-    gcs.start()  # same on-disk store: what was committed before the outage is intact
+    gcs.restore()  # what was committed before the outage is intact
     verified = cli("ckpt", "verify", url)
     assert verified.returncode == 0, verified.stderr
 

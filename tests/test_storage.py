@@ -22,7 +22,7 @@ def _gave_up_within(storage: Storage, seconds: float) -> float:
 def test_a_server_that_went_away_fails_at_the_deadline_not_after_gcsfs_retries(gcs):
     """gcsfs's own six attempts (31 s of backoff) used to run beneath each of our retries."""
     Storage(gcs.url("run")).write("x", b"x")  # a connection is open and pooled
-    gcs.stop()
+    gcs.outage()
     _gave_up_within(Storage(gcs.url("run"), retry_deadline_s=1), seconds=10)
 
 
