@@ -29,7 +29,8 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 def _env() -> dict:
     env = dict(os.environ)
-    for key in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_USE_SPMD", "LOCAL_RANK", "RANK", "WORLD_SIZE"):
+    # USE_TORCH_XLA: set in this process by a command run in it (`run_in_process`); a child decides its own.
+    for key in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_USE_SPMD", "LOCAL_RANK", "RANK", "WORLD_SIZE", "USE_TORCH_XLA"):
         env.pop(key, None)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
@@ -42,6 +43,20 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, drop: tuple
     env = {key: value for key, value in _env().items() if key not in drop}
     return subprocess.run([sys.executable, "-m", "xla_shard.cli", *args], cwd=cwd or REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def run_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`xla-shard ARGS` in this process, for a command that neither trains nor starts a runtime (plan, config,
+    ckpt): what `run_cli` returns, without a process's start-up (~6 s of imports) to pay."""
+    from xla_shard.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as exit:  # argparse's usage errors
+        code = exit.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["xla-shard", *args], code, out.out, out.err)
 
 
 def run_probe(out: Path, *overrides: str, nproc: int = 0, timeout: int = 600, each: list[list[str]] = ()

@@ -172,8 +172,8 @@ def test_tied_weights_stay_tied_on_every_backend(tied_runs, backend):
 
 @pytest.mark.e2e
 @pytest.mark.xla
-def test_a_tied_checkpoint_resumes_on_another_backend_and_exports_tied(tied_runs, tmp_path):
-    from conftest import run_cli
+def test_a_tied_checkpoint_resumes_on_another_backend_and_exports_tied(tied_runs, tmp_path, capsys):
+    from conftest import run_cli, run_in_process
     from transformers import AutoModelForCausalLM
 
     source = tied_runs["xla_spmd"] / "ck" / "step-00000003"
@@ -181,7 +181,7 @@ def test_a_tied_checkpoint_resumes_on_another_backend_and_exports_tied(tied_runs
                    f"checkpoint.dir={tmp_path / 'ck'}", f"checkpoint.resume={source}"]
     done = run_cli("train", *[a for s in sets for a in ("--set", s)], "--nproc-per-node", "2")
     assert done.returncode == 0, done.stderr[-4000:]
-    exported = run_cli("ckpt", "export", str(source), "--to", str(tmp_path / "hf"))
+    exported = run_in_process(capsys, "ckpt", "export", str(source), "--to", str(tmp_path / "hf"))
     assert exported.returncode == 0, exported.stderr
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert model.config.tie_word_embeddings and model.lm_head.weight is model.transformer.wte.weight

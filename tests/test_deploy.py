@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import run_in_process
 
 from xla_shard import config
 from xla_shard.deploy.render import render
@@ -257,11 +258,11 @@ def test_dry_run_works_outside_a_git_checkout_and_says_the_real_run_needs_repo(t
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("target", ["tpu-vm", "gpu-vm"])
-def test_the_examples_placeholders_are_flagged_in_a_dry_run_and_refused_for_real(tmp_path, cli, target):
+def test_the_examples_placeholders_are_flagged_in_a_dry_run_and_refused_for_real(tmp_path, capsys, target):
     """The example configs name project my-project and bucket gs://my-bucket: render warns, a dry run flags
     each key, the real deploy.sh stops before any gcloud command; with the user's own values neither."""
     path = TPU if target == "tpu-vm" else GPU
-    rendered = cli("gcp", "render", path, "--target", target, "--out", str(tmp_path / "out"))
+    rendered = run_in_process(capsys, "gcp", "render", path, "--target", target, "--out", str(tmp_path / "out"))
     assert rendered.returncode == 0, rendered.stderr
     assert "deploy.project=my-project" in rendered.stderr and "checkpoint.dir=gs://my-bucket/" in rendered.stderr
     rendering = render(config.load(path), target)
@@ -270,7 +271,7 @@ def test_the_examples_placeholders_are_flagged_in_a_dry_run_and_refused_for_real
     real = _run_deploy(rendering, tmp_path, REPO=str(REPO))
     assert real.returncode == 2 and "still hold the example's placeholders: set your own" in real.stderr
     assert "+ /nonexistent/gcloud" not in real.stderr  # refused before any command
-    own = cli("gcp", "render", path, "--target", target, *[a for s in OWN for a in ("--set", s)])
+    own = run_in_process(capsys, "gcp", "render", path, "--target", target, *[a for s in OWN for a in ("--set", s)])
     assert own.returncode == 0 and "placeholder" not in own.stderr and "\nPLACEHOLDERS=''\n" in own.stdout
 
 

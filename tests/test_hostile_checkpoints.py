@@ -238,12 +238,12 @@ def test_an_adapter_export_names_its_base_by_an_absolute_path(tmp_path):
 # ---- the frozen base is the one the adapters were trained on --------------------------------------------
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_a_lora_resume_or_merge_over_another_base_of_the_same_shapes_is_refused(model_dirs, tmp_path):
+def test_a_lora_resume_or_merge_over_another_base_of_the_same_shapes_is_refused(model_dirs, tmp_path, capsys):
     """A base replaced by another model of the same shapes (another seed): the resume and `--merge` both refuse,
     naming the weights file; the true base resumes and merges."""
     import shutil
 
-    from conftest import FIXTURES, run_cli
+    from conftest import FIXTURES, run_cli, run_in_process
     from model_dirs import llama_dir
 
     base = tmp_path / "base"
@@ -264,12 +264,13 @@ def test_a_lora_resume_or_merge_over_another_base_of_the_same_shapes_is_refused(
     llama_dir(base, files=2, seed=99)  # same config and shapes, other weights
     resumed = train(2)
     assert resumed.returncode == 2 and ".safetensors" in resumed.stderr and "another base" in resumed.stderr
-    merged = run_cli("ckpt", "export", str(out / "ckpt"), "--to", str(tmp_path / "merged"), "--merge")
+    merged = run_in_process(capsys, "ckpt", "export", str(out / "ckpt"), "--to", str(tmp_path / "merged"), "--merge")
     assert merged.returncode == 2 and "other bytes" in merged.stderr and not (tmp_path / "merged").exists()
     shutil.rmtree(base)
     original.rename(base)
     assert train(2).returncode == 0
-    assert run_cli("ckpt", "export", str(out / "ckpt"), "--to", str(tmp_path / "merged"), "--merge").returncode == 0
+    merged = run_in_process(capsys, "ckpt", "export", str(out / "ckpt"), "--to", str(tmp_path / "merged"), "--merge")
+    assert merged.returncode == 0, merged.stderr
 
 
 @pytest.mark.parametrize("name", ["d[1]", "a*b", "q?"])

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import FIXTURES, backend_params, run_cli, run_probe, runnable, sgd_losses
+from conftest import FIXTURES, backend_params, run_cli, run_in_process, run_probe, runnable, sgd_losses
 from transformers import AutoModelForCausalLM
 
 from xla_shard import backends, config
@@ -124,7 +124,7 @@ def test_optimizer_state_and_gradients_are_the_adapters_only(model_dirs, tmp_pat
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_checkpoints_hold_the_adapters_resume_exactly_and_export_for_peft(model_dirs, tmp_path):
+def test_checkpoints_hold_the_adapters_resume_exactly_and_export_for_peft(model_dirs, tmp_path, capsys):
     from peft import PeftModel
     from safetensors.torch import load_file
 
@@ -142,7 +142,7 @@ def test_checkpoints_hold_the_adapters_resume_exactly_and_export_for_peft(model_
     assert model_tensors and all(".lora_" in n for n in model_tensors)
 
     out = tmp_path / "adapter"
-    done = run_cli("ckpt", "export", str(checkpoint), "--to", str(out))
+    done = run_in_process(capsys, "ckpt", "export", str(checkpoint), "--to", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
     assert sorted(p.name for p in out.iterdir()) >= ["adapter_config.json", "adapter_model.safetensors"]
     base = AutoModelForCausalLM.from_pretrained(model_dirs.llama, attn_implementation="eager")
@@ -160,7 +160,7 @@ def test_checkpoints_hold_the_adapters_resume_exactly_and_export_for_peft(model_
     assert not torch.allclose(adapted, plain)  # trained adapters change the outputs
 
     merged_dir = tmp_path / "merged"
-    done = run_cli("ckpt", "export", str(checkpoint), "--to", str(merged_dir), "--merge")
+    done = run_in_process(capsys, "ckpt", "export", str(checkpoint), "--to", str(merged_dir), "--merge")
     assert done.returncode == 0, done.stderr[-2000:]
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, attn_implementation="eager").eval()
     with torch.no_grad():
@@ -180,7 +180,7 @@ def test_a_classifier_head_is_trained_whole_beside_the_adapters(model_dirs):
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_a_lora_classifier_exports_an_adapter_peft_loads_with_its_head(model_dirs, tmp_path):
+def test_a_lora_classifier_exports_an_adapter_peft_loads_with_its_head(model_dirs, tmp_path, capsys):
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification
 
@@ -192,7 +192,7 @@ def test_a_lora_classifier_exports_an_adapter_peft_loads_with_its_head(model_dir
     assert done.returncode == 0, done.stderr[-3000:]
     assert "classifier trained whole" in done.stderr
     adapter = tmp_path / "adapter"
-    done = run_cli("ckpt", "export", str(out / "ckpt"), "--to", str(adapter))
+    done = run_in_process(capsys, "ckpt", "export", str(out / "ckpt"), "--to", str(adapter))
     assert done.returncode == 0, done.stderr[-2000:]
     saved = json.loads((adapter / "adapter_config.json").read_text())
     assert saved["task_type"] == "SEQ_CLS" and saved["modules_to_save"] == ["classifier"]

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, _env, run_cli
+from conftest import REPO, _env, run_in_process
 
 from xla_shard import config, plan
 from xla_shard.backends.torch_fsdp import TorchFsdpBackend
@@ -15,8 +15,6 @@ from xla_shard.errors import ConfigError
 from xla_shard.planner import Triple, Workload, accelerator, candidates, estimate, for_device_kind, workload
 from xla_shard.planner import memory as planner_memory
 from xla_shard.planner.settle import auto, settle
-
-pytestmark = pytest.mark.torch_version  # its subject depends on torch's version
 
 PSI = 1_000_000
 
@@ -177,9 +175,9 @@ def test_device_kinds_map_to_the_table():
     assert accelerator("tpu7x").peak_flops > max(accelerator(k).peak_flops for k in ("v5p", "v6e", "h100"))
 
 
-@pytest.mark.e2e
-def test_plan_prints_candidates_that_fit_best_first():
-    done = run_cli("plan", "--set", "model=llama-7b", "--set", "fsdp.mixed_precision=bf16", "--set",
+@pytest.mark.e2e  # 128 devices' candidates: ~5 s
+def test_plan_prints_candidates_that_fit_best_first(capsys):
+    done = run_in_process(capsys, "plan", "--set", "model=llama-7b", "--set", "fsdp.mixed_precision=bf16", "--set",
                    "train.seq_len=2048", "--set", "train.global_batch_size=1024", "--devices", "128",
                    "--accelerator", "h100", "--json")
     assert done.returncode == 0, done.stderr[-2000:]
@@ -200,16 +198,17 @@ def test_plan_prints_candidates_that_fit_best_first():
         uniform = params.split("(")[0] == grads == optimizer
         assert ("xla_spmd" in r["backends"]) == ("(" not in params) and ("torch_fsdp" in r["backends"]) == uniform, r
     assert not any(r["fits"] for r in rows if r["triple"] == "1/1/1")  # 7B unsharded, with AdamW: 112 GB
-    small = run_cli("plan", "--set", "model=llama-70b", "--devices", "8", "--accelerator", "h100", "--hbm-gib", "8")
+    small = run_in_process(capsys, "plan", "--set", "model=llama-70b", "--devices", "8", "--accelerator", "h100",
+                           "--hbm-gib", "8")
     assert small.returncode == 0 and "nothing that torch_fsdp runs fits in 8 GiB per device" in small.stdout
-    bad = run_cli("plan", "--devices", "8", "--accelerator", "a100")
+    bad = run_in_process(capsys, "plan", "--devices", "8", "--accelerator", "a100")
     assert bad.returncode == 2 and "--accelerator 'a100'" in bad.stderr
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("backend, devices, accelerator", [("torch_fsdp", 64, "h100"), ("xla_spmd", 64, "v5p"),
                                                             ("xla_fsdp", 64, "v4")])
-def test_plan_prints_the_yaml_that_runs_its_pick_on_the_backend_asked_for(tmp_path, backend, devices, accelerator):
+def test_plan_prints_the_yaml_that_runs_its_pick_on_the_backend_asked_for(capsys, tmp_path, backend, devices,
+                                                                          accelerator):
     """`--backend` ranks for that backend; the printed fsdp: YAML, pasted into the config, is that row's plan
     and the backend accepts it; ties share a rank."""
     from xla_shard import backends
@@ -218,8 +217,8 @@ def test_plan_prints_the_yaml_that_runs_its_pick_on_the_backend_asked_for(tmp_pa
     sets = ["--set", "model=llama-7b", "--set", "fsdp.mixed_precision=bf16", "--set",
             "fsdp.activation_checkpointing=true", "--set", "train.seq_len=2048", "--set",
             "train.global_batch_size=1024"]
-    done = run_cli("plan", *sets, "--devices", str(devices), "--accelerator", accelerator, "--backend", backend,
-                   "--json")
+    done = run_in_process(capsys, "plan", *sets, "--devices", str(devices), "--accelerator", accelerator,
+                          "--backend", backend, "--json")
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
     assert result["backend"] == backend and result["batch_splits"]
@@ -233,19 +232,19 @@ def test_plan_prints_the_yaml_that_runs_its_pick_on_the_backend_asked_for(tmp_pa
     for a, b in zip(rows, rows[1:]):
         same = (a["runs"], a["fits"], round(a["step_s"] * 1e3)) == (b["runs"], b["fits"], round(b["step_s"] * 1e3))
         assert (b["rank"] == a["rank"]) == same
-    text = run_cli("plan", *sets, "--devices", str(devices), "--accelerator", accelerator, "--backend", backend,
-                   "--show", "1/1/1")
+    text = run_in_process(capsys, "plan", *sets, "--devices", str(devices), "--accelerator", accelerator,
+                          "--backend", backend, "--show", "1/1/1")
     assert text.returncode == 0 and f"the pick for {backend}, {result['best']['triple']}" in text.stdout
     assert result["best"]["yaml"] in text.stdout and "\n1/1/1" in text.stdout
 
 
-@pytest.mark.e2e
-def test_plan_warns_when_the_batch_does_not_split_over_the_devices():
-    done = run_cli("plan", "--set", "model=llama-7b", "--set", "train.global_batch_size=1020", "--devices", "64",
-                   "--accelerator", "h100")
+def test_plan_warns_when_the_batch_does_not_split_over_the_devices(capsys):
+    done = run_in_process(capsys, "plan", "--set", "model=llama-7b", "--set", "train.global_batch_size=1020",
+                          "--devices", "64", "--accelerator", "h100")
     assert done.returncode == 0 and "train.global_batch_size=1020" in done.stderr and "does not split over 64" \
         in done.stderr
-    bad = run_cli("plan", "--set", "model=llama-7b", "--devices", "8", "--accelerator", "h100", "--show", "3/3/3")
+    bad = run_in_process(capsys, "plan", "--set", "model=llama-7b", "--devices", "8", "--accelerator", "h100",
+                         "--show", "3/3/3")
     assert bad.returncode == 2 and "--show 3/3/3" in bad.stderr
 
 
@@ -272,6 +271,7 @@ def fsdp2_runs(tmp_path_factory):
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.torch_version  # what FSDP2 allocates and runs; the planner's arithmetic and CLI are torch's alike
 @pytest.mark.parametrize("run", FSDP2_RUNS, ids=lambda r: f"{r[0]}({r[3]})/{r[1]}/{r[2]}")
 def test_fsdp2_allocates_and_communicates_as_the_plan_predicts(fsdp2_runs, run):
     """Each FSDP2 layout on 4 gloo processes, AdamW: bytes of parameters, gradients and optimizer state on one
