@@ -52,6 +52,35 @@ def test_bad_values_name_the_key(raw, key, words):
     assert words in str(err.value)
 
 
+@pytest.mark.parametrize("raw, key, words", [
+    # The Trainer's, TRL's and peft's names for a key of ours get that key, not the nearest spelling.
+    ({"train": {"max_steps": 3}}, "train.max_steps", "the Trainer's max_steps is 'train.steps'"),
+    ({"train": {"learning_rate": 1e-4}}, "train.learning_rate", "'train.lr'"),
+    ({"train": {"per_device_train_batch_size": 4}}, "train.per_device_train_batch_size",
+     "'train.global_batch_size' here, which counts all rows of a step"),
+    ({"max_seq_length": 512}, "max_seq_length", "TRL's max_seq_length is 'train.seq_len'"),
+    ({"model": {"lora": {"lora_alpha": 16}}}, "model.lora.lora_alpha", "peft's lora_alpha is 'model.lora.alpha'"),
+    ({"model": {"lora": {"lora_dropout": 0.1}}}, "model.lora.lora_dropout", "'model.lora.dropout'"),
+    # A keyword in another case would be read as a directory of that name.
+    ({"checkpoint": {"resume": "Auto"}}, "checkpoint.resume", "the keywords are auto and never, in lower case"),
+])
+def test_names_from_the_trainer_trl_and_peft_point_at_ours(raw, key, words):
+    with pytest.raises(ConfigError) as err:
+        config.validate(raw)
+    assert err.value.key == key and words in str(err.value), str(err.value)
+    assert "did you mean" not in str(err.value)
+
+
+def test_a_resume_that_is_no_checkpoint_names_the_key(tmp_path):
+    from xla_shard.checkpoint import Checkpointer
+
+    cfg = config.load(None, [f"checkpoint.dir={tmp_path / 'ckpt'}", f"checkpoint.resume={tmp_path / 'nothing'}",
+                             f"output_dir={tmp_path}"])
+    with pytest.raises(ConfigError) as err:
+        Checkpointer(cfg.checkpoint, None).restore(None, None)
+    assert err.value.key == "checkpoint.resume" and "is not a committed checkpoint" in str(err.value)
+
+
 def test_replica_axis_needs_a_hybrid_strategy():
     with pytest.raises(ConfigError, match="mesh.replica=2 needs fsdp.sharding_strategy HYBRID_SHARD"):
         config.validate({"mesh": {"replica": 2}})

@@ -329,7 +329,12 @@ class Checkpointer:
         return 0
 
     def _restore_url(self, url: str, model, optimizer, extra: Extra) -> int:
-        manifest = self._load(url, model, optimizer, extra)
+        try:
+            manifest = self._load(url, model, optimizer, extra)
+        except CheckpointError as exc:
+            if type(exc) is not CheckpointError:  # damaged, or not this model's: said as it is
+                raise
+            raise ConfigError("checkpoint.resume", str(exc)) from None
         step = manifest.step
         source = Storage(url)
         committed = committed_steps(self.storage)

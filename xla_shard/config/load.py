@@ -88,7 +88,38 @@ def _first_error(exc: ValidationError) -> ConfigError:
     return ConfigError(key, message)
 
 
+# Names the Trainer's TrainingArguments, TRL's SFTConfig and peft's LoraConfig use for a key of ours. A recipe
+# ported from them gets the key, where spelling alone would guess wrong (max_steps is not eval_steps).
+_TRAINER, _TRL, _PEFT = "the Trainer's", "TRL's", "peft's"
+FOREIGN_NAMES = {  # name: (our key, whose name it is, what differs)
+    "max_steps": ("train.steps", _TRAINER, ""),
+    "num_train_epochs": ("train.epochs", _TRAINER, ""),
+    "learning_rate": ("train.lr", _TRAINER, ""),
+    "lr_scheduler_type": ("train.lr_schedule", _TRAINER, ""),
+    "per_device_train_batch_size": ("train.global_batch_size", _TRAINER,
+                                    ", which counts all rows of a step: per device x devices x train.grad_accum_steps"),
+    "gradient_accumulation_steps": ("train.grad_accum_steps", _TRAINER, ""),
+    "logging_steps": ("train.log_every", _TRAINER, ""),
+    "optim": ("train.optimizer", _TRAINER, ""),
+    "torch_compile": ("train.compile", _TRAINER, ""),
+    "gradient_checkpointing": ("fsdp.activation_checkpointing", _TRAINER, ""),
+    "bf16": ("fsdp.mixed_precision", _TRAINER, ": bf16"),
+    "save_steps": ("checkpoint.every_steps", _TRAINER, ""),
+    "save_total_limit": ("checkpoint.keep_last", _TRAINER, ""),
+    "resume_from_checkpoint": ("checkpoint.resume", _TRAINER, ""),
+    "max_seq_length": ("train.seq_len", _TRL, ""),
+    "max_length": ("train.seq_len", _TRL, ""),
+    "dataset_text_field": ("data.text_field", _TRL, ""),
+    "lora_alpha": ("model.lora.alpha", _PEFT, ""),
+    "lora_dropout": ("model.lora.dropout", _PEFT, ""),
+    "lora_r": ("model.lora.r", _PEFT, ""),
+}
+
+
 def _did_you_mean(loc: list[str]) -> str:
+    if loc[-1] in FOREIGN_NAMES:
+        ours, whose, differs = FOREIGN_NAMES[loc[-1]]
+        return f"; {whose} {loc[-1]} is '{ours}' here{differs}"
     section: type[BaseModel] = ShardConfig
     for part in loc[:-1]:
         annotation = section.model_fields[part].annotation if part in section.model_fields else None

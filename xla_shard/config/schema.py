@@ -423,6 +423,15 @@ class CheckpointSection(_Section):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, populate_by_name=True)
 
+    @field_validator("resume")
+    @classmethod
+    def _keyword_case(cls, value: str) -> str:
+        """`Auto` would be read as a checkpoint directory of that name, and fail far from this key."""
+        if value.lower() in ("auto", "never") and value not in ("auto", "never"):
+            raise ValueError(f"{value!r}: the keywords are auto and never, in lower case (for a checkpoint "
+                             f"directory named {value}, write ./{value})")
+        return value
+
 
 # What GCP accepts for each deploy value. Every value ends up in shell scripts (some run as root at boot) and
 # in commands run remotely over ssh, so anything outside these is refused here, before it is rendered.
