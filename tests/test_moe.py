@@ -139,4 +139,4 @@ def test_torch_xla_backends_refuse_the_router_loss_naming_it(moe_dirs):
     with pytest.raises(ConfigError) as raised:
         build_for(cfg, capabilities=backends.create(cfg).capabilities)
     assert (raised.value.key, raised.value.backend) == ("model.overrides.output_router_logits", "xla_spmd")
-    assert "histc" in str(raised.value)
+    assert "histc" in str(raised.value) and "backend torch_fsdp, which adds it" in str(raised.value)

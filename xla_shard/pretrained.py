@@ -251,7 +251,8 @@ def build_for(cfg, accelerator: str | None = None, capabilities=None):
                         experts=capabilities.experts if capabilities else None)
     if capabilities and capabilities.router_aux_loss and getattr(model.config, "output_router_logits", False):
         capabilities.refuse("model.overrides.output_router_logits", f"is true for {source.name}, and "
-                                                                    f"{capabilities.router_aux_loss}: set it to false")
+                                                                    f"{capabilities.router_aux_loss}: set it to false, "
+                                                                    "or train on backend torch_fsdp, which adds it")
     adapters = None
     if cfg.model.lora is not None:
         adapters, _ = lora.inject(model, cfg.model.lora, cfg.model.task, cfg.train.seed)
