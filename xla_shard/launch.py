@@ -213,6 +213,8 @@ def run_torchrun(nproc: int, settled: str, rendezvous: list[str] | None = None) 
     os.environ[WORKER_ERRORS] = errors
     # The agent logs each failed worker as an error with its own stack; what failed is said below, once.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    if nproc > 1:  # torchrun's own default, one OpenMP thread a worker, without the banner it prints to say so
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     args = torchrun.parse_args([*(rendezvous or ["--standalone"]), f"--nproc-per-node={nproc}",
                                 "-m", "xla_shard.worker", str(settled_path)])
     try:
