@@ -282,3 +282,38 @@ def test_data_files_in_directories_named_like_globs_are_read_as_named(tmp_path, 
         (tmp_path / folder / "rows.jsonl").write_text(json.dumps({"text": text}) + "\n")
     rows = read_rows(str(tmp_path / name / "rows.jsonl"), None, "data.path")
     assert rows["text"] == ["the file named"]
+
+
+# ---- the learning-rate warm-up rule a run resumes on ------------------------------------------------------------
+def test_the_warm_up_rule_is_recorded_restored_and_checked(tmp_path):
+    from xla_shard.checkpoint.manifest import CorruptCheckpointError
+    from xla_shard.errors import ConfigError
+    from xla_shard.schedule import EARLIER_WARMUP_RULE, WARMUP_RULE
+    from xla_shard.train import Trainer
+
+    ckpt = _checkpointer(tmp_path / "ckpt", f"output_dir={tmp_path}")
+    ckpt.restore(_model(), None)
+    ckpt.lr_warmup_rule = WARMUP_RULE
+    ckpt.save(1, _model(1), None)
+    again = _checkpointer(tmp_path / "ckpt", f"output_dir={tmp_path}")
+    assert again.restore(_model(), None) == 1 and again.restored_lr_warmup_rule == WARMUP_RULE
+
+    said = []
+
+    def resumed(step, recorded, warmup=4):
+        trainer = types.SimpleNamespace(start_step=step, checkpointer=types.SimpleNamespace(
+            restored_lr_warmup_rule=recorded), cfg=config.load(None, [f"train.lr_warmup_steps={warmup}"]),
+            _log=said.append)
+        return Trainer._resumed_warmup_rule(trainer)
+
+    assert resumed(0, None) == WARMUP_RULE and resumed(2, WARMUP_RULE) == WARMUP_RULE and not said
+    assert resumed(2, None) == EARLIER_WARMUP_RULE and "earlier learning-rate warm-up rule" in said[0]
+    assert resumed(6, None) == EARLIER_WARMUP_RULE and len(said) == 1  # past the warm-up the rules agree: no word
+    with pytest.raises(ConfigError, match="checkpoint.resume.*'k/2' is not one this xla_shard knows"):
+        resumed(2, "k/2")
+
+    path = tmp_path / "ckpt" / "step-00000001" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    path.write_text(json.dumps({**manifest, "lr_warmup_rule": 3}))
+    with pytest.raises(CorruptCheckpointError, match="lr_warmup_rule: expected a string"):
+        read_manifest(Storage(str(tmp_path / "ckpt")), "step-00000001")

@@ -167,6 +167,12 @@ def test_the_trainer_settings_of_training_arguments_come_along(tmp_path):
         ("cosine", 2, 0.5, 2)
     assert any("warmup_steps 0.1 x max_steps 20" in n for n in notes)
     assert any("train.eval_every=5" in n for n in notes) and train.eval_every is None
+    for kwargs in ({"min_lr_rate": 0.1}, {"min_lr": 1e-5}):  # transformers' cosine to a floor, either way given
+        floored = _training_arguments(tmp_path, "full_shard", {}, max_steps=20, learning_rate=1e-4,
+                                      lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs=kwargs)
+        path.write_text(json.dumps(floored))
+        train = config.load(path).train
+        assert (train.lr_schedule, train.lr_min_ratio) == ("cosine", pytest.approx(0.1))
     epochs = _training_arguments(tmp_path, "full_shard", {}, num_train_epochs=2.5, warmup_steps=0.1)
     path.write_text(json.dumps(epochs))
     cfg, _, notes = config.load_with_notes(path)

@@ -15,7 +15,7 @@ from xla_shard.data import SyntheticSource
 from xla_shard.errors import ConfigError
 from xla_shard.planner.settle import settle
 from xla_shard.models import build_model
-from xla_shard.schedule import lr_factor
+from xla_shard.schedule import EARLIER_WARMUP_RULE, lr_factor
 
 pytestmark = pytest.mark.torch_version  # its subject depends on torch's version
 
@@ -34,24 +34,39 @@ def train(out, sets, extra=()):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("schedule, reference", [
-    ("linear", lambda opt, total: torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.1, total_iters=total)),
-    ("cosine", lambda opt, total: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total, eta_min=0.1)),
+@pytest.mark.parametrize("schedule, min_ratio, reference", [
+    ("constant", 0.0, "get_constant_schedule_with_warmup"),
+    ("linear", 0.0, "get_linear_schedule_with_warmup"),
+    ("cosine", 0.0, "get_cosine_schedule_with_warmup"),
+    ("cosine", 0.1, "get_cosine_with_min_lr_schedule_with_warmup"),
 ])
-def test_schedules_match_torch_after_a_linear_warmup(schedule, reference):
-    cfg = config.load(None, [f"train.lr_schedule={schedule}", "train.lr_warmup_steps=4", "train.lr_min_ratio=0.1",
-                             "train.lr=1.0"])
+@pytest.mark.parametrize("warmup", [0, 1, 5])
+def test_each_schedule_is_the_transformers_scheduler_of_its_name(schedule, min_ratio, reference, warmup):
+    """The Trainer and TRL step their scheduler after each optimizer step: step k (0-based) runs at lr x lambda(k),
+    0 at the first step of a warm-up."""
+    import transformers
+
     total = 20
-    assert [lr_factor(s, cfg.train, total) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    cfg = config.load(None, [f"train.lr_schedule={schedule}", f"train.lr_warmup_steps={warmup}",
+                             f"train.lr_min_ratio={min_ratio}", "train.lr=1.0"])
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    torch_schedule = reference(optimizer, total - 4)
+    kwargs = {} if schedule == "constant" else {"num_training_steps": total}
+    if min_ratio:
+        kwargs["min_lr_rate"] = min_ratio
+    scheduler = getattr(transformers, reference)(optimizer, num_warmup_steps=warmup, **kwargs)
     want = []
-    for _ in range(total - 4):
+    for _ in range(total):
         want.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
-        torch_schedule.step()
-    got = [lr_factor(s, cfg.train, total) for s in range(4, total)]
-    assert got == pytest.approx(want, rel=1e-9)
+        scheduler.step()
+    assert [lr_factor(s, cfg.train, total) for s in range(total)] == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+def test_a_checkpoint_from_before_the_rule_keeps_its_warm_up():
+    """Written one step ahead (lr x (k + 1) / warm-up); the rules agree once the warm-up is over."""
+    cfg = config.load(None, ["train.lr_schedule=linear", "train.lr_warmup_steps=4", "train.lr=1.0"])
+    earlier = [lr_factor(s, cfg.train, 10, EARLIER_WARMUP_RULE) for s in range(10)]
+    assert earlier[:4] == [0.25, 0.5, 0.75, 1.0] and earlier[4:] == [lr_factor(s, cfg.train, 10) for s in range(4, 10)]
 
 
 def _eager_steps(steps: int, micro: int, max_norm: float):

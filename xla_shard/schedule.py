@@ -1,8 +1,12 @@
-"""The learning rate at each optimizer step: linear warm-up, then constant, linear or cosine decay.
+"""The learning rate at each optimizer step: linear warm-up, then constant, linear or cosine decay, as the
+transformers schedulers of those names give it (`get_constant_schedule_with_warmup`,
+`get_linear_schedule_with_warmup`, `get_cosine_schedule_with_warmup`, and with `lr_min_ratio`,
+`get_cosine_with_min_lr_schedule_with_warmup`'s `min_lr_rate`), so a recipe ported from the Trainer or TRL
+trains on the same curve.
 
 A pure function of the step, so a resumed run continues the schedule exactly from its checkpoint's step:
-the step is the schedule's whole state. `lambda_lr` gives the same schedule as a torch LambdaLR for users
-with their own loop.
+the step and the warm-up rule (recorded in each checkpoint) are the schedule's whole state. `lambda_lr` gives
+the same schedule as a torch LambdaLR for users with their own loop.
 """
 
 from __future__ import annotations
@@ -13,12 +17,18 @@ import torch
 
 from xla_shard.config.schema import TrainSection
 
+# Optimizer step k of the warm-up (0-based) runs at lr x k / lr_warmup_steps, as transformers': the first step at
+# 0, lr reached at step lr_warmup_steps. Checkpoints written before this rule record none; their runs went one
+# step ahead, lr x (k + 1) / lr_warmup_steps, and a resume mid-warm-up continues on that rule.
+WARMUP_RULE = "k/warmup"
+EARLIER_WARMUP_RULE = "(k+1)/warmup"
 
-def lr_factor(step: int, train: TrainSection, total_steps: int) -> float:
+
+def lr_factor(step: int, train: TrainSection, total_steps: int, warmup_rule: str = WARMUP_RULE) -> float:
     """Multiplier of train.lr for optimizer step `step` (0-based) of `total_steps`."""
     warmup = train.lr_warmup_steps
     if step < warmup:
-        return (step + 1) / warmup
+        return (step + (warmup_rule == EARLIER_WARMUP_RULE)) / warmup
     if train.lr_schedule == "constant":
         return 1.0
     progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))

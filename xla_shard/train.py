@@ -31,7 +31,7 @@ from xla_shard.metrics import StepLogger, peak_for, train_flops_per_token
 from xla_shard.models import check_sequence_length, model_config, resolve_source
 from xla_shard.preemption import PreemptionGuard
 from xla_shard.pretrained import PretrainedWeights, build_for
-from xla_shard.schedule import lr_factor
+from xla_shard.schedule import EARLIER_WARMUP_RULE, WARMUP_RULE, lr_factor
 from xla_shard.wrap import check_scannable, checkpoint_targets, inferred_layers, wrap_targets
 
 
@@ -151,6 +151,7 @@ class Trainer:
         self.uneven_labels = False  # whether micro-batches can hold different numbers of labelled tokens
         self.total_steps = 0
         self.start_step = 0  # where this run starts: 0, or the step of the checkpoint it resumed
+        self.warmup_rule = WARMUP_RULE  # a resumed run's is its checkpoint's (`_resumed_warmup_rule`)
         self.checkpointer: Checkpointer | NoCheckpoints = NoCheckpoints()
         self.load_report = None  # what the pretrained load read, on this process (None: nothing loaded)
         self.flops_per_token = 0.0
@@ -192,6 +193,8 @@ class Trainer:
             self.checkpointer = Checkpointer(cfg.checkpoint, backend.state, log=self._log,
                                              trained_only=cfg.model.lora is not None)
             self.start_step = self.checkpointer.restore(self.model, self.optimizer)
+            self.warmup_rule = self._resumed_warmup_rule()
+            self.checkpointer.lr_warmup_rule = self.warmup_rule
             key = "train.epochs" if cfg.train.epochs else "train.steps"
             if self.start_step > self.total_steps:
                 raise ConfigError(key, f"{self.total_steps} steps are behind the checkpoint's step {self.start_step} "
@@ -220,6 +223,22 @@ class Trainer:
                 self.checkpointer.base = weights.identity()
             self._load_pretrained(weights, model_class)
         return self
+
+    def _resumed_warmup_rule(self) -> str:
+        """The warm-up rule this run goes on with: a fresh run's is transformers'; a resumed one keeps its
+        checkpoint's, and one written before the rule was recorded went a step ahead (said, where it matters)."""
+        if not self.start_step:
+            return WARMUP_RULE
+        recorded = self.checkpointer.restored_lr_warmup_rule
+        if recorded is None:
+            if self.start_step < self.cfg.train.lr_warmup_steps:
+                self._log(f"the step-{self.start_step} checkpoint was written under the earlier learning-rate warm-up "
+                          f"rule, lr x {EARLIER_WARMUP_RULE}; the rest of this run's warm-up keeps to it")
+            return EARLIER_WARMUP_RULE
+        if recorded not in (WARMUP_RULE, EARLIER_WARMUP_RULE):
+            raise ConfigError("checkpoint.resume", f"the step-{self.start_step} checkpoint's learning-rate warm-up "
+                                                   f"rule {recorded!r} is not one this xla_shard knows")
+        return recorded
 
     def _check_base(self, weights: PretrainedWeights) -> None:
         """A LoRA resume reads the frozen base from model.name again: it must be the base the checkpoint's
@@ -318,7 +337,7 @@ class Trainer:
             total = loss.detach() if total is None else total + loss.detach()
         self.grad_norm = (backend.clip_grad_norm(self.model, train.max_grad_norm)
                           if train.max_grad_norm is not None else None)
-        self.lr = train.lr * lr_factor(step, train, self.total_steps)
+        self.lr = train.lr * lr_factor(step, train, self.total_steps, self.warmup_rule)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
         self.optimizer.step()

@@ -157,6 +157,11 @@ class Checkpointer:
         # `restored_base` is what the checkpoint restored from recorded (None: nothing, or an older checkpoint).
         self.base: dict[str, Any] | None = None
         self.restored_base: dict[str, Any] | None = None
+        # The trainer's learning-rate warm-up rule (`schedule.WARMUP_RULE`), recorded in every manifest so a resume
+        # continues on the rule its run started with; `restored_lr_warmup_rule` is the restored one's (None: none
+        # recorded, as before there was a choice).
+        self.lr_warmup_rule: str | None = None
+        self.restored_lr_warmup_rule: str | None = None
         self._error: BaseException | None = None
         self.saving_step: int | None = None
         self.last_saved: int | None = None  # newest step this process saved (committed or in flight)
@@ -253,6 +258,8 @@ class Checkpointer:
             manifest["extra"] = self._extra
         if self.base is not None:
             manifest["base"] = self.base
+        if self.lr_warmup_rule is not None:
+            manifest["lr_warmup_rule"] = self.lr_warmup_rule
         raw = json.dumps(manifest, indent=1).encode()
         try:  # what is committed must read back: the reader's own rules, on the very bytes (the tensors' tiling
             # was checked above, and is the costly part on a pod)
@@ -400,6 +407,7 @@ class Checkpointer:
         fill(ChunkReader(storage, manifest), targets)
         _load_extra(manifest, extra)
         self.restored_base = manifest.data.get("base")
+        self.restored_lr_warmup_rule = manifest.data.get("lr_warmup_rule")
         rank, world = self.state.writer
         if manifest.data["writers"] == world and str(rank) in manifest.data["rng"]:
             try:

@@ -184,6 +184,8 @@ def check_manifest(data: Any, verified: bool = True) -> dict:
     for key in ("run", "hf_config", "plan", "extra", "base"):
         if data.get(key) is not None:
             _mapping(data[key], key)
+    if not isinstance(data.get("lr_warmup_rule", ""), str):
+        raise SchemaError("lr_warmup_rule", f"expected a string, got {_kind(data['lr_warmup_rule'])}")
     if data.get("base") is not None:
         files = _mapping(data["base"].get("files", MISSING), "base.files")
         for file, digest in files.items():

@@ -323,8 +323,15 @@ def from_training_arguments(raw: dict[str, Any]) -> tuple[dict[str, Any], Notes]
 def _schedule_keys(raw: dict[str, Any], train: dict[str, Any], max_steps: int | None, notes: Notes) -> None:
     """Learning-rate schedule, warm-up, clipping and evaluation cadence: what the Trainer would have done."""
     kind = raw.get("lr_scheduler_type")
+    options = raw.get("lr_scheduler_kwargs") if isinstance(raw.get("lr_scheduler_kwargs"), dict) else {}
+    lr = raw.get("learning_rate")
+    floor = options.get("min_lr_rate")
+    if floor is None and isinstance(options.get("min_lr"), (int, float)) and isinstance(lr, (int, float)) and lr > 0:
+        floor = options["min_lr"] / lr  # the same floor, as a fraction of the learning rate
     if kind in _SCHEDULES:
         train["lr_schedule"] = _SCHEDULES[kind]
+    elif kind == "cosine_with_min_lr" and isinstance(floor, (int, float)):
+        train["lr_schedule"], train["lr_min_ratio"] = "cosine", float(floor)
     elif kind is not None:
         notes.append(f"lr_scheduler_type: {kind!r} not imported (train.lr_schedule has constant, linear, cosine)")
     warmup = raw.get("warmup_steps") if isinstance(raw.get("warmup_steps"), (int, float)) else 0
