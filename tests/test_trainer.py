@@ -210,7 +210,7 @@ def test_evaluation_covers_every_row_and_counts_only_real_labels(model_dirs, tmp
     """11 held-out documents of different lengths, one padded row each, in batches of 8: the second batch is 3
     rows and 5 of filler (under torch_fsdp one process gets only filler). With lr 1e-30 the weights stay the
     pretrained ones, so eval_loss must be plain transformers' loss over all 11 rows at once (the mean over every
-    real token): not a mean of batch means, not 8 rows."""
+    real token): not a mean of batch means, not 8 rows; likewise its mean token accuracy."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     texts = [" ".join(["the river runs south"] * (i + 1)) for i in range(11)]
@@ -227,8 +227,12 @@ def test_evaluation_covers_every_row_and_counts_only_real_labels(model_dirs, tmp
     encoded = tokenizer(texts, truncation=True, max_length=32, padding="max_length", return_tensors="pt")
     labels = encoded["input_ids"].masked_fill(encoded["attention_mask"] == 0, -100)
     with torch.no_grad():
-        want = AutoModelForCausalLM.from_pretrained(model_dirs.llama)(**encoded, labels=labels).loss.item()
-    assert evaluation["eval_loss"] == pytest.approx(want, rel=1e-5)
+        out = AutoModelForCausalLM.from_pretrained(model_dirs.llama)(**encoded, labels=labels)
+    assert evaluation["eval_loss"] == pytest.approx(out.loss.item(), rel=1e-5)
+    # TRL's mean_token_accuracy, over every labelled token at once: position t predicts the label at t + 1
+    scored = labels[:, 1:] != -100
+    hits = (out.logits[:, :-1].argmax(-1) == labels[:, 1:]) & scored
+    assert evaluation["eval_mean_token_accuracy"] == pytest.approx(hits.sum().item() / scored.sum().item())
 
 
 def test_more_virtual_xla_devices_than_cores_is_warned_about():

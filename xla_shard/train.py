@@ -498,9 +498,11 @@ class Trainer:
 
 @torch.no_grad()
 def evaluate(model, backend, source, cfg) -> dict[str, float]:
-    """Loss (and perplexity or accuracy) over every row of an evaluation source (`train.eval_steps` batches if
-    set), with the model in eval mode: summed over the tokens (causal LM) or rows (classification) that have a
-    label, then divided by their count, so filler rows and padding count for nothing. Every process calls it."""
+    """Loss and accuracy (and a causal LM's perplexity) over every row of an evaluation source (`train.eval_steps`
+    batches if set), with the model in eval mode: summed over the tokens (causal LM) or rows (classification)
+    that have a label, then divided by their count, so filler rows and padding count for nothing. (The Trainer
+    and TRL average each batch's mean instead; the two agree where every batch has as many labelled tokens.)
+    Every process calls it."""
     train = cfg.train
     batches = min(source.batches, train.eval_steps or source.batches)
     rows = micro_rows(train.global_batch_size, 0, 1, *backend.processes.batch_part)
@@ -518,9 +520,12 @@ def evaluate(model, backend, source, cfg) -> dict[str, float]:
             # A process whose rows are all filler gets a NaN mean (0/0): it contributes 0, not NaN.
             loss = torch.where(n > 0, out.loss.detach().float() * n, torch.zeros_like(n))
             loss_sum, counted = (loss, n) if loss_sum is None else (loss_sum + loss, counted + n)
-            if classify:
-                hits = ((out.logits.argmax(-1) == labels) & counts).sum().float()
-                correct = hits if correct is None else correct + hits
+            # A classifier's rows, or a causal LM's tokens, whose most likely prediction is the label (TRL's
+            # mean_token_accuracy: position t predicts the label at t + 1).
+            predicted, wanted = (out.logits.argmax(-1), labels) if classify else \
+                (out.logits[:, :-1].argmax(-1), labels[:, 1:])
+            hits = ((predicted == wanted) & counts).sum().float()
+            correct = hits if correct is None else correct + hits
             backend.after_step()
     finally:
         model.train()
@@ -530,6 +535,7 @@ def evaluate(model, backend, source, cfg) -> dict[str, float]:
         result["eval_accuracy"] = backend.mean_loss(correct) / total
     else:
         result["eval_perplexity"] = math.exp(min(result["eval_loss"], 700.0))
+        result["eval_mean_token_accuracy"] = backend.mean_loss(correct) / total
     result["eval_batches"] = batches
     result["eval_rows"] = source.rows_covered(batches)
     return result
