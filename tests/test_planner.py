@@ -175,7 +175,7 @@ def test_device_kinds_map_to_the_table():
     assert accelerator("tpu7x").peak_flops > max(accelerator(k).peak_flops for k in ("v5p", "v6e", "h100"))
 
 
-@pytest.mark.e2e  # 128 devices' candidates: ~5 s
+@pytest.mark.e2e  # the first `plan` in a process imports the planner and backends: ~4 s
 def test_plan_prints_candidates_that_fit_best_first(capsys):
     done = run_in_process(capsys, "plan", "--set", "model=llama-7b", "--set", "fsdp.mixed_precision=bf16", "--set",
                    "train.seq_len=2048", "--set", "train.global_batch_size=1024", "--devices", "128",
@@ -205,6 +205,7 @@ def test_plan_prints_candidates_that_fit_best_first(capsys):
     assert bad.returncode == 2 and "--accelerator 'a100'" in bad.stderr
 
 
+@pytest.mark.e2e  # the first `plan` in a process imports the planner and backends: ~4 s
 @pytest.mark.parametrize("backend, devices, accelerator", [("torch_fsdp", 64, "h100"), ("xla_spmd", 64, "v5p"),
                                                             ("xla_fsdp", 64, "v4")])
 def test_plan_prints_the_yaml_that_runs_its_pick_on_the_backend_asked_for(capsys, tmp_path, backend, devices,
@@ -238,6 +239,21 @@ def test_plan_prints_the_yaml_that_runs_its_pick_on_the_backend_asked_for(capsys
     assert result["best"]["yaml"] in text.stdout and "\n1/1/1" in text.stdout
 
 
+@pytest.mark.e2e  # the first `plan` in a process imports the planner and backends: ~4 s
+@pytest.mark.parametrize("name, chips", [("v5p-64", 32), ("v6e-16", 16), ("tpu7x-128", 64), ("v4-8", 4)])
+def test_plan_takes_a_slice_by_its_name_and_says_how_many_chips(capsys, name, chips):
+    """A v5p-64 is 32 chips (the number counts TensorCores): planning 64 of them was the mistake this prevents."""
+    sets = ["--set", "model=llama-7b", "--set", "train.global_batch_size=256"]
+    done = run_in_process(capsys, "plan", *sets, "--accelerator", name, "--json")
+    assert done.returncode == 0, done.stderr
+    assert f"{name} is {chips} chips" in done.stderr and json.loads(done.stdout)["devices"] == chips
+    wrong = run_in_process(capsys, "plan", *sets, "--accelerator", name, "--devices", str(chips * 2))
+    assert wrong.returncode == 2 and f"a {name} slice is {chips} chips" in wrong.stderr
+    bare = run_in_process(capsys, "plan", *sets, "--accelerator", name.split("-")[0].replace("v5litepod", "v5e"))
+    assert bare.returncode == 2 and "give --devices, or name a slice" in bare.stderr
+
+
+@pytest.mark.e2e  # the first `plan` in a process imports the planner and backends: ~4 s
 def test_plan_warns_when_the_batch_does_not_split_over_the_devices(capsys):
     done = run_in_process(capsys, "plan", "--set", "model=llama-7b", "--set", "train.global_batch_size=1020",
                           "--devices", "64", "--accelerator", "h100")

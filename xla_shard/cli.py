@@ -77,8 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="rank the sharding triples for a model and a cluster by the cost model")
     plan.add_argument("config", nargs="?", help="YAML config (its model, batch, precision and optimizer)")
     plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    plan.add_argument("--devices", type=_count, required=True, help="accelerators in the job")
-    plan.add_argument("--accelerator", required=True, help="one of: " + ", ".join(_accelerators()))
+    plan.add_argument("--devices", type=_count, help="accelerators in the job (a TPU slice's name says it)")
+    plan.add_argument("--accelerator", required=True, help="one of: " + ", ".join(_accelerators()) + "; or a TPU "
+                                                           "slice as deploy.accelerator_type names it (v5p-64)")
     plan.add_argument("--hosts", type=_count, default=None, help="GPU nodes (default: full nodes of the accelerator)")
     plan.add_argument("--slices", type=_count, default=1, help="TPU slices joined by DCN (default 1)")
     plan.add_argument("--hbm-gib", type=_positive, default=None, help="memory per device (default: the table's)")
@@ -136,10 +137,7 @@ def _plan(args) -> int:
     from xla_shard.planner import report
 
     cfg = cfglib.load(args.config, args.set)
-    try:
-        hardware = planner.accelerator(args.accelerator)
-    except KeyError:
-        raise UserError(f"--accelerator {args.accelerator!r}: choose one of {', '.join(_accelerators())}") from None
+    hardware = _plan_hardware(args)
     if not 0 < args.efficiency <= 1:
         raise UserError(f"--efficiency {args.efficiency}: a fraction of peak, in (0, 1]")
     for flag, value in (("--slices", args.slices), ("--hosts", args.hosts or 1)):
@@ -175,6 +173,33 @@ def _plan(args) -> int:
                      f"{cfg.model.name}, {train.global_batch_size} x {train.seq_len} tokens per step; ranked for "
                      f"backend {backend}", args.top, args.show), end="")
     return 0
+
+
+def _plan_hardware(args):
+    """`--accelerator`: a generation, with `--devices`; or a TPU slice, whose chips are the devices (said, since
+    a v5p-64 is 32 chips: the number counts TensorCores)."""
+    from xla_shard import planner
+
+    try:
+        hardware = planner.accelerator(args.accelerator)
+    except KeyError:
+        hardware = None
+    if hardware is not None:
+        if args.devices is None:
+            raise UserError(f"--accelerator {args.accelerator}: give --devices, or name a slice (v5p-64)")
+        return hardware
+    from xla_shard.aot import target
+
+    if args.accelerator.split("-")[0] not in ("v4", "v5litepod", "v5p", "v6e", "tpu7x"):
+        raise UserError(f"--accelerator {args.accelerator!r}: choose one of {', '.join(_accelerators())}, or a TPU "
+                        "slice (v5p-64, v6e-256, tpu7x-128, v5litepod-16)")
+    chosen = target.parse(args.accelerator, "--accelerator")
+    if args.devices not in (None, chosen.chips):
+        raise UserError(f"--devices {args.devices}: a {chosen.name} slice is {chosen.chips} chips (leave --devices "
+                        "out)")
+    args.devices = chosen.chips
+    print(f"xla-shard: {chosen.name} is {chosen.chips} chips ({chosen.topology})", file=sys.stderr)
+    return chosen.chip
 
 
 def _compile(args) -> int:

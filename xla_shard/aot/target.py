@@ -28,14 +28,14 @@ class Target:
                            hbm_bw=chip.hbm_bw * share)
 
 
-def parse(name: str) -> Target:
-    """The slice `name` (one slice: several are planned with `plan --slices`, not compiled yet)."""
+def parse(name: str, flag: str = "--tpu") -> Target:
+    """The slice `name` (one slice: several are planned with `plan --slices`, not compiled yet), given as `flag`."""
     try:
         generation, chips = tpu.parse_type(name)
     except UserError as exc:
-        raise UserError(f"--tpu {name}: {str(exc).split(': ', 1)[-1]}") from None
+        raise UserError(f"{flag} {name}: {str(exc).split(': ', 1)[-1]}") from None
     shape = tpu.topology(chips, generation.topology_dims)
     if shape is None:
-        raise UserError(f"--tpu {name}: {chips} chips is no slice shape (1 chip, or 4, 8, 16, ... chips)")
+        raise UserError(f"{flag} {name}: {chips} chips is no slice shape (1 chip, or 4, 8, 16, ... chips)")
     key = _JAX_NAMES[generation.prefix]
     return Target(name, key, chips, f"{key}:{'x'.join(map(str, shape))}", accelerator(key))
