@@ -1,4 +1,5 @@
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -236,6 +237,20 @@ def sgd_losses(model, source, lr: float, steps: int) -> list[float]:
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def run_trainings(root: Path, common: list[str], each: dict[str, list[str]], nproc: int = 0) -> dict[str, list[dict]]:
+    """tests/workers/train_runs.py: each run of `each` ({name: its overrides, added to `common`}) trained in turn
+    in one fresh process (under torchrun when nproc > 0), into root/NAME; returns each run's metrics records."""
+    runs = [[*overrides, f"output_dir={root / name}"] for name, overrides in each.items()]
+    script = [str(WORKERS / "train_runs.py"), *common, *[arg for run in runs for arg in ("--", *run)]]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc \
+        else [sys.executable]
+    root.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(launcher + script, env=_env(), capture_output=True, text=True, timeout=900, cwd=root)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return {name: [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+            for name in each}
 
 
 def run_load_probe(out: Path, *overrides: str, nproc: int = 0, env: dict | None = None) -> list[dict]:

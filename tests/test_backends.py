@@ -1,5 +1,6 @@
 """Every backend, really run on CPU: xla_spmd on 4 XLA virtual devices, xla_fsdp on 1, torch_fsdp on 2 gloo
-processes. Each run is a fresh process, as a user would start it."""
+processes, each backend's runs in one fresh process (the CLI's own path is the subject of test_launch and
+test_checkpoint)."""
 
 import json
 import math
@@ -40,22 +41,27 @@ def _eager_losses(overrides):
     return losses
 
 
-@pytest.fixture(scope="module")
-def sgd_runs(tmp_path_factory):
-    """`xla-shard train` on each backend with SGD; the metrics.jsonl records per backend."""
-    from conftest import run_cli
+SGD = TINY + ["train.optimizer=sgd", "train.lr=0.5", f"train.steps={SGD_STEPS}"]
 
-    common = TINY + ["train.optimizer=sgd", "train.lr=0.5", f"train.steps={SGD_STEPS}"]
-    runs = {"eager": _eager_losses(common)}
+
+@pytest.fixture(scope="module")
+def backend_runs(tmp_path_factory):
+    """Each backend's SGD run of tiny-llama and its run of the tied tiny-gpt2 (which checkpoints), the two in one
+    fresh process: {backend: (directory, {run: metrics records})}."""
+    from conftest import run_trainings
+
+    runs = {}
     for name, (sets, nproc) in runnable(BACKENDS).items():
-        out = tmp_path_factory.mktemp(name)
-        args = ["train"] + [a for s in common + sets + [f"output_dir={out}"] for a in ("--set", s)]
-        if nproc:
-            args += ["--nproc-per-node", str(nproc)]
-        done = run_cli(*args)
-        assert done.returncode == 0, done.stderr[-4000:]
-        runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        root = tmp_path_factory.mktemp(name)
+        tied = [*TIED, "train.steps=3", f"checkpoint.dir={root / 'tied' / 'ck'}"]
+        runs[name] = root, run_trainings(root, sets, {"sgd": SGD, "tied": tied}, nproc)
     return runs
+
+
+@pytest.fixture(scope="module")
+def sgd_runs(backend_runs):
+    """The SGD runs' metrics records per backend, and the eager reference's losses."""
+    return {"eager": _eager_losses(SGD)} | {name: records["sgd"] for name, (_, records) in backend_runs.items()}
 
 
 @pytest.mark.e2e
@@ -141,20 +147,10 @@ TIED = ["model=tiny-gpt2", "model.overrides={resid_pdrop: 0.0, embd_pdrop: 0.0, 
 
 
 @pytest.fixture(scope="module")
-def tied_runs(tmp_path_factory):
-    from conftest import run_cli
-
-    runs = {"eager": _eager_losses(TIED + ["train.steps=3"])}
-    for name, (sets, nproc) in runnable(BACKENDS).items():
-        out = tmp_path_factory.mktemp(f"tied-{name}")
-        args = ["train"] + [a for s in TIED + sets + ["train.steps=3", f"output_dir={out}", f"checkpoint.dir={out}/ck"]
-                            for a in ("--set", s)]
-        if nproc:
-            args += ["--nproc-per-node", str(nproc)]
-        done = run_cli(*args)
-        assert done.returncode == 0, done.stderr[-4000:]
-        runs[name] = out
-    return runs
+def tied_runs(backend_runs):
+    """The tied runs' directories per backend, and the eager reference's losses."""
+    return {"eager": _eager_losses(TIED + ["train.steps=3"])} | {name: root / "tied"
+                                                                   for name, (root, _) in backend_runs.items()}
 
 
 @pytest.mark.e2e

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FIXTURES, WORKERS, _env, backend_params, run_cli, runnable
+from conftest import FIXTURES, WORKERS, _env, backend_params, run_cli, run_trainings, runnable
 
 from xla_shard import config
 from xla_shard.data import SyntheticSource
@@ -106,11 +106,16 @@ def test_micro_batches_that_do_not_split_over_the_devices_are_refused(sets):
 
 @pytest.fixture(scope="module")
 def clipped_runs(tmp_path_factory):
-    """Each backend, 3 SGD steps with the gradient norm clipped to 0.5, in one batch and in 2 micro-batches."""
+    """Each backend, 3 SGD steps with the gradient norm clipped to 0.5, in one batch and in 2 micro-batches (the
+    two in one process)."""
     root = tmp_path_factory.mktemp("clipped")
-    return {(name, micro): train(root / f"{name}-{micro}", [*TINY, *sets, "train.steps=3", "train.max_grad_norm=0.5",
-                                                           f"train.grad_accum_steps={micro}"], extra)
-            for name, (sets, extra) in runnable(BACKENDS).items() for micro in (1, 2)}
+    runs = {}
+    for name, (sets, extra) in runnable(BACKENDS).items():
+        found = run_trainings(root / name, [*TINY, *sets, "train.steps=3", "train.max_grad_norm=0.5"],
+                              {str(micro): [f"train.grad_accum_steps={micro}"] for micro in (1, 2)},
+                              nproc=int(extra[1]) if extra else 0)
+        runs |= {(name, micro): found[str(micro)] for micro in (1, 2)}
+    return runs
 
 
 @pytest.mark.e2e
