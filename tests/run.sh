@@ -42,13 +42,13 @@ if [[ " $TIERS " == *" old "* ]]; then
   venv .venv -e '.[xla,scan,aot,test]'
   .venv/bin/ruff check
   tier 3 .venv/bin/python -m "not e2e"
-  tier 45 .venv/bin/python -m "e2e and not serial" -n 2 --dist loadfile --no-loadscope-reorder
-  tier 8 .venv/bin/python -m "e2e and serial"
+  tier 28 .venv/bin/python -m "e2e and not serial" -n 2 --dist loadfile --no-loadscope-reorder
+  tier 6 .venv/bin/python -m "e2e and serial"
 fi
 if [[ " $TIERS " == *" newest "* ]]; then
   # uv reads no machine-wide pip configuration (some images constrain torch below the release under test).
   venv .venv-newest -e '.[torchtpu,test]' "torch==$NEWEST_TORCH"
   tier 3 .venv-newest/bin/python -m "not e2e and not xla"
-  tier 25 .venv-newest/bin/python -m "e2e and torch_version and not serial and not xla" -n 2 --dist loadfile --no-loadscope-reorder
-  tier 8 .venv-newest/bin/python -m "e2e and torch_version and serial and not xla"
+  tier 12 .venv-newest/bin/python -m "e2e and torch_version and not serial and not xla" -n 2 --dist loadfile --no-loadscope-reorder
+  tier 6 .venv-newest/bin/python -m "e2e and torch_version and serial and not xla"
 fi
