@@ -60,6 +60,23 @@ def run_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["xla-shard", *args], code, out.out, out.err)
 
 
+def run_worker(script: str, *args: str, nproc: int = 0, cwd: Path, env: dict | None = None, timeout: int = 600
+               ) -> subprocess.CompletedProcess:
+    """tests/workers/SCRIPT ARGS in a fresh process (under torchrun, `nproc` processes, when nproc > 0), asserted
+    to succeed."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc \
+        else [sys.executable]
+    done = subprocess.run([*launcher, str(WORKERS / script), *args], env={**_env(), **(env or {})},
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def runs_args(runs) -> list[str]:
+    """Several runs' overrides on a worker's command line (tests/workers/runs.py): `-- RUN -- RUN ...`."""
+    return [arg for run in runs for arg in ("--", *run)]
+
+
 def run_probe(out: Path, *overrides: str, nproc: int = 0, timeout: int = 600, each: list[list[str]] = ()
               ) -> dict | list[dict]:
     """tests/workers/probe.py in a fresh process (under torchrun when nproc > 0); returns what it saved. `each`:
@@ -67,11 +84,7 @@ def run_probe(out: Path, *overrides: str, nproc: int = 0, timeout: int = 600, ea
     the list of what they saved."""
     import torch
 
-    probe = [str(WORKERS / "probe.py"), str(out), *overrides, *[arg for run in each for arg in ("--", *run)]]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc \
-        else [sys.executable]
-    done = subprocess.run(launcher + probe, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=out.parent)
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_worker("probe.py", str(out), *overrides, *runs_args(each), nproc=nproc, cwd=out.parent, timeout=timeout)
     return torch.load(out)
 
 
@@ -242,13 +255,9 @@ def sgd_losses(model, source, lr: float, steps: int) -> list[float]:
 def run_trainings(root: Path, common: list[str], each: dict[str, list[str]], nproc: int = 0) -> dict[str, list[dict]]:
     """tests/workers/train_runs.py: each run of `each` ({name: its overrides, added to `common`}) trained in turn
     in one fresh process (under torchrun when nproc > 0), into root/NAME; returns each run's metrics records."""
-    runs = [[*overrides, f"output_dir={root / name}"] for name, overrides in each.items()]
-    script = [str(WORKERS / "train_runs.py"), *common, *[arg for run in runs for arg in ("--", *run)]]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc \
-        else [sys.executable]
     root.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(launcher + script, env=_env(), capture_output=True, text=True, timeout=900, cwd=root)
-    assert done.returncode == 0, done.stderr[-4000:]
+    runs = [[*overrides, f"output_dir={root / name}"] for name, overrides in each.items()]
+    run_worker("train_runs.py", *common, *runs_args(runs), nproc=nproc, cwd=root, timeout=900)
     return {name: [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
             for name in each}
 
@@ -257,10 +266,5 @@ def run_load_probe(out: Path, *overrides: str, nproc: int = 0, env: dict | None 
     """tests/workers/load_probe.py (under torchrun when nproc > 0); what each writing process saved."""
     import torch
 
-    probe = [str(WORKERS / "load_probe.py"), str(out), *overrides]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc \
-        else [sys.executable]
-    done = subprocess.run(launcher + probe, env={**_env(), **(env or {})}, capture_output=True, text=True,
-                          timeout=600, cwd=out.parent)
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_worker("load_probe.py", str(out), *overrides, nproc=nproc, cwd=out.parent, env=env)
     return [torch.load(path) for path in sorted(out.parent.glob(f"{out.name}.*.pt"))]

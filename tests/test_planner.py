@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, _env, run_in_process
+from conftest import REPO, _env, run_in_process, run_worker, runs_args
 
 from xla_shard import config, plan
 from xla_shard.backends.torch_fsdp import TorchFsdpBackend
@@ -275,13 +275,9 @@ def fsdp2_runs(tmp_path_factory):
     """tests/workers/fsdp2_collectives.py: each of FSDP2_RUNS in turn, in one torchrun of 4 processes."""
     tmp = tmp_path_factory.mktemp("fsdp2")
     out = tmp / "runs.json"
-    runs = [("--", f"fsdp.sharding={{params: {p}, grads: {g}, optimizer: {o}, params_after_forward: {kept}}}")
+    runs = [[f"fsdp.sharding={{params: {p}, grads: {g}, optimizer: {o}, params_after_forward: {kept}}}"]
             for p, g, o, kept in FSDP2_RUNS]
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                           str(REPO / "tests/workers/fsdp2_collectives.py"), str(out), "3", *FSDP2_SETS,
-                           *[arg for run in runs for arg in run]],
-                          env=_env(), capture_output=True, text=True, timeout=600, cwd=tmp)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_worker("fsdp2_collectives.py", str(out), "3", *FSDP2_SETS, *runs_args(runs), nproc=4, cwd=tmp)
     return dict(zip(FSDP2_RUNS, json.loads(out.read_text())))
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FIXTURES, WORKERS, _env, backend_params, run_cli, run_trainings, runnable
+from conftest import FIXTURES, WORKERS, _env, backend_params, run_cli, run_trainings, run_worker, runnable, runs_args
 
 from xla_shard import config
 from xla_shard.data import SyntheticSource
@@ -142,11 +142,8 @@ def test_two_micro_batches_make_the_same_update_as_one_batch(clipped_runs, backe
 @pytest.mark.slow
 def test_fsdp2_reduces_gradients_once_per_step_whatever_the_micro_batches(tmp_path):
     out = tmp_path / "counts.json"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(WORKERS / "fsdp2_collectives.py"), str(out), "1", *TINY, "backend=torch_fsdp",
-                           "--", "train.grad_accum_steps=1", "--", "train.grad_accum_steps=4"],
-                          env=_env(), capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_worker("fsdp2_collectives.py", str(out), "1", *TINY, "backend=torch_fsdp",
+               *runs_args([["train.grad_accum_steps=1"], ["train.grad_accum_steps=4"]]), nproc=2, cwd=tmp_path)
     counts = [sum(v["count"] for k, v in run["collectives"].items() if k.startswith("reduce-scatter"))
               for run in json.loads(out.read_text())]
     assert counts[0] > 0 and counts[1] == counts[0], counts

@@ -189,8 +189,9 @@ def _plan_hardware(args):
             raise UserError(f"--accelerator {args.accelerator}: give --devices, or name a slice (v5p-64)")
         return hardware
     from xla_shard.aot import target
+    from xla_shard.deploy import tpu
 
-    if args.accelerator.split("-")[0] not in ("v4", "v5litepod", "v5p", "v6e", "tpu7x"):
+    if args.accelerator.split("-")[0] not in {generation.prefix for generation in tpu.GENERATIONS.values()}:
         raise UserError(f"--accelerator {args.accelerator!r}: choose one of {', '.join(_accelerators())}, or a TPU "
                         "slice (v5p-64, v6e-256, tpu7x-128, v5litepod-16)")
     chosen = target.parse(args.accelerator, "--accelerator")

@@ -49,7 +49,7 @@ def main(out: str, steps: str, *args: str) -> None:
     for name, (op, result, result_at) in RECORDED.items():
         if hasattr(dist, name):
             setattr(dist, name, wrap(op, result, result_at, getattr(dist, name)))
-    results = []
+    results, trainer = [], None
     for index, run in enumerate(runs):
         seen.clear()
         recording[0] = True
@@ -60,11 +60,10 @@ def main(out: str, steps: str, *args: str) -> None:
             recording[0] = False
         memory = bytes_after_backward(trainer, int(steps))
         results.append({"losses": losses, "collectives": dict(seen), "memory": memory})
-        del trainer
-    if dist.get_rank() == 0:
+    if trainer.backend.processes.is_main:
         with open(out, "w") as f:
             json.dump(results, f)
-    dist.destroy_process_group()
+    trainer.backend.shutdown()
 
 
 if __name__ == "__main__":

@@ -86,15 +86,14 @@ def open_fs(url: str, retried_by_caller: bool = False):
     as its default class at import (its experimental one probes each bucket over gRPC, which hung a test run
     for minutes when gcsfs had been imported before the emulator was set). `retried_by_caller`: gs:// gets
     a client that tries each request once (xla_shard/io/gcs.py), for `Storage`, which retries to its deadline."""
-    if url.startswith(("gs://", "gcs://")) and (retried_by_caller or _emulated(url)):
-        if retried_by_caller:
-            from xla_shard.io.gcs import SingleAttemptGCSFileSystem as GCSFileSystem
-        else:
-            from gcsfs.core import GCSFileSystem
-
-        fs = GCSFileSystem(**storage_options(url))
-        return fs, fs._strip_protocol(url)
-    return url_to_fs(url, **storage_options(url))
+    if retried_by_caller and url.startswith(("gs://", "gcs://")):
+        from xla_shard.io.gcs import SingleAttemptGCSFileSystem as GCSFileSystem
+    elif _emulated(url):
+        from gcsfs.core import GCSFileSystem
+    else:
+        return url_to_fs(url, **storage_options(url))
+    fs = GCSFileSystem(**storage_options(url))
+    return fs, fs._strip_protocol(url)
 
 
 def _matches(parts: list[str], segments: list[str]) -> bool:
