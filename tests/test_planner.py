@@ -164,6 +164,42 @@ def test_hlo_collectives_are_keyed_by_group_size_and_stride_in_both_spellings_of
                                  ("reduce-scatter", 2, 4): {"count": 1, "bytes": 8}}
 
 
+def test_compiled_collectives_are_counted_wherever_they_run_as_often_as_they_run():
+    """An async pair once; a collective in a fusion as the fusion runs; in a while loop's body, once per
+    iteration; the TPU compiler's `all-reduce-scatter` fusion as the reduce-scatter of its result."""
+    from xla_shard.planner.hlo import collective_totals
+
+    text = "\n".join([
+        "HloModule step",
+        "%gather (x: f32[4]) -> f32[8] {",
+        "  ROOT %g = f32[8]{0} all-gather(f32[4]{0} %x), replica_groups={{0,1}}, dimensions={0}",
+        "}",
+        "%all-reduce-scatter.3 (input: f32[8]) -> f32[4] {",
+        "  %r = f32[8]{0} all-reduce(f32[8]{0} %input), replica_groups={{0,1}}, to_apply=%add",
+        "  ROOT %d = f32[4]{0} dynamic-slice(%r, %o), dynamic_slice_sizes={4}",
+        "}",
+        "%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {",
+        "  %f = f32[8]{0} fusion(f32[4]{0} %x), kind=kCustom, calls=%gather",
+        "  %rs = f32[4]{0} fusion(f32[8]{0} %f), kind=kCustom, calls=%all-reduce-scatter.3",
+        "  ROOT %t = (s32[], f32[4]) tuple(%i, %rs)",
+        "}",
+        "%cond (p: (s32[], f32[4])) -> pred[] {",
+        "  ROOT %lt = pred[] compare(%i, %n), direction=LT",
+        "}",
+        "ENTRY %main (a: f32[4]) -> f32[8] {",
+        "  %s = (f32[4]{0}, f32[8]{0}) all-gather-start(f32[4]{0} %a), replica_groups={{0,1}}, dimensions={0}",
+        "  %d = f32[8]{0} all-gather-done(%s)",
+        "  %w = (s32[], f32[4]) while(%t0), condition=%cond, body=%body",
+        "  ROOT %r = bf16[8]{0} all-reduce(bf16[8]{0} %d), replica_groups={{0,1}}, to_apply=%add",
+        "}",
+    ])
+    totals = collective_totals(text, loop_trips=3)
+    assert totals["all-gather"] == {"count": 1 + 3, "bytes": 32 + 3 * 32}  # the start's result, not its operand
+    assert totals["reduce-scatter"] == {"count": 3, "bytes": 3 * 16}
+    assert totals["all-reduce"] == {"count": 1, "bytes": 16}
+    assert collective_totals(text)["all-gather"] == {"count": 2, "bytes": 64}
+
+
 def test_device_kinds_map_to_the_table():
     assert for_device_kind("NVIDIA H100 80GB HBM3").name == "H100 80GB"
     assert for_device_kind("tpu v5litepod-16").name == "TPU v5e"

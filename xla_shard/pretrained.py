@@ -239,15 +239,16 @@ class PretrainedWeights:
             buffer.copy_((torch.stack(values) if name in per_layer else values[0]).to(buffer.device))
 
 
-def build_for(cfg, accelerator: str | None = None, capabilities=None):
+def build_for(cfg, accelerator: str | None = None, capabilities=None, empty: bool = False):
     """The config's model and its pretrained weights (None for random init), matched to each other: on the
-    meta device when weights will fill it after wrapping. `accelerator` picks the attention kernel, the
-    backend's `capabilities` how MoE experts run and whether their router loss can. Returns (model, weights,
-    source)."""
+    meta device when weights will fill it after wrapping, or when `empty` (a trace that never reads a value:
+    `xla-shard compile`). `accelerator` picks the attention kernel, the backend's `capabilities` how MoE experts
+    run and whether their router loss can. Returns (model, weights, source)."""
     deadline = cfg.checkpoint.retry_deadline_s
     source = resolve_source(cfg.model, deadline)
     weights = PretrainedWeights.find(source, cfg.model.init, deadline)
-    model = build_model(cfg.model, cfg.train.seed, empty=weights is not None, source=source, accelerator=accelerator,
+    empty = empty or weights is not None
+    model = build_model(cfg.model, cfg.train.seed, empty=empty, source=source, accelerator=accelerator,
                         experts=capabilities.experts if capabilities else None)
     if capabilities and capabilities.router_aux_loss and getattr(model.config, "output_router_logits", False):
         capabilities.refuse("model.overrides.output_router_logits", f"is true for {source.name}, and "
@@ -256,7 +257,7 @@ def build_for(cfg, accelerator: str | None = None, capabilities=None):
     adapters = None
     if cfg.model.lora is not None:
         adapters, _ = lora.inject(model, cfg.model.lora, cfg.model.task, cfg.train.seed)
-        if weights is None:
+        if not empty:
             lora.materialize(model, adapters)
     if weights is not None:
         weights.match(model, cfg.train.seed, adapters)

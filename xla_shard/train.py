@@ -167,7 +167,8 @@ class Trainer:
         cfg = self.cfg
         backend = backends.start(cfg, self.backend)
         self._log(f"{backend.name} on {backend.num_devices} {backend.device_kind} device(s): {backend.plan}")
-        model, weights, source = build_for(cfg, backend.accelerator, backend.capabilities)
+        model, weights, source = build_for(cfg, backend.accelerator, backend.capabilities,
+                                           empty=backend.placeholders)
         check_sequence_length(model.config, cfg.train.seq_len)
         check_output_dir(cfg.output_dir)
         self.flops_per_token = train_flops_per_token(model, cfg.train.seq_len)
@@ -207,6 +208,7 @@ class Trainer:
                   + (" (model.attn_implementation=auto)" if cfg.model.attn_implementation == "auto" else ""))
         if weights is None:
             origin = (f"weights from the step-{self.start_step} checkpoint" if self.start_step
+                      else "placeholders for its parameters (traced, never run)" if backend.placeholders
                       else f"random init from train.seed={cfg.train.seed}")
             self._log(f"model: {model_class}, " + origin
                       + ("" if source.directory is None else f" (model.init={cfg.model.init})"))

@@ -1,8 +1,10 @@
 """libtpu, driven through jax's compile-only client: no TPU needed to compile for one.
 
 The client compiles StableHLO for a topology's devices; torch_xla's HloModuleProto is converted with jaxlib's
-own `hlo_to_stablehlo`. Partitioning is torch_xla's SPMD: the program's sharding annotations, propagated to the
-parameters and outputs, over `num_partitions` = the slice's devices. libtpu prints warnings about TPU metadata
+own `hlo_to_stablehlo`. Partitioning is torch_xla's SPMD, with torch_xla's own options: each parameter keeps
+the sharding its tensor has, the outputs' shardings are propagated, over `num_partitions` = the slice's
+devices. A placeholder's sharding (annotated on its first op: it has no data to lay out) is moved onto its
+parameter first, where torch_xla puts a real tensor's. libtpu prints warnings about TPU metadata
 it cannot find on a machine that has no TPU; they are silenced (TPU_* variables it would read are set to
 neutral values only for the duration of the call, where unset).
 """
@@ -61,12 +63,12 @@ def compile_program(proto: bytes, devices: list) -> Compiled:
     build = options.executable_build_options
     build.num_replicas, build.num_partitions = 1, len(devices)
     build.use_spmd_partitioning = True
-    build.allow_spmd_sharding_propagation_to_parameters = [True]
+    build.allow_spmd_sharding_propagation_to_parameters = [False]
     build.allow_spmd_sharding_propagation_to_output = [True]
     build.device_assignment = xla_client.DeviceAssignment.create(np.array([[d.id for d in devices]]))
     with _quiet_libtpu():
         try:
-            executable = devices[0].client.compile(mlir.hlo_to_stablehlo(proto),
+            executable = devices[0].client.compile(_pin_parameters(mlir.hlo_to_stablehlo(proto)),
                                                    jaxlib_client.DeviceList(tuple(devices)), options)
         except Exception as exc:  # noqa: BLE001 - what the TPU compiler rejected, said in one line
             text = " ".join(str(exc).split())
@@ -81,6 +83,35 @@ def compile_program(proto: bytes, devices: list) -> Compiled:
                     memory.alias_size_in_bytes, memory.temp_size_in_bytes, memory.generated_code_size_in_bytes,
                     float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)),
                     executable.hlo_modules()[0].to_string())
+
+
+def _pin_parameters(program: bytes) -> bytes:
+    """The StableHLO `program` with each unsharded parameter given the sharding its first op annotates (the
+    `Sharding` custom call a placeholder's layout is traced as)."""
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib.mlir import ir
+
+    with jax_mlir.make_ir_context():
+        module = ir.Module.parse(program)
+        main = next(op for op in module.body.operations if ir.StringAttr(op.attributes["sym_name"]).value == "main")
+        arguments = main.regions[0].blocks[0].arguments
+        attrs = (list(ir.ArrayAttr(main.attributes["arg_attrs"])) if "arg_attrs" in main.attributes
+                 else [ir.DictAttr.get({})] * len(arguments))
+        for index, argument in enumerate(arguments):
+            if _SHARDING in ir.DictAttr(attrs[index]):
+                continue
+            for use in argument.uses:
+                op = use.owner
+                if ("call_target_name" in op.attributes and _SHARDING in op.attributes
+                        and ir.StringAttr(op.attributes["call_target_name"]).value == "Sharding"):
+                    attrs[index] = ir.DictAttr.get({**{a.name: a.attr for a in ir.DictAttr(attrs[index])},
+                                                    _SHARDING: op.attributes[_SHARDING]})
+                    break
+        main.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
+        return module.operation.get_asm(binary=True)
+
+
+_SHARDING = "mhlo.sharding"
 
 
 class CompileRejected(UserError):

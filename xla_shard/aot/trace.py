@@ -3,15 +3,18 @@ slice has, and left unrun: its HloModuleProto is what the TPU compiler gets.
 
 It is the trainer's own step (`Trainer.step`: micro-batches, token weights, mixed precision, clipping, the
 optimizer, the backend's shardings for the plan), on the config's own data, with the model built from its
-config (`model.init: random`: no weights read). The optimizer's state is made as a resume makes it, so the
-traced program is the one every step after the first repeats; no step runs, so no activation is ever held in
-host memory (the parameters and optimizer state are, sharded over the virtual devices). Nothing is written.
+config on the meta device (no weights read). The parameters and the optimizer's state are placeholders:
+XLA tensors with no storage, laid out by the backend's own shardings (annotated on their values, which XLA
+propagates back to the program's parameters). The optimizer's state is made as a resume makes it, so the traced
+program is the one every step after the first repeats. No step runs and nothing is allocated at the model's
+size: only the batch and the model's buffers hold host memory. Nothing is written.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 
@@ -32,26 +35,34 @@ class Trace:
     batch: int
     updated: int  # of those, what the step writes back in place (trained parameters, optimizer state)
     model_flops: float  # per step, all devices: PaLM's count, as the trainer's MFU
+    loop_trips: int = 1  # iterations of the program's loops: the scanned layers (1: no loop)
 
 
 def step_config(cfg: ShardConfig, devices: int, workdir: str) -> ShardConfig:
     """The config as traced: xla_spmd on `devices` virtual devices, random init, nothing written but in
     `workdir`, no evaluation."""
-    data = cfg.model_dump(mode="json", by_alias=True)
+    data = cfg.model_dump(mode="json", by_alias=True, exclude_unset=True)  # as written: validated as it was
     data.update(backend="xla_spmd", cpu_devices=devices, output_dir=workdir)
-    data["model"]["init"] = "random"
-    data["checkpoint"]["dir"] = None
-    data["train"].update(tensorboard=False, steps=max(2, cfg.train.steps or 2), epochs=None, eval_every=None)
+    data.setdefault("model", {})["init"] = "random"
+    data.setdefault("checkpoint", {})["dir"] = None
+    data.setdefault("train", {}).update(tensorboard=False, steps=max(2, cfg.train.steps or 2), epochs=None,
+                                        eval_every=None)
     return ShardConfig.model_validate(data)
 
 
-def trace(cfg: ShardConfig, devices: int) -> Trace:
+def trace(cfg: ShardConfig, devices: int, placeholders: bool = True) -> Trace:
+    """`placeholders=False` traces with real parameters and state (host memory at the model's size): the
+    reference a test holds the placeholders' program to."""
+    from xla_shard import backends
+    from xla_shard.backends import xla_scan
     from xla_shard.train import Trainer
 
     _claim_devices(devices)
     with tempfile.TemporaryDirectory(prefix="xla_shard_compile_") as workdir:
-        trainer = Trainer(step_config(cfg, devices, workdir)).setup()
-        backend = trainer.backend
+        traced = step_config(cfg, devices, workdir)
+        backend = backends.create(traced)
+        backend.placeholders = placeholders
+        trainer = Trainer(traced, backend).setup()
         _optimizer_state(trainer)
         batch = sum(t.numel() * t.element_size() for rows in trainer.micro_batches(1) for t in rows.values())
         params = list(trainer.model.parameters())
@@ -59,21 +70,27 @@ def trace(cfg: ShardConfig, devices: int) -> Trace:
         states = [v for s in trainer.optimizer.state.values() for v in s.values()
                   if isinstance(v, torch.Tensor) and v.device.type == "xla"]
         # Measured before tracing, from the shardings (no data read: that would run the pending step).
-        sizes = [sum(_device_bytes(backend.state, t) for t in tensors) for tensors in (params, states, trained)]
+        sizes = [sum(_device_bytes(t) for t in tensors) for tensors in (params, states, trained)]
+        stacked = xla_scan.stacked_parameters(trainer.model)
+        trips = next(iter(stacked)).shape[0] if stacked else 1
         proto = backend.traced_program(lambda: trainer.step(1), lambda: [*trained, *states])
         tokens = cfg.train.global_batch_size * cfg.train.seq_len
         return Trace(proto, backend.num_devices, str(backend.plan), sizes[0], sizes[1], batch // backend.num_devices,
-                     sizes[2] + sizes[1], trainer.flops_per_token * tokens)
+                     sizes[2] + sizes[1], trainer.flops_per_token * tokens, trips)
 
 
-def _device_bytes(state, tensor: torch.Tensor) -> int:
-    """Bytes of `tensor` on one device: its largest shard (XLA pads uneven ones to it), or all of it where it
-    is not sharded (one device, a replicated plan)."""
+def _device_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of `tensor` on one device, from its sharding: its largest shard (XLA pads uneven ones to it), or
+    all of it where it is not split (one device, a replicated plan). Placeholders have no shards to ask."""
     import torch_xla
 
-    if not torch_xla._XLAC._get_xla_sharding_spec(tensor):
-        return tensor.numel() * tensor.element_size()
-    return max(math.prod(sizes) for _, sizes in state.local_boxes(tensor)) * tensor.element_size()
+    tiles = _TILES.search(torch_xla._XLAC._get_xla_sharding_spec(tensor))
+    split = [int(n) for n in tiles.group(1).split(",")] if tiles else []
+    split += [1] * (tensor.dim() - len(split))  # beyond the tensor's dims: replicas of each tile
+    return math.prod(-(-size // n) for size, n in zip(tensor.shape, split)) * tensor.element_size()
+
+
+_TILES = re.compile(r"devices=\[([0-9,]+)\]")  # an OpSharding's tile counts per dimension
 
 
 def _optimizer_state(trainer) -> None:

@@ -36,6 +36,9 @@ class Backend(abc.ABC):
     # Module names its wrappers insert into parameter names; removed so every backend saves the same names.
     wrapper_prefixes: ClassVar[tuple[str, ...]] = ()
     state_type: ClassVar[type[BackendState]] = BackendState  # where this backend's shards are
+    # Parameters and optimizer state without storage: a step that is traced and compiled, never run
+    # (`xla-shard compile`). Only a backend that can trace without data sets it (xla_spmd).
+    placeholders = False
 
     def __init__(self, cfg: ShardConfig):
         self.cfg = cfg
@@ -108,9 +111,7 @@ class Backend(abc.ABC):
                     buffer.copy_(buffers[name])
         else:
             model = model.to(self.device)
-        if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
-            model.tie_weights()
-        return model
+        return retie(model)
 
     # ---- the step ----------------------------------------------------------------------------------
     def local_batch(self, global_batch: Batch | torch.Tensor) -> Batch | torch.Tensor:
@@ -173,6 +174,13 @@ class Backend(abc.ABC):
         backend that shards optimizer state apart from the parameters hooks it here). Own training loops pass
         their optimizer through this too."""
         return optimizer
+
+
+def retie(model: nn.Module) -> nn.Module:
+    """Tie again what a move to another device untied (each parameter replaced: pytorch/xla#7042)."""
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
 
 
 def on_meta(model: nn.Module) -> bool:

@@ -140,7 +140,10 @@ class XlaBackend(Backend):
             loss = run_step()
         finally:
             del self.after_step
-        return torch_xla._XLAC._get_xla_tensors_hlo_proto([loss, *updated()])
+        program = torch_xla._XLAC._get_xla_tensors_hlo_proto([loss, *updated()])
+        # Never run: a later step (or another trace in this process) must not execute it, placeholders and all.
+        torch_xla._XLAC._clear_pending_irs(str(self.device))
+        return program
 
     def prepare_wrap(self, model: nn.Module):
         """Apply activation checkpointing (before sharding, so the wrapper's hooks stay outside the recomputed

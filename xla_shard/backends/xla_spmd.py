@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from xla_shard.backends import xla_common, xla_scan
+from xla_shard.backends.base import on_meta, retie
 from xla_shard.backends.processes import GroupProcesses, Processes
 from xla_shard.backends.state import BackendState
 from xla_shard.capabilities import Capabilities
@@ -46,6 +47,13 @@ def slices_outermost(shape: tuple[int, ...], slices: int) -> tuple[int, ...] | N
         dcn.append(math.gcd(size, left))
         left //= dcn[-1]
     return tuple(dcn) if left == 1 else None
+
+
+def placeholder(like: torch.Tensor) -> torch.Tensor:
+    """An XLA tensor shaped as `like` with no buffer (torch_xla's `create_placeholder_tensor`): traced, never read."""
+    from torch_xla.core.xla_builder import create_placeholder_tensor
+
+    return create_placeholder_tensor(tuple(like.shape), like.dtype)
 
 
 def annotator(mesh, spec: tuple) -> Callable[[torch.Tensor], None]:
@@ -152,13 +160,14 @@ class SpmdState(BackendState):
 
     def zeros_like(self, param: torch.Tensor) -> torch.Tensor:
         import torch_xla
-        import torch_xla.distributed.spmd as xs
 
-        zeros = torch.zeros_like(param)
-        layouts = self.backend.layouts.get(param)
+        backend = self.backend
+        zeros = placeholder(param) if backend.placeholders else torch.zeros_like(param)
+        layouts = backend.layouts.get(param)
         if layouts:
-            xs.mark_sharding(zeros, self.backend.mesh, layouts.optimizer)
-        torch_xla.sync()  # shards exist only once the tensor is materialised
+            backend.mark(zeros, layouts.optimizer)
+        if not backend.placeholders:
+            torch_xla.sync()  # shards exist only once the tensor is materialised
         return zeros
 
     def rng_state(self) -> dict:
@@ -271,10 +280,13 @@ class XlaSpmdBackend(xla_common.XlaBackend):
             policy = self.prepare_wrap(model)
         model = self.to_device(model)
         stacked = xla_scan.stacked_parameters(model)
+        if self.placeholders:  # FSDPv2 would mark them itself, which a placeholder refuses
+            for param in model.parameters():
+                self.mark(param, Layouts.of(param, stacked=param in stacked).params)
         if self.plan.params == 1:
             wrapped = model  # replicated parameters; the sharded batch makes it data-parallel
         else:
-            for param in stacked:  # FSDPv2 marks only the parameters nobody has marked yet
+            for param in stacked - self._marked(model):  # FSDPv2 marks only the parameters nobody has marked yet
                 xs.mark_sharding(param, self.mesh, Layouts.of(param, stacked=True).params)
             wrapped = SpmdFullyShardedDataParallel(
                 model, mesh=self.mesh, shard_output=self._shard_output, auto_wrap_policy=policy,
@@ -282,6 +294,30 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         if not self.plan.replicate_only:
             self._annotate(wrapped, stacked)
         return wrapped
+
+    def to_device(self, model: nn.Module, device=None) -> nn.Module:
+        """With `placeholders`, a model on the meta device gets placeholders for parameters, not storage."""
+        if not (self.placeholders and on_meta(model)):
+            return super().to_device(model, device)
+        return retie(model._apply(lambda t: placeholder(t) if t.is_meta else t.to(self.device)))
+
+    def mark(self, tensor: torch.Tensor, spec: tuple) -> None:
+        """Lay out a parameter or optimizer state by `spec`. A placeholder cannot be laid out (`mark_sharding`
+        finds no data): its value is annotated with the sharding instead, which XLA propagates back to the
+        program's parameter, as the compiler options of `xla-shard compile` allow."""
+        import torch_xla
+        import torch_xla.distributed.spmd as xs
+
+        if self.placeholders:
+            torch_xla._XLAC._xla_annotate_custom_sharding(tensor, self.mesh.get_op_sharding(spec))
+        else:
+            xs.mark_sharding(tensor, self.mesh, spec)
+
+    @staticmethod
+    def _marked(model: nn.Module) -> set[nn.Parameter]:
+        import torch_xla
+
+        return {p for p in model.parameters() if torch_xla._XLAC._get_xla_sharding_spec(p)}
 
     def _annotate(self, model: nn.Module, stacked: set[nn.Parameter]) -> None:
         """Give each parameter its layouts. FSDPv2 has marked the parameters (P > 1); replicated ones are
@@ -291,16 +327,15 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         shard across the other N/G). With micro-batches that happens for each one: XLA's sharding propagation
         carries the annotation back through the accumulation (leaving the earlier micro-batches unannotated
         changes nothing, measured), so the gradient traffic is k times FSDP2's, which reduces once."""
-        import torch_xla.distributed.spmd as xs
-
         def shard(spec):
             mark = annotator(self.mesh, spec)
             return lambda param: mark(param.grad)
 
+        marked = self._marked(model)
         for param in model.parameters():
             layouts = self.layouts[param] = Layouts.of(param, stacked=param in stacked)
-            if self.plan.params == 1:
-                xs.mark_sharding(param, self.mesh, layouts.params)
+            if param not in marked:  # by FSDPv2 (P > 1), or as placeholders
+                self.mark(param, layouts.params)
             if param.requires_grad:  # frozen weights (LoRA's base) have no gradient
                 param.register_post_accumulate_grad_hook(shard(layouts.grads))
 

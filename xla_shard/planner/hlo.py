@@ -41,18 +41,55 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.-]+ = (.*?) (" + "|".join(KINDS)
 _TENSOR = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 
 
-def collective_totals(hlo_text: str) -> dict[str, dict[str, int]]:
-    """{kind: {"count", "bytes"}} of every collective in an optimized program, any kind (KINDS), sync or async
-    (an async pair counted once, at its start); bytes of each op's results, all of a combined op's tensors."""
+def collective_totals(hlo_text: str, loop_trips: int = 1) -> dict[str, dict[str, int]]:
+    """{kind: {"count", "bytes"}} of every collective an optimized program runs, any kind (KINDS), sync or async
+    (an async pair counted once, at its start); bytes of each op's results, all of a combined op's tensors.
+
+    Wherever it sits: in a fusion (the TPU compiler fuses collectives with their neighbours), and in a while
+    loop's body, once per iteration: `loop_trips` times (a traced step's loops are its scanned layers). The TPU
+    compiler spells a reduce-scatter as an `all-reduce-scatter` fusion (an all-reduce, then each device's
+    slice), which it runs as one: it is counted as a reduce-scatter of the fusion's result."""
+    computations = {name: (header, body) for header, name, body in _COMPUTATION.findall(hlo_text)}
+    runs = _runs(computations, loop_trips)
     totals = {kind: {"count": 0, "bytes": 0} for kind in KINDS}
-    for match in _INSTRUCTION.finditer(hlo_text):
-        result, kind, start = match.groups()
-        tensors = _TENSOR.findall(result)
-        if start and len(tensors) > 1:  # an async start's tuple holds its operands, then its results
-            tensors = tensors[len(tensors) // 2:]
-        totals[kind]["count"] += 1
-        totals[kind]["bytes"] += sum(_tensor_bytes(dtype, dims) for dtype, dims in tensors)
+    for name, (header, body) in computations.items():
+        for match in _INSTRUCTION.finditer(body):
+            result, kind, start = match.groups()
+            tensors = _TENSOR.findall(result)
+            if start and len(tensors) > 1:  # an async start's tuple holds its operands, then its results
+                tensors = tensors[len(tensors) // 2:]
+            if kind == "all-reduce" and name.startswith("all-reduce-scatter"):
+                kind, tensors = "reduce-scatter", _TENSOR.findall(header.rpartition("->")[2])
+            totals[kind]["count"] += runs.get(name, 0)
+            totals[kind]["bytes"] += runs.get(name, 0) * sum(_tensor_bytes(dtype, dims) for dtype, dims in tensors)
     return totals
+
+
+def _runs(computations: dict[str, tuple[str, str]], loop_trips: int) -> dict[str, int]:
+    """How many times each computation runs per execution of the entry one, through every call (a fusion, an
+    async op, a branch, a while loop's condition and body: `loop_trips` times)."""
+    calls = {name: [(callee, loop_trips if site == "body" else 1) for site, callee in _CALL.findall(body)]
+             for name, (_, body) in computations.items()}
+    entry = next(name for name, (header, _) in computations.items() if header.startswith("ENTRY"))
+    runs: dict[str, int] = {entry: 1}
+    order, seen = [], set()
+
+    def visit(name: str) -> None:  # callees after all their callers: a reverse post-order from the entry
+        seen.add(name)
+        for callee, _ in calls.get(name, []):
+            if callee not in seen and callee in computations:
+                visit(callee)
+        order.append(name)
+
+    visit(entry)
+    for name in reversed(order):
+        for callee, times in calls.get(name, []):
+            runs[callee] = runs.get(callee, 0) + runs.get(name, 0) * times
+    return runs
+
+
+_COMPUTATION = re.compile(r"^((?:ENTRY )?%?([\w.-]+) [^\n]*)\{\n(.*?)^\}", re.M | re.S)
+_CALL = re.compile(r"\b(calls|body|condition|branch_computations|called_computations)=\{?%([\w.-]+)")
 
 
 def _first_group(groups: str) -> list[int]:

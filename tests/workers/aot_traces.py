@@ -1,0 +1,56 @@
+"""Trace several configs' steps for one TPU slice as `xla-shard compile` does (placeholders for parameters and
+optimizer state), compile each with libtpu, and print what the compiler says of it beside what the planner's
+cost model predicts, one JSON line per run. With --real, each is also traced with real parameters and state:
+the placeholders must not change the program.
+
+Usage: aot_traces.py SLICE [--real] [KEY=VALUE ...] -- [KEY=VALUE ...] [-- ...]   (common overrides, then each run's)
+"""
+
+import json
+import sys
+
+from runs import split_runs
+
+from xla_shard import config, planner
+from xla_shard.aot import compiler, target, trace
+from xla_shard.backends.xla_spmd import XlaSpmdBackend
+from xla_shard.plan import Triple
+from xla_shard.planner import cost, hlo
+from xla_shard.planner.settle import settle
+
+
+def compiled(cfg, devices, placeholders: bool) -> dict:
+    traced = trace.trace(cfg, len(devices), placeholders=placeholders)
+    program = compiler.compile_program(traced.proto, devices)
+    return {"traced": [traced.parameters, traced.optimizer_state, traced.batch],
+            "memory": [program.argument_bytes, program.output_bytes, program.temp_bytes],
+            "flops": program.flops, "collectives": hlo.collective_totals(program.hlo_text, traced.loop_trips)}
+
+
+def predicted(cfg, devices: int) -> dict:
+    """The cost model's bytes per device for parameters + optimizer state, and its collectives' result bytes
+    by kind (a reduce-scatter's result is one shard of the tensor it reduces), as the compiled program counts."""
+    work = planner.workload(cfg, devices, XlaSpmdBackend.capabilities)
+    plan = settle(cfg, devices, XlaSpmdBackend.capabilities, "cpu")
+    triple = Triple(plan.params, plan.grads, plan.optimizer, plan.after_forward)
+    held = cost.memory(work, triple)
+    results: dict[str, float] = {}
+    for x in cost.collectives(work, triple, devices):
+        results[x.op] = results.get(x.op, 0) + (x.tensor_bytes / x.size if x.op == "reduce-scatter" else x.tensor_bytes)
+    return {"params_and_optimizer": held["params"] + held["optimizer"], "collectives": results}
+
+
+def main(slice_name: str, *args: str) -> None:
+    real = "--real" in args
+    common, *runs = split_runs([a for a in args if a != "--real"])
+    devices = compiler.topology_devices(target.parse(slice_name).topology)
+    for run in runs:
+        cfg = config.load(None, [*common, *run])
+        result = {"placeholders": compiled(cfg, devices, True), "planner": predicted(cfg, len(devices))}
+        if real:
+            result["real"] = compiled(cfg, devices, False)
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
