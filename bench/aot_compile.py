@@ -54,7 +54,7 @@ def main() -> None:
     chosen = target.parse(args.tpu)
     devices = compiler.topology_devices(chosen.topology)
     started = time.perf_counter()
-    traced = trace.trace(cfg, len(devices))
+    traced = trace.trace(cfg, devices)
     traced_s, traced_peak = time.perf_counter() - started, host_peak()
     started = time.perf_counter()
     compiled = compiler.compile_program(traced.proto, devices)

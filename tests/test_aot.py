@@ -38,11 +38,12 @@ def _compile(*args):
 
 @pytest.mark.e2e
 def test_the_trainers_step_compiles_for_a_tpu_and_holds_its_shards_per_device():
-    """small-llama, FULL_SHARD over the 4 devices of a v5p-8: the TPU program takes, per device, the shards the
-    CPU trace holds (parameters and AdamW state, 1/4 each: within 2% of the compiled arguments with the batch),
-    gathers them (all-gathers), reduces gradients, and fits."""
+    """small-llama, FULL_SHARD over the 4 devices of a v5p-8, 256-token sequences: the TPU program runs Pallas
+    flash attention (`auto` on a TPU), takes, per device, the shards the CPU trace holds (parameters and AdamW
+    state, 1/4 each: within 2% of the compiled arguments with the batch), gathers them (all-gathers), reduces
+    gradients, and fits."""
     pytest.importorskip("jax")
-    report = _compile("--tpu", "v5p-8", "--set", "model=small-llama")
+    report = _compile("--tpu", "v5p-8", "--set", "model=small-llama", "--set", "train.seq_len=256")
     consumers = report["consumers"]
     sharded = consumers["parameters"] + consumers["optimizer state"]
     assert report["devices"] == 4 and report["fits"]
@@ -52,18 +53,21 @@ def test_the_trainers_step_compiles_for_a_tpu_and_holds_its_shards_per_device():
     assert collectives["all-gather"]["count"] > 0
     assert collectives.get("all-reduce", {}).get("count", 0) + collectives.get("reduce-scatter", {}).get("count", 0)
     assert report["flops_per_device"] > 0 and 0 < report["roofline"]["mfu_ceiling"] <= 1
+    assert report["pallas_kernels"] > 0  # attention `auto` on a TPU: Pallas flash attention, compiled for it
 
 
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_a_step_that_does_not_fit_says_so_in_one_line_with_what_would_fit():
     """A 3-layer Llama of width 1024 on one v5e chip (16 GiB), 16 x 2048 tokens with 16 heads of eager
-    attention: the activations do not fit (the compiler says 17.3 GiB); activation checkpointing, compiled, does
-    (10.2 GiB). Three layers, not eight: a compile of the step took 42-50 s against 64 s."""
+    attention (asked for: with `auto`, flash attention, it fits): the activations do not fit (the compiler says
+    17.3 GiB); activation checkpointing, compiled, does (10.2 GiB). Three layers, not eight: a compile of the
+    step took 42-50 s against 64 s."""
     pytest.importorskip("jax")
     shape = ("{hidden_size: 1024, intermediate_size: 4096, num_hidden_layers: 3, num_attention_heads: 16, "
              "num_key_value_heads: 16, max_position_embeddings: 2048}")
-    sets = ["model=small-llama", f"model.overrides={shape}", "train.seq_len=2048", "train.global_batch_size=16"]
+    sets = ["model=small-llama", f"model.overrides={shape}", "model.attn_implementation=eager", "train.seq_len=2048",
+            "train.global_batch_size=16"]
     done = run_cli("compile", "--tpu", "v5litepod-1", *[a for s in sets for a in ("--set", s)], drop=USERS_XLA)
     errors = [line for line in done.stderr.splitlines() if line.startswith("xla-shard: error:")]
     assert done.returncode == 2 and len(errors) == 1, done.stderr[-3000:]

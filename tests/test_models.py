@@ -85,18 +85,35 @@ def test_xla_pallas_feeds_the_pallas_kernel_what_it_expects(monkeypatch):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=sm_scale)
 
     monkeypatch.setattr(custom_kernel, "flash_attention", pallas_math)
-    batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
+    batch = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(2))
     padded = torch.ones_like(batch)
-    padded[1, 12:] = 0
+    padded[1, 100:] = 0
     losses = {}
     for kernel in ("eager", "xla_pallas"):
         model = build_model(config.load(None, ["model=tiny-llama", f"model.attn_implementation={kernel}"]).model, 0)
         model.eval()
         losses[kernel] = (model(input_ids=batch, labels=batch).loss.item(),
                           model(input_ids=batch, attention_mask=padded, labels=batch).loss.item())
-    assert len(calls) == 2 and calls[0] == (2, 4, 16, 16)  # both layers, 2 kv heads repeated to 4
+    assert len(calls) == 2 and calls[0] == (2, 4, 128, 16)  # both layers, 2 kv heads repeated to 4
     for eager, flash in zip(losses["eager"], losses["xla_pallas"]):
         assert math.isclose(eager, flash, rel_tol=1e-5), losses
+
+
+@pytest.mark.xla
+def test_xla_pallas_takes_sdpa_where_the_kernels_blocks_do_not_tile_the_sequence(monkeypatch):
+    """What the TPU compiler refused (`xla-shard compile`): 64 tokens (a block narrower than 128 lanes), 640 and
+    1152 (not divided by the backward's 512 and 1024 blocks). Those lengths take SDPA, once said; 128, 2048
+    and 8192 compiled, and keep the kernel."""
+    from torch_xla.experimental import custom_kernel
+
+    from xla_shard.attention import tiled
+
+    assert [n for n in (64, 128, 640, 1152, 2048, 8192) if tiled(n)] == [128, 2048, 8192]
+    monkeypatch.setattr(custom_kernel, "flash_attention", lambda *a, **k: pytest.fail("the kernel was called"))
+    model = build_model(config.load(None, ["model=tiny-llama", "model.attn_implementation=xla_pallas"]).model, 0)
+    batch = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(2))
+    with pytest.warns(UserWarning, match="do not tile 64-token sequences; SDPA runs instead"):
+        model(input_ids=batch, labels=batch)
 
 
 @pytest.mark.tpu

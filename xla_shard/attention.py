@@ -10,6 +10,7 @@ them (XLA lowers SDPA to the same math there). Anything else the user names is u
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -54,12 +55,22 @@ def xla_pallas_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     """torch_xla's Pallas flash attention (TPU) for [batch, heads, seq, head_dim] inputs; under SPMD it is
     given the global mesh and a partition spec that shards the batch over every mesh axis, as the step does.
 
-    Batches with a padding mask, dropout in training, or a non-causal module without a mask fall back to
-    SDPA, which computes the same thing."""
+    Batches with a padding mask, dropout in training, a non-causal module without a mask, or a sequence the
+    kernel's blocks do not tile fall back to SDPA, which computes the same thing."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
+    # Under autocast, models that normalise queries and keys (Qwen3's q_norm, k_norm) hand over fp32 queries
+    # with bf16 values; neither the kernel nor SDPA casts for itself (eager's matmuls do, under autocast).
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     causal = getattr(module, "is_causal", True)
-    if attention_mask is not None or (dropout and module.training) or not causal:
+    kernel = attention_mask is None and not (dropout and module.training) and causal
+    if kernel and not (tiled(query.shape[2]) and tiled(key.shape[2])):
+        _untiled(max(query.shape[2], key.shape[2]))
+        kernel = False
+    if not kernel:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     from torch_xla.experimental import custom_kernel
@@ -71,6 +82,25 @@ def xla_pallas_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     out = custom_kernel.flash_attention(query, key, value, causal=True, sm_scale=scale, partition_spec=spec,
                                         mesh=mesh)
     return out.transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def tiled(length: int) -> bool:
+    """Whether torch_xla's flash attention kernel takes a sequence of `length`: each of its block sizes (forward
+    and backward), capped at the length, must divide it, and no block may be narrower than the TPU's 128
+    lanes. So 128 or 256, or a multiple of 1024 (of 512 up to 1024): what the TPU compiler, not a CPU run,
+    found (`xla-shard compile`)."""
+    from torch_xla.experimental.custom_kernel import FlashAttention
+
+    blocks = [size for name, size in FlashAttention.DEFAULT_BLOCK_SIZES.items() if name != "block_b"]
+    return length % FlashAttention.MIN_BLOCK_SIZE == 0 and all(length % min(size, length) == 0 for size in blocks)
+
+
+@functools.cache
+def _untiled(length: int) -> None:
+    warnings.warn(f"xla_pallas: the flash attention kernel's blocks do not tile {length}-token sequences; SDPA "
+                  "runs instead (same result). Lengths it takes: 128, 256, 512, 1024, 2048, 3072, ...",
+                  stacklevel=3)
 
 
 def _spmd_layout():

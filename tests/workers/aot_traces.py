@@ -20,7 +20,7 @@ from xla_shard.planner.settle import settle
 
 
 def compiled(cfg, devices, placeholders: bool) -> dict:
-    traced = trace.trace(cfg, len(devices), placeholders=placeholders)
+    traced = trace.trace(cfg, devices, placeholders=placeholders)
     program = compiler.compile_program(traced.proto, devices)
     return {"traced": [traced.parameters, traced.optimizer_state, traced.batch],
             "memory": [program.argument_bytes, program.output_bytes, program.temp_bytes],

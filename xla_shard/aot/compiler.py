@@ -12,6 +12,7 @@ neutral values only for the duration of the call, where unset).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import re
 import sys
@@ -34,6 +35,11 @@ class Compiled:
     bytes_accessed: float
     hlo_text: str = field(repr=False)
 
+    @property
+    def kernels(self) -> int:
+        """Pallas (Mosaic) kernels in the program: flash attention, where the step runs it."""
+        return self.hlo_text.count('custom_call_target="tpu_custom_call"')
+
 
 def topology_devices(topology: str) -> list:
     """The devices of a slice, as jax describes them (no TPU needed). A slice smaller than one host's 2x2
@@ -50,6 +56,47 @@ def topology_devices(topology: str) -> list:
         except Exception as exc:  # noqa: BLE001 - libtpu's own refusal (an unknown generation or shape)
             raise UserError(f"libtpu cannot describe {topology}: {' '.join(str(exc).split())[:200]} (TPU7x needs a "
                             "newer libtpu than torch_xla 2.9's jax pins)") from None
+
+
+@contextlib.contextmanager
+def kernels_lowered_for(devices: list):
+    """Pallas kernels (flash attention: `attn_implementation: xla_pallas`, `auto` on a TPU) traced inside are
+    lowered for the TPU of `devices`, as on a TPU VM with this libtpu. torch_xla lowers them for jax's default
+    backend, which here is the CPU, where Pallas only interprets; and jax picks the Mosaic serialization
+    version by the build date of the TPU runtime it finds, where a newer one than this libtpu reads is refused."""
+    try:
+        import jax
+        import torch
+        from jax._src import tpu_custom_call
+        from torch_xla.experimental import custom_kernel
+    except ImportError:  # no Pallas without jax
+        yield
+        return
+    built = _build_date(devices[0].client.platform_version)
+
+    def older_than(year: int, month: int, day: int) -> bool:  # jax's rule, asked of this libtpu
+        return built is not None and built < datetime.date(year, month, day)
+
+    def for_tpu(kernel, *args, static_argnums=None, static_argnames=None, use_cache=False, **kwargs):
+        from jax.experimental import pallas  # noqa: F401  (registers the Mosaic lowering: imported first)
+
+        shapes = [custom_kernel.to_jax_shape_dtype_struct(a) if torch.is_tensor(a) else a for a in args]
+        jitted = jax.jit(kernel, static_argnums=static_argnums, static_argnames=static_argnames)
+        ir = jitted.trace(*shapes, **kwargs).lower(lowering_platforms=("tpu",)).compiler_ir()
+        return custom_kernel._extract_backend_config(ir), [a for a in args if torch.is_tensor(a)]
+
+    saved = custom_kernel.trace_pallas, tpu_custom_call.is_cloud_tpu_older_than
+    custom_kernel.trace_pallas, tpu_custom_call.is_cloud_tpu_older_than = for_tpu, older_than
+    try:
+        yield
+    finally:
+        custom_kernel.trace_pallas, tpu_custom_call.is_cloud_tpu_older_than = saved
+
+
+def _build_date(platform_version: str) -> datetime.date | None:
+    """libtpu's build date, from its platform version (`Built on Aug 1 2025 14:50:34 (1754085034) ...`)."""
+    stamp = re.search(r"\((\d{9,})\)", platform_version)
+    return datetime.date.fromtimestamp(int(stamp.group(1))) if stamp else None
 
 
 def compile_program(proto: bytes, devices: list) -> Compiled:

@@ -17,7 +17,7 @@ from xla_shard.errors import UserError
 def compile_for(cfg: ShardConfig, slice_name: str) -> Report | Refused:
     chosen = target.parse(slice_name)
     devices = compiler.topology_devices(chosen.topology)  # first: without the compiler, nothing else runs
-    traced = trace.trace(cfg, len(devices))
+    traced = trace.trace(cfg, devices)
     per_device = chosen.per_device(len(devices))
     try:
         compiled = compiler.compile_program(traced.proto, devices)

@@ -39,6 +39,9 @@ class Backend(abc.ABC):
     # Parameters and optimizer state without storage: a step that is traced and compiled, never run
     # (`xla-shard compile`). Only a backend that can trace without data sets it (xla_spmd).
     placeholders = False
+    # The device a step that is traced, never run here, is compiled for ('tpu': `xla-shard compile`): what runs
+    # there (its attention kernel) is traced. None: the step runs on this machine's devices.
+    traced_for: str | None = None
 
     def __init__(self, cfg: ShardConfig):
         self.cfg = cfg

@@ -119,7 +119,7 @@ class XlaBackend(Backend):
 
     @property
     def accelerator(self) -> str:
-        return "tpu" if on_tpu() else "cpu"
+        return "tpu" if on_tpu() or self.traced_for == "tpu" else "cpu"
 
     def after_step(self) -> None:
         import torch_xla
