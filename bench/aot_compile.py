@@ -52,16 +52,16 @@ def main() -> None:
                              f"fsdp.scan_layers={str(args.scan).lower()}",
                              f"fsdp.activation_checkpointing={str(args.checkpointing).lower()}"])
     chosen = target.parse(args.tpu)
-    devices = compiler.topology_devices(chosen.topology)
+    tpu = compiler.describe(chosen.topology)
     started = time.perf_counter()
-    traced = trace.trace(cfg, devices)
+    traced = trace.trace(cfg, tpu)
     traced_s, traced_peak = time.perf_counter() - started, host_peak()
     started = time.perf_counter()
-    compiled = compiler.compile_program(traced.proto, devices)
+    compiled = tpu.compile(traced.proto)
     compiled_s, compiled_peak = time.perf_counter() - started, host_peak()
-    report = Report(chosen, traced, compiled, chosen.per_device(len(devices)))
-    params = traced.parameters * len(devices) / 4  # fp32 master weights, whole
-    print(f"{args.tpu} ({len(devices)} devices): a {params / 1e9:.2f}B-parameter Llama, {args.batch} x {args.seq_len} "
+    report = Report(chosen, traced, compiled, chosen.per_device(tpu.count))
+    params = traced.parameters * tpu.count / 4  # fp32 master weights, whole
+    print(f"{args.tpu} ({tpu.count} devices): a {params / 1e9:.2f}B-parameter Llama, {args.batch} x {args.seq_len} "
           f"tokens, bf16, scan_layers {args.scan}, activation checkpointing {args.checkpointing}")
     print("| trace s | host peak after trace GiB | compile s | host peak after compile GiB | model fp32 + AdamW GiB "
           "| per device GiB (of HBM) | fits |")

@@ -151,7 +151,7 @@ def pytest_sessionfinish(session, exitstatus):
 # goes last, in its usual place.
 E2E_SECONDS = {
     "test_planner.py": 484, "test_checkpoint.py": 467, "test_trainer.py": 367, "test_pretrained.py": 246,
-    "test_lora.py": 207, "test_backends.py": 197, "test_aot.py": 193, "test_moe.py": 110, "test_untrusted.py": 96,
+    "test_lora.py": 207, "test_backends.py": 197, "test_aot.py": 214, "test_moe.py": 110, "test_untrusted.py": 96,
     "test_api.py": 89, "test_compile.py": 83, "test_hostile_checkpoints.py": 68, "test_importers.py": 68,
     "test_deploy.py": 59, "test_sft.py": 58, "test_models.py": 57, "test_config.py": 55, "test_hardening.py": 42,
     "test_families.py": 28,

@@ -5,6 +5,8 @@
 #   .venv-newest  the newest torch without torch_xla, TorchTPU installed: the unit tier, and of the end-to-end
 #                 tier the tests whose subject depends on torch's version (marker `torch_version`)
 #   .venv-xpk     xpk alone (it pins its dependencies exactly): tests/test_gke.py runs its argument parser
+#   .venv-tpu-compiler  jax and libtpu newer than torch_xla 2.9's pin, alone: xla-shard compile's compiler for
+#                 TPU7x (XLA_SHARD_TPU_COMPILER), tested in tests/test_aot.py
 # TIERS=old or TIERS=newest runs one environment only. The budget: each tier reports its slowest tests and
 # fails past its minutes below (a unit test past 5 s fails: tests/conftest.py). The end-to-end tier runs on two
 # pytest-xdist workers (a test file per worker, so module fixtures are shared), and then its `serial` tests alone.
@@ -16,6 +18,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 NEWEST_TORCH="2.15.0"
 XPK_VERSION="1.16.0"
+TPU_COMPILER=("jax==0.10.2" "jaxlib==0.10.2" "libtpu==0.0.42")  # docs/planner.md names the same
 UV_VERSION="0.13.9"
 TIERS="${TIERS:-old newest}"
 tier() {  # tier MINUTES PYTHON PYTEST-ARGS...: one tier within its budget
@@ -40,6 +43,7 @@ python3 -m compileall -q xla_shard tests bench
 
 if [[ " $TIERS " == *" old "* ]]; then
   venv .venv -e '.[xla,scan,aot,test]'
+  venv .venv-tpu-compiler "${TPU_COMPILER[@]}"
   .venv/bin/ruff check
   tier 3 .venv/bin/python -m "not e2e"
   tier 28 .venv/bin/python -m "e2e and not serial" -n 2 --dist loadfile --no-loadscope-reorder

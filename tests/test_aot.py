@@ -2,9 +2,11 @@
 (libtpu, through jax's compile-only client) for a slice this machine does not have."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
-from conftest import run_cli, run_worker, runs_args
+from conftest import REPO, run_cli, run_worker, runs_args
 from model_dirs import moe_dir
 
 from xla_shard.aot import target
@@ -12,6 +14,8 @@ from xla_shard.errors import UserError
 
 pytestmark = pytest.mark.xla
 USERS_XLA = ("XLA_FLAGS",)  # the TPU compiler as users run it, not the test harness's fast CPU compiles
+ISOLATED = "XLA_SHARD_TPU_COMPILER"
+TPU_COMPILER = Path(os.environ.get(ISOLATED, REPO / ".venv-tpu-compiler/bin/python"))
 
 
 @pytest.mark.parametrize("name, topology, chips", [
@@ -77,11 +81,33 @@ def test_a_step_that_does_not_fit_says_so_in_one_line_with_what_would_fit():
 
 @pytest.mark.e2e
 def test_a_generation_this_libtpu_cannot_compile_is_one_line_before_anything_is_traced():
+    """TPU7x needs a newer libtpu than torch_xla 2.9's jax takes: without the isolated compiler, one line saying
+    how to install it."""
     pytest.importorskip("jax")
-    done = run_cli("compile", "--tpu", "tpu7x-8", "--set", "model=small-llama", drop=USERS_XLA)
+    done = run_cli("compile", "--tpu", "tpu7x-8", "--set", "model=small-llama", drop=USERS_XLA + (ISOLATED,))
     errors = [line for line in done.stderr.splitlines() if line.startswith("xla-shard: error:")]
     assert done.returncode == 2 and len(errors) == 1 and "TPU7x" in errors[0], done.stderr[-2000:]
+    assert ISOLATED in errors[0] and "libtpu==" in errors[0]
     assert "xla_spmd on" not in done.stderr  # refused before the trace
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not TPU_COMPILER.exists(), reason=f"no isolated TPU compiler at {TPU_COMPILER} (tests/run.sh "
+                                                      "makes .venv-tpu-compiler)")
+def test_tpu7x_compiles_with_the_isolated_compiler(monkeypatch):
+    """The same step for a tpu7x-8 (4 chips, 8 devices), traced here and compiled by the newer libtpu in its own
+    environment: it fits, holds its shards per device as the trace does, runs Pallas flash attention, and its
+    all-gathers (TPU7x runs them on its SparseCores, as async calls) and gradient reductions are counted."""
+    monkeypatch.setenv(ISOLATED, str(TPU_COMPILER))
+    report = _compile("--tpu", "tpu7x-8", "--set", "model=small-llama", "--set", "train.seq_len=256")
+    consumers = report["consumers"]
+    assert report["devices"] == 8 and report["fits"] and report["pallas_kernels"] > 0
+    sharded = consumers["parameters"] + consumers["optimizer state"]
+    assert abs(report["argument_bytes"] - sharded - consumers["batch"]) <= 0.02 * report["argument_bytes"]
+    # The whole model gathered, at least once at 2 bytes a parameter: the TPU compiler gathers fp32 weights in
+    # bf16, the precision its matmuls take them in by default.
+    assert report["collectives"]["all-gather"]["bytes"] >= consumers["parameters"] * 8 / 2
+    assert report["collectives"]["reduce-scatter"]["count"] > 0
 
 
 @pytest.mark.e2e

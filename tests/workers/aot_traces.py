@@ -19,9 +19,9 @@ from xla_shard.planner import cost, hlo
 from xla_shard.planner.settle import settle
 
 
-def compiled(cfg, devices, placeholders: bool) -> dict:
-    traced = trace.trace(cfg, devices, placeholders=placeholders)
-    program = compiler.compile_program(traced.proto, devices)
+def compiled(cfg, tpu, placeholders: bool) -> dict:
+    traced = trace.trace(cfg, tpu, placeholders=placeholders)
+    program = tpu.compile(traced.proto)
     return {"traced": [traced.parameters, traced.optimizer_state, traced.batch],
             "memory": [program.argument_bytes, program.output_bytes, program.temp_bytes],
             "flops": program.flops, "collectives": hlo.collective_totals(program.hlo_text, traced.loop_trips)}
@@ -43,12 +43,12 @@ def predicted(cfg, devices: int) -> dict:
 def main(slice_name: str, *args: str) -> None:
     real = "--real" in args
     common, *runs = split_runs([a for a in args if a != "--real"])
-    devices = compiler.topology_devices(target.parse(slice_name).topology)
+    tpu = compiler.describe(target.parse(slice_name).topology)
     for run in runs:
         cfg = config.load(None, [*common, *run])
-        result = {"placeholders": compiled(cfg, devices, True), "planner": predicted(cfg, len(devices))}
+        result = {"placeholders": compiled(cfg, tpu, True), "planner": predicted(cfg, tpu.count)}
         if real:
-            result["real"] = compiled(cfg, devices, False)
+            result["real"] = compiled(cfg, tpu, False)
         print(json.dumps(result), flush=True)
 
 

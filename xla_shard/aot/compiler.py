@@ -12,15 +12,26 @@ neutral values only for the duration of the call, where unset).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import json
 import os
 import re
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from xla_shard.errors import UserError
 
-INSTALL = "pip install 'xla_shard[tpu-compile]'"  # jax and libtpu: see pyproject.toml
+INSTALL = "pip install 'xla_shard[aot]'"  # jax and libtpu: see pyproject.toml
+# A Python with a newer jax and libtpu, in an environment of its own (they exclude torch_xla 2.9's jax pin), for
+# the generations this environment's libtpu cannot describe (TPU7x): see docs/planner.md.
+ISOLATED = "XLA_SHARD_TPU_COMPILER"
+ISOLATED_INSTALL = ("python -m venv ~/.xla_shard-tpu-compiler && ~/.xla_shard-tpu-compiler/bin/pip install "
+                    "jax==0.10.2 jaxlib==0.10.2 libtpu==0.0.42, then XLA_SHARD_TPU_COMPILER="
+                    "~/.xla_shard-tpu-compiler/bin/python")
 
 
 @dataclass
@@ -41,6 +52,81 @@ class Compiled:
         return self.hlo_text.count('custom_call_target="tpu_custom_call"')
 
 
+@dataclass
+class Slice:
+    """A slice as libtpu describes it, and where its compiler runs: in this process (`devices`, jax's), or in
+    the isolated environment's (`python`), given the program on disk."""
+
+    topology: str
+    count: int  # devices of the compiled program
+    platform_version: str  # libtpu's: its build date decides the Mosaic version kernels are lowered at
+    devices: list | None = None
+    python: str | None = None
+
+    def compile(self, proto: bytes) -> Compiled:
+        if self.python is None:
+            return compile_program(proto, self.devices)
+        with tempfile.TemporaryDirectory(prefix="xla_shard_compile_") as work:
+            program, result = Path(work) / "step.pb", Path(work) / "compiled.json"
+            program.write_bytes(proto)
+            _isolated(self.python, "compile", self.topology, str(program), str(result))
+            answer = json.loads(result.read_text())
+        if "error" in answer:
+            error = answer["error"]
+            if error["kind"] == "OutOfHbm":
+                raise OutOfHbm(error["used"], error["capacity"], error["temporaries"])
+            raise CompileRejected(error["message"])
+        return Compiled(**answer)
+
+
+def describe(topology: str) -> Slice:
+    """The slice `topology`, described by this environment's libtpu, or where it cannot (a newer generation)
+    by the isolated one's, if XLA_SHARD_TPU_COMPILER names it."""
+    try:
+        devices = topology_devices(topology)
+        return Slice(topology, len(devices), devices[0].client.platform_version, devices=devices)
+    except UserError as refused:
+        python = os.environ.get(ISOLATED)
+        if not python:
+            raise UserError(f"{refused}; for a generation this libtpu does not know, install a newer one apart: "
+                            f"{ISOLATED_INSTALL}") from None
+    answer = json.loads(_isolated(python, "describe", topology))
+    return Slice(topology, answer["count"], answer["platform_version"], python=python)
+
+
+def _isolated(python: str, *args: str) -> str:
+    """Run this module's command line (`main`) with the isolated environment's Python; its stdout."""
+    if not Path(python).exists():
+        raise UserError(f"{ISOLATED}={python}: no such Python ({ISOLATED_INSTALL})")
+    package = str(Path(__file__).resolve().parents[2])  # what holds xla_shard: importable without installing it
+    env = {**os.environ, "PYTHONPATH": package + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for key in ("TPU_LIBRARY_PATH", "PTXLA_TPU_LIBRARY_PATH"):  # torch_xla points them at its own libtpu
+        env.pop(key, None)
+    done = subprocess.run([python, "-m", "xla_shard.aot.compiler", *args], capture_output=True, text=True, env=env)
+    if done.returncode:
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        raise UserError(f"the TPU compiler at {ISOLATED}={python} failed: {lines[-1] if lines else done.returncode}")
+    return done.stdout
+
+
+def main(command: str, topology: str, *paths: str) -> None:
+    """The isolated environment's side: `describe TOPOLOGY` prints the slice as JSON; `compile TOPOLOGY PROTO
+    OUT` writes the compiled program's figures (or the compiler's refusal) to OUT as JSON."""
+    devices = topology_devices(topology)
+    if command == "describe":
+        print(json.dumps({"count": len(devices), "platform_version": devices[0].client.platform_version}))
+        return
+    program, out = paths
+    try:
+        answer = dataclasses.asdict(compile_program(Path(program).read_bytes(), devices))
+    except OutOfHbm as verdict:
+        answer = {"error": {"kind": "OutOfHbm", "used": verdict.used, "capacity": verdict.capacity,
+                            "temporaries": verdict.temporaries}}
+    except CompileRejected as rejected:
+        answer = {"error": {"kind": "CompileRejected", "message": str(rejected)}}
+    Path(out).write_text(json.dumps(answer))
+
+
 def topology_devices(topology: str) -> list:
     """The devices of a slice, as jax describes them (no TPU needed). A slice smaller than one host's 2x2
     chips is described with its own shape as the host's bounds."""
@@ -59,11 +145,11 @@ def topology_devices(topology: str) -> list:
 
 
 @contextlib.contextmanager
-def kernels_lowered_for(devices: list):
+def kernels_lowered_for(tpu: Slice):
     """Pallas kernels (flash attention: `attn_implementation: xla_pallas`, `auto` on a TPU) traced inside are
-    lowered for the TPU of `devices`, as on a TPU VM with this libtpu. torch_xla lowers them for jax's default
+    lowered for the TPU of `tpu`, as on a TPU VM with its libtpu. torch_xla lowers them for jax's default
     backend, which here is the CPU, where Pallas only interprets; and jax picks the Mosaic serialization
-    version by the build date of the TPU runtime it finds, where a newer one than this libtpu reads is refused."""
+    version by the build date of the TPU runtime it finds, where a newer one than that libtpu reads is refused."""
     try:
         import jax
         import torch
@@ -72,7 +158,7 @@ def kernels_lowered_for(devices: list):
     except ImportError:  # no Pallas without jax
         yield
         return
-    built = _build_date(devices[0].client.platform_version)
+    built = _build_date(tpu.platform_version)
 
     def older_than(year: int, month: int, day: int) -> bool:  # jax's rule, asked of this libtpu
         return built is not None and built < datetime.date(year, month, day)
@@ -101,9 +187,12 @@ def _build_date(platform_version: str) -> datetime.date | None:
 
 def compile_program(proto: bytes, devices: list) -> Compiled:
     """Compile torch_xla's HloModuleProto for `devices` (one slice), SPMD-partitioned over all of them."""
+    import jax
     import jaxlib._jax as jaxlib_client
     import numpy as np
+    from jax._src.interpreters import mlir as jax_mlir
     from jax._src.lib import xla_client
+    from jax._src.lib.mlir import ir
     from jaxlib._jax import mlir
 
     options = xla_client.CompileOptions()
@@ -113,10 +202,12 @@ def compile_program(proto: bytes, devices: list) -> Compiled:
     build.allow_spmd_sharding_propagation_to_parameters = [False]
     build.allow_spmd_sharding_propagation_to_output = [True]
     build.device_assignment = xla_client.DeviceAssignment.create(np.array([[d.id for d in devices]]))
-    with _quiet_libtpu():
+    with _quiet_libtpu(), jax_mlir.make_ir_context():
+        module = _pin_parameters(ir.Module.parse(mlir.hlo_to_stablehlo(proto)))
+        # jax < 0.8's compile-only client takes the module's bytecode; later ones the module itself.
+        program = module if jax.__version_info__ >= (0, 8) else module.operation.get_asm(binary=True)
         try:
-            executable = devices[0].client.compile(_pin_parameters(mlir.hlo_to_stablehlo(proto)),
-                                                   jaxlib_client.DeviceList(tuple(devices)), options)
+            executable = devices[0].client.compile(program, jaxlib_client.DeviceList(tuple(devices)), options)
         except Exception as exc:  # noqa: BLE001 - what the TPU compiler rejected, said in one line
             text = " ".join(str(exc).split())
             used = _OUT_OF_HBM.search(text)
@@ -132,30 +223,27 @@ def compile_program(proto: bytes, devices: list) -> Compiled:
                     executable.hlo_modules()[0].to_string())
 
 
-def _pin_parameters(program: bytes) -> bytes:
-    """The StableHLO `program` with each unsharded parameter given the sharding its first op annotates (the
+def _pin_parameters(module):
+    """The StableHLO `module` with each unsharded parameter given the sharding its first op annotates (the
     `Sharding` custom call a placeholder's layout is traced as)."""
-    from jax._src.interpreters import mlir as jax_mlir
     from jax._src.lib.mlir import ir
 
-    with jax_mlir.make_ir_context():
-        module = ir.Module.parse(program)
-        main = next(op for op in module.body.operations if ir.StringAttr(op.attributes["sym_name"]).value == "main")
-        arguments = main.regions[0].blocks[0].arguments
-        attrs = (list(ir.ArrayAttr(main.attributes["arg_attrs"])) if "arg_attrs" in main.attributes
-                 else [ir.DictAttr.get({})] * len(arguments))
-        for index, argument in enumerate(arguments):
-            if _SHARDING in ir.DictAttr(attrs[index]):
-                continue
-            for use in argument.uses:
-                op = use.owner
-                if ("call_target_name" in op.attributes and _SHARDING in op.attributes
-                        and ir.StringAttr(op.attributes["call_target_name"]).value == "Sharding"):
-                    attrs[index] = ir.DictAttr.get({**{a.name: a.attr for a in ir.DictAttr(attrs[index])},
-                                                    _SHARDING: op.attributes[_SHARDING]})
-                    break
-        main.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
-        return module.operation.get_asm(binary=True)
+    main = next(op for op in module.body.operations if ir.StringAttr(op.attributes["sym_name"]).value == "main")
+    arguments = main.regions[0].blocks[0].arguments
+    attrs = (list(ir.ArrayAttr(main.attributes["arg_attrs"])) if "arg_attrs" in main.attributes
+             else [ir.DictAttr.get({})] * len(arguments))
+    for index, argument in enumerate(arguments):
+        if _SHARDING in ir.DictAttr(attrs[index]):
+            continue
+        for use in argument.uses:
+            op = use.owner
+            if ("call_target_name" in op.attributes and _SHARDING in op.attributes
+                    and ir.StringAttr(op.attributes["call_target_name"]).value == "Sharding"):
+                attrs[index] = ir.DictAttr.get({**{a.name: a.attr for a in ir.DictAttr(attrs[index])},
+                                                _SHARDING: op.attributes[_SHARDING]})
+                break
+    main.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
+    return module
 
 
 _SHARDING = "mhlo.sharding"
@@ -193,8 +281,10 @@ def _temporaries(text: str) -> int | None:
 def _quiet_libtpu():
     """libtpu asks the environment (and the GCE metadata server) for the TPU it runs on: on a machine without
     one, neutral answers keep it from warning and from waiting on the network."""
+    # ALLOW_MULTIPLE_LIBTPU_LOAD: a compile-only client holds no TPU, so it needs no lock against another
+    # process's libtpu (without it, a second compile on the machine aborts on /tmp/libtpu_lockfile).
     neutral = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0",
-               "TPU_STDERR_LOG_LEVEL": "3", "TPU_MIN_LOG_LEVEL": "3"}
+               "TPU_STDERR_LOG_LEVEL": "3", "TPU_MIN_LOG_LEVEL": "3", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
     added = {k: v for k, v in neutral.items() if k not in os.environ}
     os.environ.update(added)
     sys.stderr.flush()
@@ -208,3 +298,10 @@ def _quiet_libtpu():
         os.close(saved)
         for key in added:
             os.environ.pop(key, None)
+
+
+if __name__ == "__main__":
+    try:
+        main(*sys.argv[1:])
+    except UserError as error:
+        sys.exit(str(error))

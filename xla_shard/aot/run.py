@@ -16,11 +16,11 @@ from xla_shard.errors import UserError
 
 def compile_for(cfg: ShardConfig, slice_name: str) -> Report | Refused:
     chosen = target.parse(slice_name)
-    devices = compiler.topology_devices(chosen.topology)  # first: without the compiler, nothing else runs
-    traced = trace.trace(cfg, devices)
-    per_device = chosen.per_device(len(devices))
+    tpu = compiler.describe(chosen.topology)  # first: without the compiler, nothing else runs
+    traced = trace.trace(cfg, tpu)
+    per_device = chosen.per_device(tpu.count)
     try:
-        compiled = compiler.compile_program(traced.proto, devices)
+        compiled = tpu.compile(traced.proto)
     except compiler.OutOfHbm as verdict:
         return Refused(chosen, traced, verdict, per_device)
     return Report(chosen, traced, compiled, per_device)

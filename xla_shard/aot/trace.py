@@ -51,17 +51,17 @@ def step_config(cfg: ShardConfig, devices: int, workdir: str) -> ShardConfig:
     return ShardConfig.model_validate(data)
 
 
-def trace(cfg: ShardConfig, devices: list, placeholders: bool = True) -> Trace:
-    """The step for the slice whose `devices` (jax's, `compiler.topology_devices`) the program is compiled for.
+def trace(cfg: ShardConfig, tpu: compiler.Slice, placeholders: bool = True) -> Trace:
+    """The step for the slice `tpu` the program is compiled for.
     `placeholders=False` traces with real parameters and state (host memory at the model's size): the
     reference a test holds the placeholders' program to."""
     from xla_shard import backends
     from xla_shard.backends import xla_scan
     from xla_shard.train import Trainer
 
-    _claim_devices(len(devices))
+    _claim_devices(tpu.count)
     with tempfile.TemporaryDirectory(prefix="xla_shard_compile_") as workdir:
-        traced = step_config(cfg, len(devices), workdir)
+        traced = step_config(cfg, tpu.count, workdir)
         backend = backends.create(traced)
         backend.placeholders, backend.traced_for = placeholders, "tpu"
         trainer = Trainer(traced, backend).setup()
@@ -75,7 +75,7 @@ def trace(cfg: ShardConfig, devices: list, placeholders: bool = True) -> Trace:
         sizes = [sum(_device_bytes(t) for t in tensors) for tensors in (params, states, trained)]
         stacked = xla_scan.stacked_parameters(trainer.model)
         trips = next(iter(stacked)).shape[0] if stacked else 1
-        with compiler.kernels_lowered_for(devices):
+        with compiler.kernels_lowered_for(tpu):
             proto = backend.traced_program(lambda: trainer.step(1), lambda: [*trained, *states])
         tokens = cfg.train.global_batch_size * cfg.train.seq_len
         return Trace(proto, backend.num_devices, str(backend.plan), sizes[0], sizes[1], batch // backend.num_devices,

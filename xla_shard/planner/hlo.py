@@ -45,7 +45,8 @@ def collective_totals(hlo_text: str, loop_trips: int = 1) -> dict[str, dict[str,
     """{kind: {"count", "bytes"}} of every collective an optimized program runs, any kind (KINDS), sync or async
     (an async pair counted once, at its start); bytes of each op's results, all of a combined op's tensors.
 
-    Wherever it sits: in a fusion (the TPU compiler fuses collectives with their neighbours), and in a while
+    Wherever it sits: in a fusion (the TPU compiler fuses collectives with their neighbours), in an async call
+    (TPU7x runs all-gathers on its SparseCores: `call-start ... to_apply=`), and in a while
     loop's body, once per iteration: `loop_trips` times (a traced step's loops are its scanned layers). The TPU
     compiler spells a reduce-scatter as an `all-reduce-scatter` fusion (an all-reduce, then each device's
     slice), which it runs as one: it is counted as a reduce-scatter of the fusion's result."""
@@ -89,7 +90,7 @@ def _runs(computations: dict[str, tuple[str, str]], loop_trips: int) -> dict[str
 
 
 _COMPUTATION = re.compile(r"^((?:ENTRY )?%?([\w.-]+) [^\n]*)\{\n(.*?)^\}", re.M | re.S)
-_CALL = re.compile(r"\b(calls|body|condition|branch_computations|called_computations)=\{?%([\w.-]+)")
+_CALL = re.compile(r"\b(calls|body|condition|to_apply|branch_computations|called_computations)=\{?%([\w.-]+)")
 
 
 def _first_group(groups: str) -> list[int]:
