@@ -160,3 +160,17 @@ def test_the_planner_is_held_to_the_tpu_compiler(tmp_path):
             assert abs(got[kind] - want) <= 0.05 * max(want, got[kind]) or (kind == "all-reduce" and want == 0
                                                                                and got[kind] < 0.01 * held), \
                 (triple, kind, got[kind], want)
+
+
+def test_a_buffer_larger_than_a_devices_hbm_is_the_compilers_out_of_hbm_verdict_naming_the_buffer():
+    """libtpu's refusal of one buffer past HBM (a Qwen3-30B-A3B shape on a v5p-64: transformers' batched_mm
+    experts gather a weight per token and expert), as the compiler worded it."""
+    from xla_shard.aot.compiler import OutOfHbm, rejection
+
+    text = ("RESOURCE_EXHAUSTED: Allocation (size=206158430208) would exceed memory (size=103079215104) :: "
+            "#allocation533 [shape = 'bf16[32768,1536,2048]{2,1,0:T(8,128)(2,1)}', space=hbm, size = "
+            "0xffffffffffffffff, tag = 'output of constant_dynamic-update-slice_fusion.78@{}'] :: <no-hlo-instruction>")
+    verdict = rejection(text)
+    assert isinstance(verdict, OutOfHbm) and verdict.used == 206158430208 and verdict.capacity == 96 * 2**30
+    assert verdict.allocation == "bf16[32768,1536,2048]" and "one allocation (bf16[32768,1536,2048])" in str(verdict)
+    assert not isinstance(rejection("INVALID_ARGUMENT: something else"), OutOfHbm)

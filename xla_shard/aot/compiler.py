@@ -74,7 +74,7 @@ class Slice:
         if "error" in answer:
             error = answer["error"]
             if error["kind"] == "OutOfHbm":
-                raise OutOfHbm(error["used"], error["capacity"], error["temporaries"])
+                raise OutOfHbm(error["used"], error["capacity"], error["temporaries"], error.get("allocation"))
             raise CompileRejected(error["message"])
         return Compiled(**answer)
 
@@ -121,7 +121,7 @@ def main(command: str, topology: str, *paths: str) -> None:
         answer = dataclasses.asdict(compile_program(Path(program).read_bytes(), devices))
     except OutOfHbm as verdict:
         answer = {"error": {"kind": "OutOfHbm", "used": verdict.used, "capacity": verdict.capacity,
-                            "temporaries": verdict.temporaries}}
+                            "temporaries": verdict.temporaries, "allocation": verdict.allocation}}
     except CompileRejected as rejected:
         answer = {"error": {"kind": "CompileRejected", "message": str(rejected)}}
     Path(out).write_text(json.dumps(answer))
@@ -209,11 +209,7 @@ def compile_program(proto: bytes, devices: list) -> Compiled:
         try:
             executable = devices[0].client.compile(program, jaxlib_client.DeviceList(tuple(devices)), options)
         except Exception as exc:  # noqa: BLE001 - what the TPU compiler rejected, said in one line
-            text = " ".join(str(exc).split())
-            used = _OUT_OF_HBM.search(text)
-            if used:
-                raise OutOfHbm(_bytes(used.group(1)), _bytes(used.group(2)), _temporaries(text)) from None
-            raise CompileRejected(text[:400]) from None
+            raise rejection(" ".join(str(exc).split())) from None
     memory = executable.get_compiled_memory_stats()
     cost = executable.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -249,6 +245,17 @@ def _pin_parameters(module):
 _SHARDING = "mhlo.sharding"
 
 
+def rejection(text: str) -> CompileRejected:
+    """The compiler's refusal as an error: out of HBM (its verdict parsed), or anything else in one line."""
+    used = _OUT_OF_HBM.search(text)
+    if used:
+        return OutOfHbm(_bytes(used.group(1)), _bytes(used.group(2)), _temporaries(text))
+    one = _ONE_ALLOCATION.search(text)
+    if one:
+        return OutOfHbm(int(one.group(1)), int(one.group(2)), None, allocation=one.group(3))
+    return CompileRejected(text[:400])
+
+
 class CompileRejected(UserError):
     """The TPU compiler refused the program."""
 
@@ -257,12 +264,15 @@ class OutOfHbm(CompileRejected):
     """The TPU compiler's own verdict that the program does not fit: `used` bytes of the `capacity` a device
     leaves a program (its HBM less the runtime's reserve)."""
 
-    def __init__(self, used: int, capacity: int, temporaries: int | None):
-        self.used, self.capacity, self.temporaries = used, capacity, temporaries
-        super().__init__(f"the TPU compiler ran out of HBM: {used / 2**30:.2f} GiB used of {capacity / 2**30:.2f}")
+    def __init__(self, used: int, capacity: int, temporaries: int | None, allocation: str | None = None):
+        self.used, self.capacity, self.temporaries, self.allocation = used, capacity, temporaries, allocation
+        what = f"one allocation ({allocation}) needs" if allocation else "used"
+        super().__init__(f"the TPU compiler ran out of HBM: {what} {used / 2**30:.2f} GiB of {capacity / 2**30:.2f}")
 
 
 _OUT_OF_HBM = re.compile(r"Ran out of memory in memory space hbm\. Used ([0-9.]+[KMGT]?) of ([0-9.]+[KMGT]?) hbm")
+# A single buffer larger than a device's HBM is refused before any assignment: its shape says which.
+_ONE_ALLOCATION = re.compile(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\).*?shape = '([^'{]+)")
 _TEMP = re.compile(r"HLO temp ([0-9.]+[KMGT]?)")
 
 

@@ -132,6 +132,8 @@ class Refused:
         parts = {"parameters": t.parameters, "optimizer state": t.optimizer_state, "batch": t.batch}
         if self.verdict.temporaries is not None:
             parts["temporaries (activations, gradients, gathered parameters)"] = self.verdict.temporaries
+        if self.verdict.allocation:
+            parts[f"one buffer, {self.verdict.allocation}"] = self.verdict.used
         return dict(sorted(parts.items(), key=lambda kv: -kv[1]))
 
     def as_dict(self) -> dict:
