@@ -174,3 +174,12 @@ def test_a_buffer_larger_than_a_devices_hbm_is_the_compilers_out_of_hbm_verdict_
     assert isinstance(verdict, OutOfHbm) and verdict.used == 206158430208 and verdict.capacity == 96 * 2**30
     assert verdict.allocation == "bf16[32768,1536,2048]" and "one allocation (bf16[32768,1536,2048])" in str(verdict)
     assert not isinstance(rejection("INVALID_ARGUMENT: something else"), OutOfHbm)
+
+
+def test_a_slice_past_what_torch_can_trace_is_one_line():
+    """v5p-256 is 128 devices: torch's 8-bit device index cannot run a backward over them (measured: an
+    internal assert in autograd's engine), so the compile is refused before anything starts."""
+    from xla_shard.aot import trace
+
+    with pytest.raises(UserError, match="128 devices.*at most 127.*at most 64 devices"):
+        trace._claim_devices(128)

@@ -198,6 +198,10 @@ def test_compiled_collectives_are_counted_wherever_they_run_as_often_as_they_run
     assert totals["reduce-scatter"] == {"count": 3, "bytes": 3 * 16}
     assert totals["all-reduce"] == {"count": 1, "bytes": 16}
     assert collective_totals(text)["all-gather"] == {"count": 2, "bytes": 64}
+    # The trip count the loop's condition states (i < 5) wins over the caller's guess.
+    condition = "ROOT %lt = pred[] compare(%i, %n)"
+    bounded = text.replace(condition, "%n = s32[] constant(5)\n  " + condition)
+    assert collective_totals(bounded, loop_trips=3)["reduce-scatter"] == {"count": 5, "bytes": 5 * 16}
 
 
 def test_device_kinds_map_to_the_table():

@@ -43,12 +43,13 @@ def step_config(cfg: ShardConfig, devices: int, workdir: str) -> ShardConfig:
     """The config as traced: xla_spmd on `devices` virtual devices, random init, nothing written but in
     `workdir`, no evaluation."""
     data = cfg.model_dump(mode="json", by_alias=True, exclude_unset=True)  # as written: validated as it was
-    data.update(backend="xla_spmd", cpu_devices=devices, output_dir=workdir)
+    data.update(backend="xla_spmd", output_dir=workdir)
     data.setdefault("model", {})["init"] = "random"
     data.setdefault("checkpoint", {})["dir"] = None
     data.setdefault("train", {}).update(tensorboard=False, steps=max(2, cfg.train.steps or 2), epochs=None,
                                         eval_every=None)
-    return ShardConfig.model_validate(data)
+    # The slice's device count, past the 64 a CPU run may ask for: these devices hold placeholders, not data.
+    return ShardConfig.model_validate(data).model_copy(update={"cpu_devices": devices})
 
 
 def trace(cfg: ShardConfig, tpu: compiler.Slice, placeholders: bool = True) -> Trace:
@@ -120,9 +121,18 @@ def _optimizer_state(trainer) -> None:
     state.tensors(trainer.model, optimizer, stored=stored)  # creates what is missing
 
 
+# torch indexes a device with 8 bits: its autograd engine cannot run a backward over 128 or more of them.
+MAX_DEVICES = 127
+
+
 def _claim_devices(devices: int) -> None:
     """XLA's CPU client takes its device count once per process, when torch_xla starts."""
     import sys
+
+    if devices > MAX_DEVICES:
+        raise UserError(f"the slice has {devices} devices; the step is traced on as many virtual devices, and torch "
+                        f"traces a backward over at most {MAX_DEVICES} (an 8-bit device index): compile for a "
+                        "slice of at most 64 devices (per device, a smaller slice holds at least as much)")
 
     have = os.environ.get("CPU_NUM_DEVICES")
     if "torch_xla" in sys.modules and have and int(have) != devices:

@@ -68,9 +68,18 @@ def collective_totals(hlo_text: str, loop_trips: int = 1) -> dict[str, dict[str,
 
 def _runs(computations: dict[str, tuple[str, str]], loop_trips: int) -> dict[str, int]:
     """How many times each computation runs per execution of the entry one, through every call (a fusion, an
-    async op, a branch, a while loop's condition and body: `loop_trips` times)."""
-    calls = {name: [(callee, loop_trips if site == "body" else 1) for site, callee in _CALL.findall(body)]
-             for name, (_, body) in computations.items()}
+    async op, a branch, a while loop's body: its trip count, read from its condition's `i < N`, else
+    `loop_trips`)."""
+    def trips(condition: str) -> int:
+        text = computations.get(condition, ("", ""))[1]
+        constants = dict(_CONSTANT.findall(text))
+        bounds = [int(constants[bound]) for bound in _LESS_THAN.findall(text) if bound in constants]
+        return max(bounds) if bounds else loop_trips
+
+    calls = {}
+    for name, (_, body) in computations.items():
+        loops = {loop_body: trips(condition) for condition, loop_body in _WHILE.findall(body)}
+        calls[name] = [(callee, loops.get(callee, 1) if site == "body" else 1) for site, callee in _CALL.findall(body)]
     entry = next(name for name, (header, _) in computations.items() if header.startswith("ENTRY"))
     runs: dict[str, int] = {entry: 1}
     order, seen = [], set()
@@ -89,6 +98,9 @@ def _runs(computations: dict[str, tuple[str, str]], loop_trips: int) -> dict[str
     return runs
 
 
+_WHILE = re.compile(r"\bwhile\(.*?condition=%?([\w.-]+), body=%?([\w.-]+)")
+_CONSTANT = re.compile(r"%([\w.-]+) = [su]\d+\[\][^ ]* constant\((\d+)\)")
+_LESS_THAN = re.compile(r"compare\(%[\w.-]+, %([\w.-]+)\), direction=LT")
 _COMPUTATION = re.compile(r"^((?:ENTRY )?%?([\w.-]+) [^\n]*)\{\n(.*?)^\}", re.M | re.S)
 _CALL = re.compile(r"\b(calls|body|condition|to_apply|branch_computations|called_computations)=\{?%([\w.-]+)")
 
