@@ -58,6 +58,7 @@ def test_the_trainers_step_compiles_for_a_tpu_and_holds_its_shards_per_device():
     assert collectives.get("all-reduce", {}).get("count", 0) + collectives.get("reduce-scatter", {}).get("count", 0)
     assert report["flops_per_device"] > 0 and 0 < report["roofline"]["mfu_ceiling"] <= 1
     assert report["pallas_kernels"] > 0  # attention `auto` on a TPU: Pallas flash attention, compiled for it
+    assert report["collectives_verified"]  # no scanned layers
 
 
 @pytest.mark.e2e
@@ -183,3 +184,20 @@ def test_a_slice_past_what_torch_can_trace_is_one_line():
 
     with pytest.raises(UserError, match="128 devices.*at most 127.*at most 64 devices"):
         trace._claim_devices(128)
+
+
+def test_a_scanned_programs_collectives_are_reported_as_unverified():
+    """Scanned layers: the counts are the compiler's loops as far as they are understood, said as such."""
+    from xla_shard.aot.compiler import Compiled
+    from xla_shard.aot.report import Report
+    from xla_shard.aot.trace import Trace
+
+    chosen = target.parse("v5p-8")
+    hlo = ("ENTRY %main (a: f32[4]) -> f32[8] {\n  ROOT %g = f32[8]{0} all-gather(f32[4]{0} %a), "
+           "replica_groups={{0,1,2,3}}, dimensions={0}\n}")
+    compiled = Compiled(4, 2**20, 2**20, 0, 2**20, 2**20, 1e9, 1e9, hlo)
+    for trips, verified in ((1, True), (32, False)):
+        traced = Trace(b"", 4, "FULL_SHARD", 2**19, 2**19, 2**10, 2**20, 4e9, loop_trips=trips)
+        report = Report(chosen, traced, compiled, chosen.per_device(4))
+        assert report.as_dict()["collectives_verified"] is verified
+        assert ("UNVERIFIED" in report.text()) is not verified
