@@ -40,7 +40,6 @@ def row(name: str) -> dict:
     from xla_shard import config, planner
     from xla_shard.aot import compiler, target, trace
     from xla_shard.backends.xla_spmd import XlaSpmdBackend
-    from xla_shard.plan import Triple
     from xla_shard.planner import cost, hlo
     from xla_shard.planner.settle import settle
 
@@ -53,13 +52,9 @@ def row(name: str) -> dict:
     compiled = tpu.compile(traced.proto)
     got = hlo.collective_totals(compiled.hlo_text, traced.loop_trips)
     work = planner.workload(cfg, tpu.count, XlaSpmdBackend.capabilities)
-    plan = settle(cfg, tpu.count, XlaSpmdBackend.capabilities, "tpu")
-    triple = Triple(plan.params, plan.grads, plan.optimizer, plan.after_forward)
+    triple = settle(cfg, tpu.count, XlaSpmdBackend.capabilities, "tpu").degrees
     held = cost.memory(work, triple)
-    predicted: dict[str, float] = {}
-    for x in cost.collectives(work, triple, tpu.count):
-        predicted[x.op] = predicted.get(x.op, 0.0) + (x.tensor_bytes / x.size if x.op == "reduce-scatter"
-                                                      else x.tensor_bytes)
+    predicted = cost.result_bytes(cost.collectives(work, triple, tpu.count))
     return {"row": name, "slice": slice_name, "devices": tpu.count, "params_b": work.params / 1e9,
             "planned_state": held["params"] + held["optimizer"],
             "compiled_state": compiled.argument_bytes - traced.batch,

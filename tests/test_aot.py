@@ -175,6 +175,9 @@ def test_a_buffer_larger_than_a_devices_hbm_is_the_compilers_out_of_hbm_verdict_
     assert isinstance(verdict, OutOfHbm) and verdict.used == 206158430208 and verdict.capacity == 96 * 2**30
     assert verdict.allocation == "bf16[32768,1536,2048]" and "one allocation (bf16[32768,1536,2048])" in str(verdict)
     assert not isinstance(rejection("INVALID_ARGUMENT: something else"), OutOfHbm)
+    # What the isolated compiler's process hands back is the compiler's whole message, read again the same way.
+    again = rejection(verdict.compiler_said)
+    assert (again.used, again.capacity, again.allocation) == (verdict.used, verdict.capacity, verdict.allocation)
 
 
 def test_a_slice_past_what_torch_can_trace_is_one_line():

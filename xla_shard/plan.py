@@ -70,9 +70,14 @@ class ShardingPlan:
         return 1 if self.reshard_after_forward is False else self.reshard_after_forward
 
     @property
+    def degrees(self) -> Triple:
+        """The plan's sharding degrees, as the planner prices them."""
+        return Triple(self.params, self.grads, self.optimizer, self.after_forward)
+
+    @property
     def triple(self) -> str:
         """P/G/OS, with the after-forward degree in brackets where it is not P: `8(2)/8/8`."""
-        return str(Triple(self.params, self.grads, self.optimizer, self.after_forward))
+        return str(self.degrees)
 
     @property
     def hybrid(self) -> bool:

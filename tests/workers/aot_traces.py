@@ -14,7 +14,6 @@ from runs import split_runs
 from xla_shard import config, planner
 from xla_shard.aot import compiler, target, trace
 from xla_shard.backends.xla_spmd import XlaSpmdBackend
-from xla_shard.plan import Triple
 from xla_shard.planner import cost, hlo
 from xla_shard.planner.settle import settle
 
@@ -31,13 +30,10 @@ def predicted(cfg, devices: int) -> dict:
     """The cost model's bytes per device for parameters + optimizer state, and its collectives' result bytes
     by kind (a reduce-scatter's result is one shard of the tensor it reduces), as the compiled program counts."""
     work = planner.workload(cfg, devices, XlaSpmdBackend.capabilities)
-    plan = settle(cfg, devices, XlaSpmdBackend.capabilities, "cpu")
-    triple = Triple(plan.params, plan.grads, plan.optimizer, plan.after_forward)
+    triple = settle(cfg, devices, XlaSpmdBackend.capabilities, "cpu").degrees
     held = cost.memory(work, triple)
-    results: dict[str, float] = {}
-    for x in cost.collectives(work, triple, devices):
-        results[x.op] = results.get(x.op, 0) + (x.tensor_bytes / x.size if x.op == "reduce-scatter" else x.tensor_bytes)
-    return {"params_and_optimizer": held["params"] + held["optimizer"], "collectives": results}
+    return {"params_and_optimizer": held["params"] + held["optimizer"],
+            "collectives": cost.result_bytes(cost.collectives(work, triple, devices))}
 
 
 def main(slice_name: str, *args: str) -> None:

@@ -71,11 +71,8 @@ class Slice:
             program.write_bytes(proto)
             _isolated(self.python, "compile", self.topology, str(program), str(result))
             answer = json.loads(result.read_text())
-        if "error" in answer:
-            error = answer["error"]
-            if error["kind"] == "OutOfHbm":
-                raise OutOfHbm(error["used"], error["capacity"], error["temporaries"], error.get("allocation"))
-            raise CompileRejected(error["message"])
+        if "refused" in answer:  # the compiler's own words, read here as in this process
+            raise rejection(answer["refused"])
         return Compiled(**answer)
 
 
@@ -111,7 +108,7 @@ def _isolated(python: str, *args: str) -> str:
 
 def main(command: str, topology: str, *paths: str) -> None:
     """The isolated environment's side: `describe TOPOLOGY` prints the slice as JSON; `compile TOPOLOGY PROTO
-    OUT` writes the compiled program's figures (or the compiler's refusal) to OUT as JSON."""
+    OUT` writes the compiled program's figures (or the compiler's refusal, in its words) to OUT as JSON."""
     devices = topology_devices(topology)
     if command == "describe":
         print(json.dumps({"count": len(devices), "platform_version": devices[0].client.platform_version}))
@@ -119,11 +116,8 @@ def main(command: str, topology: str, *paths: str) -> None:
     program, out = paths
     try:
         answer = dataclasses.asdict(compile_program(Path(program).read_bytes(), devices))
-    except OutOfHbm as verdict:
-        answer = {"error": {"kind": "OutOfHbm", "used": verdict.used, "capacity": verdict.capacity,
-                            "temporaries": verdict.temporaries, "allocation": verdict.allocation}}
     except CompileRejected as rejected:
-        answer = {"error": {"kind": "CompileRejected", "message": str(rejected)}}
+        answer = {"refused": rejected.compiler_said}
     Path(out).write_text(json.dumps(answer))
 
 
@@ -247,17 +241,21 @@ _SHARDING = "mhlo.sharding"
 
 def rejection(text: str) -> CompileRejected:
     """The compiler's refusal as an error: out of HBM (its verdict parsed), or anything else in one line."""
-    used = _OUT_OF_HBM.search(text)
+    used, one = _OUT_OF_HBM.search(text), _ONE_ALLOCATION.search(text)
     if used:
-        return OutOfHbm(_bytes(used.group(1)), _bytes(used.group(2)), _temporaries(text))
-    one = _ONE_ALLOCATION.search(text)
-    if one:
-        return OutOfHbm(int(one.group(1)), int(one.group(2)), None, allocation=one.group(3))
-    return CompileRejected(text[:400])
+        error = OutOfHbm(_bytes(used.group(1)), _bytes(used.group(2)), _temporaries(text))
+    elif one:
+        error = OutOfHbm(int(one.group(1)), int(one.group(2)), None, allocation=one.group(3))
+    else:
+        error = CompileRejected(text[:400])
+    error.compiler_said = text  # for a process that reads it again: the isolated compiler's caller
+    return error
 
 
 class CompileRejected(UserError):
     """The TPU compiler refused the program."""
+
+    compiler_said = ""  # its whole message (`rejection`), which the one-line error may shorten
 
 
 class OutOfHbm(CompileRejected):

@@ -9,6 +9,7 @@ own; any other output does. What is not counted: the runtime's own reserve, and 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from xla_shard.aot.compiler import Compiled, OutOfHbm
@@ -53,8 +54,9 @@ class Report:
     def fits(self) -> bool:
         return self.needed <= self.device.hbm_bytes
 
-    @property
+    @functools.cached_property
     def collectives(self) -> dict[str, dict[str, int]]:
+        """Read once from the program's text (tens of MB for a large model): the roofline, JSON and text use it."""
         totals = collective_totals(self.compiled.hlo_text, self.trace.loop_trips)
         return {k: v for k, v in totals.items() if v["count"]}
 

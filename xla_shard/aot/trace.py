@@ -4,10 +4,10 @@ slice has, and left unrun: its HloModuleProto is what the TPU compiler gets.
 It is the trainer's own step (`Trainer.step`: micro-batches, token weights, mixed precision, clipping, the
 optimizer, the backend's shardings for the plan), on the config's own data, with the model built from its
 config on the meta device (no weights read). The parameters and the optimizer's state are placeholders:
-XLA tensors with no storage, laid out by the backend's own shardings (annotated on their values, which XLA
-propagates back to the program's parameters). The optimizer's state is made as a resume makes it, so the traced
-program is the one every step after the first repeats. No step runs and nothing is allocated at the model's
-size: only the batch and the model's buffers hold host memory. Nothing is written.
+XLA tensors with no storage, laid out by the backend's own shardings (annotated on their values; the compiler
+side moves each annotation onto the program's parameter). The optimizer's state is made as a resume makes it,
+so the traced program is the one every step after the first repeats. No step runs and nothing is allocated at
+the model's size: only the batch and the model's buffers hold host memory. Nothing is written.
 """
 
 from __future__ import annotations

@@ -303,8 +303,8 @@ class XlaSpmdBackend(xla_common.XlaBackend):
 
     def mark(self, tensor: torch.Tensor, spec: tuple) -> None:
         """Lay out a parameter or optimizer state by `spec`. A placeholder cannot be laid out (`mark_sharding`
-        finds no data): its value is annotated with the sharding instead, which XLA propagates back to the
-        program's parameter, as the compiler options of `xla-shard compile` allow."""
+        finds no data): its value is annotated with the sharding instead, which `xla-shard compile` moves onto
+        the program's parameter before compiling (`aot.compiler`)."""
         import torch_xla
         import torch_xla.distributed.spmd as xs
 

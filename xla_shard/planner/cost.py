@@ -123,6 +123,15 @@ def collectives(work: Workload, triple: Triple, devices: int) -> list[Collective
     return [x for x in found if x.size > 1 and x.tensor_bytes > 0]
 
 
+def result_bytes(found: list[Collective]) -> dict[str, float]:
+    """Bytes of the collectives' results by op, as a compiled program's are counted (`hlo.collective_totals`):
+    a reduce-scatter's result is one shard of the tensor it reduces."""
+    by_op: dict[str, float] = {}
+    for x in found:
+        by_op[x.op] = by_op.get(x.op, 0.0) + (x.tensor_bytes / x.size if x.op == "reduce-scatter" else x.tensor_bytes)
+    return by_op
+
+
 @dataclass
 class Estimate:
     triple: Triple
