@@ -97,8 +97,9 @@ def test_a_generation_this_libtpu_cannot_compile_is_one_line_before_anything_is_
                                                       "makes .venv-tpu-compiler)")
 def test_tpu7x_compiles_with_the_isolated_compiler(monkeypatch):
     """The same step for a tpu7x-8 (4 chips, 8 devices), traced here and compiled by the newer libtpu in its own
-    environment: it fits, holds its shards per device as the trace does, runs Pallas flash attention, and its
-    all-gathers (TPU7x runs them on its SparseCores, as async calls) and gradient reductions are counted."""
+    environment: it fits, holds its shards per device as the trace does, runs Pallas flash attention (and
+    eager attention none), and its all-gathers (TPU7x runs them on its SparseCores, as async calls) and
+    gradient reductions are counted."""
     monkeypatch.setenv(ISOLATED, str(TPU_COMPILER))
     report = _compile("--tpu", "tpu7x-8", "--set", "model=small-llama", "--set", "train.seq_len=256")
     consumers = report["consumers"]
@@ -109,6 +110,11 @@ def test_tpu7x_compiles_with_the_isolated_compiler(monkeypatch):
     # bf16, the precision its matmuls take them in by default.
     assert report["collectives"]["all-gather"]["bytes"] >= consumers["parameters"] * 8 / 2
     assert report["collectives"]["reduce-scatter"]["count"] > 0
+    # Eager attention runs no Pallas kernel of ours, though TPU7x's compiler writes Mosaic kernels of its own
+    # for it (`online-softmax`): those are not counted as the step's.
+    eager = _compile("--tpu", "tpu7x-2", "--set", "model=tiny-llama", "--set", "train.seq_len=256",
+                     "--set", "model.attn_implementation=eager")
+    assert eager["fits"] and eager["pallas_kernels"] == 0
 
 
 @pytest.mark.e2e

@@ -46,11 +46,6 @@ class Compiled:
     bytes_accessed: float
     hlo_text: str = field(repr=False)
 
-    @property
-    def kernels(self) -> int:
-        """Pallas (Mosaic) kernels in the program: flash attention, where the step runs it."""
-        return self.hlo_text.count('custom_call_target="tpu_custom_call"')
-
 
 @dataclass
 class Slice:

@@ -79,7 +79,7 @@ class Report:
                 "needed_bytes_per_device": self.needed, "fits": self.fits, "consumers": self.consumers,
                 "argument_bytes": self.compiled.argument_bytes, "output_bytes": self.compiled.output_bytes,
                 "temp_bytes": self.compiled.temp_bytes, "code_bytes": self.compiled.code_bytes,
-                "pallas_kernels": self.compiled.kernels, "flops_per_device": self.compiled.flops,
+                "pallas_kernels": self.trace.kernels, "flops_per_device": self.compiled.flops,
                 "bytes_accessed_per_device": self.compiled.bytes_accessed,
                 "collectives": self.collectives, "collectives_verified": self.trace.loop_trips == 1,
                 "roofline": self.roofline()}
@@ -97,8 +97,8 @@ class Report:
                      + (f" (a loop's body counted once: {self.trace.loop_trips} scanned layers run it; the model's "
                         f"{self.trace.model_flops / c.devices / 1e12:.3f} TFLOP per device bound the roofline)"
                         if self.trace.loop_trips > 1 else ""))
-        if c.kernels:
-            lines.append(f"Pallas kernels compiled into the program: {c.kernels} (flash attention)")
+        if self.trace.kernels:
+            lines.append(f"Pallas kernels compiled into the program: {self.trace.kernels} (flash attention)")
         lines.append("collectives in the compiled TPU program (per device, results' bytes"
                      + (f"; UNVERIFIED: {SCANNED_COLLECTIVES}" if self.trace.loop_trips > 1 else "") + "):")
         lines += [f"  {kind}: {v['count']} ops, {v['bytes'] / 2**20:.1f} MiB" for kind, v in self.collectives.items()]

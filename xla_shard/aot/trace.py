@@ -38,6 +38,13 @@ class Trace:
     model_flops: float  # per step, all devices: PaLM's count, as the trainer's MFU
     loop_trips: int = 1  # iterations of the program's loops: the scanned layers (1: no loop)
 
+    @property
+    def kernels(self) -> int:
+        """Pallas (Mosaic) kernel calls the step makes (flash attention, forward and backward). Counted in the
+        traced program: the compiled one also holds kernels the TPU compiler writes itself (TPU7x's
+        `online-softmax` for eager attention)."""
+        return self.proto.count(b"tpu_custom_call")
+
 
 def step_config(cfg: ShardConfig, devices: int, workdir: str) -> ShardConfig:
     """The config as traced: xla_spmd on `devices` virtual devices, random init, nothing written but in
