@@ -5,7 +5,8 @@
 Each row traces a config's step as `xla-shard compile` does (placeholders: nothing at the model's size),
 compiles it with libtpu for the slice, and prints, per device, what the planner predicts beside what the
 compiled program holds and moves: parameters + optimizer state (against the compiled arguments less the
-batch), gradient reductions (reduce-scatter + all-reduce result bytes), and parameter all-gathers. Scanned layers,
+batch), gradient reductions (reduce-scatter + all-reduce result bytes), and parameter all-gathers. Llama-3-8B
+and -70B shapes, and a Qwen3-30B-A3B shape (mixture of experts: grouped-matmul experts on a TPU). Scanned layers,
 activation checkpointing, bf16 and flash attention, as a large run is configured. TPU7x rows need the isolated
 compiler (XLA_SHARD_TPU_COMPILER, see docs/planner.md); each row runs in a fresh process (the device count is
 fixed per process).
@@ -17,6 +18,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -25,12 +27,20 @@ LLAMA3_8B = ("{hidden_size: 4096, intermediate_size: 14336, num_hidden_layers: 3
              "num_key_value_heads: 8, vocab_size: 128256, max_position_embeddings: 8192}")
 LLAMA3_70B = ("{hidden_size: 8192, intermediate_size: 28672, num_hidden_layers: 80, num_attention_heads: 64, "
               "num_key_value_heads: 8, vocab_size: 128256, max_position_embeddings: 8192}")
-ROWS = {  # name: (model overrides, slice, global batch of 8192-token sequences)
+# Qwen3-30B-A3B: 128 experts, 8 per token (a config.json only: the trace reads no weights)
+QWEN3_30B_A3B = {"hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+                 "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_attention_heads": 32,
+                 "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
+                 "decoder_sparse_step": 1, "norm_topk_prob": True, "tie_word_embeddings": False}
+ROWS = {  # name: (model: Llama overrides, or a qwen3_moe config; slice; global batch of 8192-token sequences)
     "8b-v5p": (LLAMA3_8B, "v5p-64", 32),
     "8b-v6e": (LLAMA3_8B, "v6e-32", 32),
     "8b-tpu7x": (LLAMA3_8B, "tpu7x-64", 64),
     "70b-v5p": (LLAMA3_70B, "v5p-128", 64),  # 64 devices: the most a trace takes (see docs/planner.md)
     "70b-v6e": (LLAMA3_70B, "v6e-64", 64),
+    "30b-a3b-v5p": (QWEN3_30B_A3B, "v5p-64", 32),
+    "30b-a3b-v6e": (QWEN3_30B_A3B, "v6e-64", 64),
+    "30b-a3b-tpu7x": (QWEN3_30B_A3B, "tpu7x-64", 64),
 }
 GiB = 2**30
 
@@ -43,8 +53,10 @@ def row(name: str) -> dict:
     from xla_shard.planner import cost, hlo
     from xla_shard.planner.settle import settle
 
-    overrides, slice_name, batch = ROWS[name]
-    cfg = config.load(None, ["model=small-llama", f"model.overrides={overrides}", "train.seq_len=8192",
+    shape, slice_name, batch = ROWS[name]
+    model = [f"model.name={_moe_dir(shape)}", "model.init=random"] if isinstance(shape, dict) else \
+        ["model=small-llama", f"model.overrides={shape}"]
+    cfg = config.load(None, [*model, "train.seq_len=8192",
                              f"train.global_batch_size={batch}", "fsdp.mixed_precision=bf16",
                              "fsdp.scan_layers=true", "fsdp.activation_checkpointing=true"])
     tpu = compiler.describe(target.parse(slice_name).topology)
@@ -62,6 +74,14 @@ def row(name: str) -> dict:
             "compiled_reductions": got["reduce-scatter"]["bytes"] + got["all-reduce"]["bytes"],
             "planned_gathers": predicted.get("all-gather", 0), "compiled_gathers": got["all-gather"]["bytes"],
             "compiled_total": compiled.argument_bytes + compiled.temp_bytes + compiled.code_bytes}
+
+
+def _moe_dir(shape: dict) -> str:
+    from transformers import AutoConfig
+
+    directory = tempfile.mkdtemp(prefix="aot_planner_moe_")
+    AutoConfig.for_model("qwen3_moe", **shape).save_pretrained(directory)
+    return directory
 
 
 def main() -> None:

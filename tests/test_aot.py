@@ -121,8 +121,9 @@ def test_tpu7x_compiles_with_the_isolated_compiler(monkeypatch):
 def test_placeholders_trace_the_program_real_parameters_do(tmp_path):
     """`xla-shard compile` traces with placeholders (no storage at the model's size). Compiled for a v5p-8, each
     config's program is the one its real parameters and optimizer state trace: the same memory per device, FLOPs
-    and collectives, for a plain model, LoRA, scanned layers, a triple sharding each state apart, and an MoE's
-    experts (Qwen3-MoE, from its directory's config.json; no weights read)."""
+    and collectives, for a plain model, LoRA, scanned layers, a triple sharding each state apart, and an MoE
+    (Qwen3-MoE, from its directory's config.json; no weights read), its layers unrolled and scanned. Its experts
+    compile as Pallas grouped-matmul kernels (the only kernels there: 64-token attention takes SDPA)."""
     pytest.importorskip("jax")
     moe = moe_dir(tmp_path / "qwen3-moe", "qwen3_moe")
     (moe / "model.safetensors").unlink()
@@ -131,11 +132,14 @@ def test_placeholders_trace_the_program_real_parameters_do(tmp_path):
             ["model=small-llama", "fsdp.scan_layers=true", "fsdp.activation_checkpointing=true"],
             ["model=small-llama", "fsdp.sharding={params: 2, grads: 4, optimizer: 4}", "train.grad_accum_steps=2",
              "train.global_batch_size=8"],
-            [f"model.name={moe}", "model.init=random", "fsdp.mixed_precision=bf16"]]
+            [f"model.name={moe}", "model.init=random", "fsdp.mixed_precision=bf16"],
+            [f"model.name={moe}", "model.init=random", "fsdp.mixed_precision=bf16", "fsdp.scan_layers=true",
+             "fsdp.activation_checkpointing=true"]]
     results = _traces("v5p-8", "--real", "train.global_batch_size=4", "train.seq_len=64", runs=runs, cwd=tmp_path)
     for run, result in zip(runs, results):
         assert result["placeholders"] == result["real"], run
         assert result["real"]["collectives"]["all-gather"]["count"] > 0, run
+        assert (result["real"]["kernels"] > 0) == (run[0] != "model=small-llama"), run
 
 
 def _traces(*args, runs, cwd) -> list[dict]:

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import FIXTURES, backend_params, run_cli, run_load_probe, runnable
+from conftest import FIXTURES, backend_params, run_cli, run_load_probe, run_worker, runnable
 from model_dirs import MOE_FAMILIES, assemble, moe_dir
 from transformers import AutoModelForCausalLM
 
@@ -140,3 +140,70 @@ def test_torch_xla_backends_refuse_the_router_loss_naming_it(moe_dirs):
         build_for(cfg, capabilities=backends.create(cfg).capabilities)
     assert (raised.value.key, raised.value.backend) == ("model.overrides.output_router_logits", "xla_spmd")
     assert "histc" in str(raised.value) and "backend torch_fsdp, which adds it" in str(raised.value)
+
+
+@pytest.mark.xla
+@pytest.mark.e2e
+def test_grouped_matmul_experts_compute_what_transformers_batched_mm_does(moe_dirs, tmp_path):
+    """On a TPU, torch_xla's MoE experts run as grouped matmuls (jax's Megablox kernel; interpreted here): for
+    every MoE family, one forward and backward under SPMD over 2 devices (FSDP's layout: experts split, tokens
+    split) and on one device give transformers' batched_mm loss and gradients, the experts' included; so do
+    bare experts of both weight layouts ([experts, out, in] and Aria's [experts, in, out], whose SiLU is not its
+    config's hidden_act)."""
+    done = run_worker("moe_experts.py", "modules", "2", cwd=tmp_path)
+    modules = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [m["module"] for m in modules] == ["Qwen3MoeExperts", "AriaExperts"]
+    for module in modules:
+        assert max(module["worst"].values()) < 1e-5, module
+    for devices, families in ((2, MOE_FAMILIES), (1, ["qwen3_moe"])):
+        done = run_worker("moe_experts.py", "grads", str(devices), *(str(moe_dirs[f]) for f in families),
+                          cwd=tmp_path)
+        results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        assert len(results) == len(families)
+        for family, result in zip(families, results):
+            want, got = result["losses"]
+            assert math.isclose(got, want, rel_tol=1e-6), (devices, family, result)
+            assert result["grads"] and result["experts_grads"] and result["worst"] < 1e-5, (devices, family, result)
+
+
+@pytest.mark.xla
+@pytest.mark.e2e
+def test_grouped_matmul_experts_train_scanned_layers_as_batched_mm_does(moe_dirs, tmp_path):
+    """The grouped experts are ops the scanned layer's trace (AOTAutograd) keeps whole, each a manual SPMD
+    region inside XLA's layer loop: `xla-shard train` with scan_layers on xla_spmd over 2 devices takes the
+    same steps with them as with batched_mm."""
+    sets = [f"model.name={moe_dirs['qwen3_moe']}", *DATA, "backend=xla_spmd", "cpu_devices=2", "train.steps=2",
+            "train.global_batch_size=4", "fsdp.scan_layers=true", "model.attn_implementation=eager"]
+    for name, run in (("batched", run_cli), ("grouped", None)):
+        args = ["--set", f"output_dir={tmp_path / name}", *(a for s in sets for a in ("--set", s))]
+        if run:
+            assert run("train", *args).returncode == 0
+        else:
+            run_worker("moe_experts.py", "train", *args, cwd=tmp_path)
+    want, got = ([json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+                 for name in ("batched", "grouped"))
+    assert len(want) == 2 and got == pytest.approx(want, rel=1e-6)
+
+
+def test_experts_the_grouped_kernel_does_not_compute_run_as_batched_mm_and_say_so():
+    """GPT-OSS's experts (biases, an interleaved gate with its own clamp) are not what the grouped path
+    computes: asked for it, they run transformers' batched_mm, the same result, with one warning naming them.
+    Where the grouped path runs at all: a torch_xla backend on a TPU (or traced for one)."""
+    from transformers import GptOssConfig
+    from transformers.integrations.moe import batched_mm_experts_forward
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from xla_shard import experts
+
+    experts.register()
+    module = GptOssExperts(GptOssConfig(hidden_size=32, intermediate_size=16, num_local_experts=4))
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    module.config._experts_implementation = experts.XLA_GMM
+    hidden, index, route = torch.randn(6, 32), torch.randint(0, 4, (6, 2)), torch.rand(6, 2)
+    with pytest.warns(UserWarning, match="GptOssExperts .*batched_mm runs instead"):
+        out = module(hidden, index, route)
+    assert torch.equal(out, batched_mm_experts_forward(module, hidden, index, route))
+    assert experts.choose("batched_mm", "tpu") == experts.XLA_GMM
+    assert experts.choose("batched_mm", "cpu") == "batched_mm"
+    assert experts.choose(None, "tpu") is None  # not a torch_xla backend: transformers' own choice

@@ -25,7 +25,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from xla_shard import attention
+from xla_shard import attention, experts as experts_kernels
 from xla_shard.checkpoint.model_config import train_without_cache
 from xla_shard.config.presets import PRESETS
 from xla_shard.config.schema import ModelSection
@@ -145,6 +145,8 @@ def build_model(section: ModelSection, seed: int, empty: bool = False, source: M
     weights; buffers (rotary tables, position ids) are computed for real, as the model's own code does."""
     config = model_config(section, source, accelerator)
     if experts is not None:
+        if experts == experts_kernels.XLA_GMM:
+            experts_kernels.register()
         config._experts_implementation = experts
     auto = _AUTO_CLASSES[section.task]
     key = "model.overrides" if section.overrides else "model.name"

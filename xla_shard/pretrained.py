@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from xla_shard import lora
+from xla_shard import experts, lora
 from xla_shard.checkpoint import fused, hf_dir, layout
 from xla_shard.checkpoint.contract import StateTensor, region
 from xla_shard.checkpoint.reader import ChunkReader, fill
@@ -249,7 +249,7 @@ def build_for(cfg, accelerator: str | None = None, capabilities=None, empty: boo
     weights = PretrainedWeights.find(source, cfg.model.init, deadline)
     empty = empty or weights is not None
     model = build_model(cfg.model, cfg.train.seed, empty=empty, source=source, accelerator=accelerator,
-                        experts=capabilities.experts if capabilities else None)
+                        experts=experts.choose(capabilities.experts, accelerator) if capabilities else None)
     if capabilities and capabilities.router_aux_loss and getattr(model.config, "output_router_logits", False):
         capabilities.refuse("model.overrides.output_router_logits", f"is true for {source.name}, and "
                                                                     f"{capabilities.router_aux_loss}: set it to false, "

@@ -23,7 +23,8 @@ def compiled(cfg, tpu, placeholders: bool) -> dict:
     program = tpu.compile(traced.proto)
     return {"traced": [traced.parameters, traced.optimizer_state, traced.batch],
             "memory": [program.argument_bytes, program.output_bytes, program.temp_bytes],
-            "flops": program.flops, "collectives": hlo.collective_totals(program.hlo_text, traced.loop_trips)}
+            "flops": program.flops, "collectives": hlo.collective_totals(program.hlo_text, traced.loop_trips),
+            "kernels": traced.kernels}
 
 
 def predicted(cfg, devices: int) -> dict:

@@ -135,15 +135,19 @@ def topology_devices(topology: str) -> list:
 
 @contextlib.contextmanager
 def kernels_lowered_for(tpu: Slice):
-    """Pallas kernels (flash attention: `attn_implementation: xla_pallas`, `auto` on a TPU) traced inside are
-    lowered for the TPU of `tpu`, as on a TPU VM with its libtpu. torch_xla lowers them for jax's default
-    backend, which here is the CPU, where Pallas only interprets; and jax picks the Mosaic serialization
-    version by the build date of the TPU runtime it finds, where a newer one than that libtpu reads is refused."""
+    """Pallas kernels traced inside (flash attention: `attn_implementation: xla_pallas`, `auto` on a TPU; the
+    MoE experts' grouped matmuls) are lowered for the TPU of `tpu`, as on a TPU VM with its libtpu. torch_xla
+    lowers them for jax's default backend, which here is the CPU, where Pallas only interprets; and jax picks
+    the Mosaic serialization version by the build date of the TPU runtime it finds, where a newer one than that
+    libtpu reads is refused."""
     try:
         import jax
         import torch
         from jax._src import tpu_custom_call
+        from torch_xla.core import xla_builder as xb
         from torch_xla.experimental import custom_kernel
+
+        from xla_shard import experts  # here: the isolated compiler's environment has no torch
     except ImportError:  # no Pallas without jax
         yield
         return
@@ -160,12 +164,24 @@ def kernels_lowered_for(tpu: Slice):
         ir = jitted.trace(*shapes, **kwargs).lower(lowering_platforms=("tpu",)).compiler_ir()
         return custom_kernel._extract_backend_config(ir), [a for a in args if torch.is_tensor(a)]
 
-    saved = custom_kernel.trace_pallas, tpu_custom_call.is_cloud_tpu_older_than
+    def specialize_for_tpu(self, sample_flat_args):  # xb.call_jax (the MoE experts' gmm), lowered for a TPU
+        from torchax.ops.mappings import t2j_dtype
+
+        shapes = tuple(None if a is None else jax.ShapeDtypeStruct(a.shape, t2j_dtype(a.dtype))
+                       for a in sample_flat_args)
+        lowered = jax.jit(self._flat_input_func.flat_call, keep_unused=True).trace(shapes).lower(
+            lowering_platforms=("tpu",))
+        proto = lowered.compiler_ir("hlo").as_serialized_hlo_module_proto()
+        return xb.xla_computation_as_func(xb.computation_from_module_proto("jax_callable", proto), "jax_func")
+
+    saved = custom_kernel.trace_pallas, tpu_custom_call.is_cloud_tpu_older_than, xb.JaxCallable.specialize
     custom_kernel.trace_pallas, tpu_custom_call.is_cloud_tpu_older_than = for_tpu, older_than
+    xb.JaxCallable.specialize = specialize_for_tpu
     try:
-        yield
+        with experts.lowered_for_tpu():
+            yield
     finally:
-        custom_kernel.trace_pallas, tpu_custom_call.is_cloud_tpu_older_than = saved
+        custom_kernel.trace_pallas, tpu_custom_call.is_cloud_tpu_older_than, xb.JaxCallable.specialize = saved
 
 
 def _build_date(platform_version: str) -> datetime.date | None:

@@ -98,7 +98,8 @@ class Report:
                         f"{self.trace.model_flops / c.devices / 1e12:.3f} TFLOP per device bound the roofline)"
                         if self.trace.loop_trips > 1 else ""))
         if self.trace.kernels:
-            lines.append(f"Pallas kernels compiled into the program: {self.trace.kernels} (flash attention)")
+            lines.append(f"Pallas kernels compiled into the program: {self.trace.kernels} "
+                         "(flash attention, MoE grouped matmuls)")
         lines.append("collectives in the compiled TPU program (per device, results' bytes"
                      + (f"; UNVERIFIED: {SCANNED_COLLECTIVES}" if self.trace.loop_trips > 1 else "") + "):")
         lines += [f"  {kind}: {v['count']} ops, {v['bytes'] / 2**20:.1f} MiB" for kind, v in self.collectives.items()]

@@ -40,7 +40,8 @@ class Trace:
 
     @property
     def kernels(self) -> int:
-        """Pallas (Mosaic) kernel calls the step makes (flash attention, forward and backward). Counted in the
+        """Pallas (Mosaic) kernels in the step (flash attention and the MoE experts' grouped matmuls, forward
+        and backward; a kernel the traced program calls from several places counts once). Counted in the
         traced program: the compiled one also holds kernels the TPU compiler writes itself (TPU7x's
         `online-softmax` for eager attention)."""
         return self.proto.count(b"tpu_custom_call")

@@ -93,8 +93,9 @@ class XlaBackend(Backend):
     """torch_xla, either way: lazy graphs cut once per step, compilations counted, no CPU offload."""
 
     NO_OFFLOAD = "torch_xla FSDP has no CPU offload"
-    # MoE experts as one gather and batched matmuls: static shapes, one graph. transformers' grouped_mm counts
-    # tokens per expert with an integer histc, which XLA does not lower (it fails on the host fallback).
+    # MoE experts off a TPU: one gather and batched matmuls, static shapes, one graph (transformers' grouped_mm
+    # counts tokens per expert with an integer histc, which XLA does not lower). On a TPU, or traced for one,
+    # they run as Pallas grouped matmuls instead (`xla_shard.experts`): batched_mm's per-pair weights do not fit.
     EXPERTS = "batched_mm"
     ROUTER_AUX_LOSS = ("transformers counts each expert's tokens for the router's load-balancing loss with an "
                        "integer histc on XLA devices, which XLA does not lower")
