@@ -55,9 +55,15 @@ def test_a_rerun_with_nothing_to_train_says_so(cli, tmp_path, reference):
     ref, _ = reference
     shutil.copytree(ref, tmp_path / "ckpt")
     done = train(cli, tmp_path / "run", f"checkpoint.dir={tmp_path / 'ckpt'}")
-    assert f"the checkpoint at step {STEPS} already reaches train.steps={STEPS} ({STEPS} steps); nothing to train" \
-        in done.stderr
-    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
+    # Said first and alone: no backend, device, model or data line before it (nothing was started or built).
+    assert done.stderr.strip().splitlines() == [
+        f"xla-shard: the checkpoint at step {STEPS} already reaches train.steps={STEPS} ({STEPS} steps); nothing to "
+        f"train (raise train.steps to continue)"]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    # Another run's checkpoint is not this run's finish: refused by the key that differs, as any resume of it.
+    other = cli("train", CONFIG, "--set", f"train.steps={STEPS}", "--set", f"output_dir={tmp_path / 'other'}",
+                "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--set", "train.seed=12345")
+    assert other.returncode != 0 and "train.seed" in other.stderr and "nothing to train" not in other.stderr
 
 
 def test_retention_keeps_the_last_k_and_every_nth(reference):

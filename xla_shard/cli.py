@@ -347,6 +347,12 @@ def _train(args) -> int:
     if notes and not launch.torchrun_worker():  # said once, by the launcher
         print(f"xla-shard: {args.config} imported from {kind} ({len(notes)} note(s); `xla-shard config import "
               f"{args.config}` lists them)", file=sys.stderr)
+    from xla_shard.checkpoint import nothing_to_train
+
+    finished = nothing_to_train(cfg)
+    if finished:  # before any backend, process or model: a rerun of a finished run
+        print(f"xla-shard: {finished}", file=sys.stderr)
+        return 0
     backend = _backend(cfg)  # refuses what this backend cannot honour, before anything starts
     from xla_shard import train
 

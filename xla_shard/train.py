@@ -21,7 +21,7 @@ from torch import nn
 from xla_shard import backends, launch, lora, metrics
 from xla_shard import data as datalib
 from xla_shard.backends.base import Backend
-from xla_shard.checkpoint import Checkpointer, CheckpointError, NoCheckpoints, hf_dir
+from xla_shard.checkpoint import Checkpointer, CheckpointError, NoCheckpoints, finished_message, hf_dir
 from xla_shard.config.schema import ShardConfig, TrainSection
 from xla_shard.data import Batch, micro_rows
 from xla_shard.data.batches import scored
@@ -201,9 +201,8 @@ class Trainer:
                 raise ConfigError(key, f"{self.total_steps} steps are behind the checkpoint's step {self.start_step} "
                                        f"(under {cfg.checkpoint.dir})")
             if self.start_step == self.total_steps:  # a rerun of a finished run: exit 0, but not silently
-                self._log(f"the checkpoint at step {self.start_step} already reaches {key}="
-                          f"{getattr(cfg.train, key.split('.')[1]):g} ({self.total_steps} steps); nothing to train "
-                          f"(raise {key} to continue)")
+                self._log(finished_message(self.start_step, key, getattr(cfg.train, key.split(".")[1]),
+                                           self.total_steps))
         self._log(f"model: attention {model.config._attn_implementation}"
                   + (" (model.attn_implementation=auto)" if cfg.model.attn_implementation == "auto" else ""))
         if weights is None:

@@ -43,7 +43,7 @@ from xla_shard.checkpoint.model_config import hf_config
 from xla_shard.checkpoint.reader import ChunkReader, fill
 from xla_shard.config.schema import ShardConfig
 from xla_shard.errors import ConfigError, UserError
-from xla_shard.io.storage import Storage
+from xla_shard.io.storage import Storage, StorageError
 from xla_shard.io.untrusted_json import MAX_JSON_DEPTH, SchemaError
 
 
@@ -424,20 +424,9 @@ class Checkpointer:
         return [t for t in self.state.tensors(model, optimizer, stored=stored) if not (self.trained_only and t.frozen)]
 
     def _check_identity(self, manifest: Manifest, architecture: dict[str, Any] | None) -> None:
-        saved = manifest.data["config"]
-        defaults = None
-        for key, value in self.state.run_identity().items():
-            section, _, field = key.partition(".")
-            if isinstance(saved.get(section), dict) and field not in saved[section]:
-                # a key added since that checkpoint was written: it was written with the key's default
-                defaults = defaults or ShardConfig().run_identity()
-                was = defaults[key]
-            else:
-                was = _dotted(saved, key)
-            if was != value:
-                raise ConfigError(key, f"is {value!r} but the checkpoint {manifest.url} was written with {was!r}; "
-                                       "resuming would not continue that run (use another checkpoint.dir to start "
-                                       "a new one)")
+        changed = changed_identity(manifest, self.state.run_identity())
+        if changed:
+            raise ConfigError(*changed)
         if architecture is not None and isinstance(manifest.data.get("hf_config"), dict):
             saved, now = _architecture(manifest.data["hf_config"]), _architecture(architecture)
             changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
@@ -448,6 +437,51 @@ class Checkpointer:
                                                 + (f" (and {len(changed) - 1} more field(s))"
                                                    if len(changed) > 1 else "")
                                                 + "; resuming would not continue that run")
+
+
+def changed_identity(manifest: Manifest, identity: dict[str, Any]) -> tuple[str, str] | None:
+    """(key, why) for the first run-identity key whose value differs from the one `manifest`'s run was written
+    with; None when resuming it would continue the same run."""
+    saved = manifest.data["config"]
+    defaults = None
+    for key, value in identity.items():
+        section, _, field = key.partition(".")
+        if isinstance(saved.get(section), dict) and field not in saved[section]:
+            # a key added since that checkpoint was written: it was written with the key's default
+            defaults = defaults or ShardConfig().run_identity()
+            was = defaults[key]
+        else:
+            was = _dotted(saved, key)
+        if was != value:
+            return key, (f"is {value!r} but the checkpoint {manifest.url} was written with {was!r}; resuming would "
+                         "not continue that run (use another checkpoint.dir to start a new one)")
+    return None
+
+
+def nothing_to_train(cfg: ShardConfig) -> str | None:
+    """What a rerun of a finished run says before anything starts (no process, no model, no device): the newest
+    committed checkpoint of this same run already reaches train.steps. None when there may be something to
+    train, or only the training can tell: a run counted in epochs (its steps come from the data), another
+    run's checkpoint (refused by name when resumed), or one that does not read (resume falls back past it)."""
+    section = cfg.checkpoint
+    if not section.dir or section.resume != "auto" or cfg.train.epochs:
+        return None
+    try:
+        storage = Storage(section.dir, section.retry_deadline_s)
+        steps = committed_steps(storage)
+        if not steps or steps[-1] != cfg.train.steps:
+            return None
+        manifest = read_manifest(storage, layout.step_dir(steps[-1]))
+    except (CheckpointError, StorageError):  # said by the run itself, which reads it again
+        return None
+    if changed_identity(manifest, cfg.run_identity()):
+        return None
+    return finished_message(steps[-1], "train.steps", cfg.train.steps, cfg.train.steps)
+
+
+def finished_message(step: int, key: str, value: float, total: int) -> str:
+    return (f"the checkpoint at step {step} already reaches {key}={value:g} ({total} steps); nothing to train "
+            f"(raise {key} to continue)")
 
 
 def _refuse_non_finite(step: int, entries: list[layout.Entry], last_committed: int | None) -> None:

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from xla_shard.capabilities import Capabilities
-from xla_shard.planner.cost import Collective, Estimate, Triple, Workload, collectives, estimate, memory, update_degree
+from xla_shard.planner.cost import (Collective, Estimate, Triple, Workload, collectives, estimate, memory, tie_groups,
+                                    update_degree)
 from xla_shard.planner.hardware import ACCELERATORS, Accelerator, accelerator, for_device_kind
 
 __all__ = ["ACCELERATORS", "Accelerator", "Collective", "Estimate", "Plan", "Triple", "Workload", "accelerator",
@@ -40,7 +41,7 @@ class Plan:
     devices: int
     domain: int
     accelerator: Accelerator
-    ranked: list[Estimate]  # fitting ones first, fastest first
+    ranked: list[Estimate]  # fitting ones first, fastest first (to STEP_RESOLUTION), then least memory
     baseline: Estimate  # FULL_SHARD (ZeRO-3)
 
     @property
@@ -48,7 +49,7 @@ class Plan:
         return next((e for e in self.ranked if e.fits), None)
 
     def best_where(self, runs: Callable[[Triple], bool]) -> Estimate | None:
-        """The fastest fitting triple that `runs` (a backend's test) accepts."""
+        """The fastest fitting triple that `runs` (a backend's test) accepts; among equally fast, the smallest."""
         return next((e for e in self.ranked if e.fits and runs(e.triple)), None)
 
 
@@ -63,7 +64,8 @@ def plan(work: Workload, devices: int, acc: Accelerator, hosts: int | None = Non
     if hbm_bytes:
         acc = Accelerator(**{**acc.__dict__, "hbm_bytes": hbm_bytes})
     estimates = [estimate(work, t, devices, acc, domain, efficiency=efficiency) for t in candidates(devices, domain)]
-    ranked = sorted(estimates, key=lambda e: (not e.fits, e.step_s, e.memory["total"]))
+    groups = tie_groups(estimates)
+    ranked = sorted(estimates, key=lambda e: (not e.fits, groups[id(e)], e.memory["total"]))
     baseline = next(e for e in estimates if e.triple == Triple(devices, devices, devices))
     return Plan(devices, domain, acc, ranked, baseline)
 

@@ -148,6 +148,29 @@ class Estimate:
         return {**asdict(self), "triple": str(self.triple)}
 
 
+# Step times closer than this (relative) are the same to the cost model: its compute term rests on an assumed
+# efficiency and its links on nominal bandwidths, so finer differences say nothing. Such rows are ranked by
+# memory per device instead.
+STEP_RESOLUTION = 0.01
+
+
+def tie_groups(estimates: list[Estimate]) -> dict[int, int]:
+    """id(estimate) -> its group: estimates sorted by step time, a group starting wherever a step is more than
+    STEP_RESOLUTION slower than the group's fastest."""
+    groups: dict[int, int] = {}
+    lead, group = None, -1
+    for e in sorted(estimates, key=lambda e: e.step_s):
+        if lead is None or e.step_s > lead * (1 + STEP_RESOLUTION):
+            lead, group = e.step_s, group + 1
+        groups[id(e)] = group
+    return groups
+
+
+def compute_bound(estimates: list[Estimate]) -> bool:
+    """Whether every estimate's step is set by its compute (its collectives hide behind it)."""
+    return bool(estimates) and all(e.comm_s <= e.compute_s for e in estimates)
+
+
 def estimate(work: Workload, triple: Triple, devices: int, acc: Accelerator, domain: int,
              efficiency: float = 0.7) -> Estimate:
     held = memory(work, triple)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from xla_shard.planner.cost import Estimate, Triple
+from xla_shard.planner.cost import STEP_RESOLUTION, Estimate, Triple, compute_bound, tie_groups
 
 if TYPE_CHECKING:
     from xla_shard.planner import Plan
@@ -24,15 +24,18 @@ def sharding_yaml(triple: Triple) -> str:
 
 
 def for_backend(estimates: list[Estimate], runs: Callable[[Estimate], bool]) -> list[Estimate]:
-    """Those the backend runs first; within each, those that fit, fastest, then smallest."""
-    return sorted(estimates, key=lambda e: (not runs(e), not e.fits, e.step_s, e.memory["total"]))
+    """Those the backend runs first; within each, those that fit, fastest (to the cost model's resolution),
+    then smallest."""
+    groups = tie_groups(estimates)
+    return sorted(estimates, key=lambda e: (not runs(e), not e.fits, groups[id(e)], e.memory["total"]))
 
 
 def ranks(ordered: list[Estimate], runs: Callable[[Estimate], bool]) -> list[int]:
-    """Competition ranks: rows that tie (same runs/fits, same step time to the millisecond) share one."""
+    """Competition ranks: rows that tie (same runs/fits, the same step time to STEP_RESOLUTION) share one."""
+    groups = tie_groups(ordered)
     found, previous = [], None
     for position, e in enumerate(ordered, start=1):
-        key = (runs(e), e.fits, round(e.step_s * 1e3))
+        key = (runs(e), e.fits, groups[id(e)])
         found.append(found[-1] if key == previous else position)
         previous = key
     return found
@@ -88,7 +91,12 @@ class BackendView:
                          f"{e.traffic[slow] / 1e9:.1f} | {e.step_s * 1e3:.0f} | {e.mfu:.2f} | "
                          f"{', '.join(self.running(e)) or 'none yet'} |")
         lines.append("P(k): parameters stay split over k devices between forward and backward (fsdp.sharding."
-                     "params_after_forward; (1): kept whole). Equal ranks: the same step time to the millisecond.")
+                     "params_after_forward; (1): kept whole). Equal ranks: step times within "
+                     f"{STEP_RESOLUTION:.0%} of each other, what the cost model can tell apart; among them the "
+                     "least memory per device ranks first.")
+        if compute_bound([e for e, _ in rows if e.fits]):
+            lines.append("Every row that fits is compute-bound (its collectives hide behind the step's compute at "
+                         "the efficiency assumed): the sharding changes memory, not speed.")
         text = "\n".join(lines) + "\n"
         if self.best is None:
             text += (f"nothing that {backend} runs fits in {self.plan.accelerator.hbm_bytes / 2**30:.0f} GiB per "
