@@ -173,6 +173,22 @@ def test_the_planner_is_held_to_the_tpu_compiler(tmp_path):
                 (triple, kind, got[kind], want)
 
 
+@pytest.mark.e2e
+def test_the_planners_logits_are_what_the_tpu_compiler_holds_for_them(tmp_path):
+    """The planner's memory has a term for a causal LM's logits and their gradient ([tokens, vocabulary] each):
+    doubling small-llama's vocabulary from 32k to 64k grows the compiled program's temporaries per device by
+    what that term grows, within 5%, in bf16 and in fp32."""
+    pytest.importorskip("jax")
+    runs = [[f"model.overrides={{vocab_size: {vocab}}}", f"fsdp.mixed_precision={precision}"]
+            for precision in ("bf16", "no") for vocab in (32768, 65536)]
+    results = _traces("v5p-8", "model=small-llama", "train.global_batch_size=16", "train.seq_len=512", runs=runs,
+                      cwd=tmp_path)
+    for small, large in (results[0:2], results[2:4]):
+        compiled = large["placeholders"]["memory"][2] - small["placeholders"]["memory"][2]
+        planned = large["planner"]["logits"] - small["planner"]["logits"]
+        assert planned > 0 and abs(compiled - planned) <= 0.05 * planned, (compiled, planned)
+
+
 def test_a_buffer_larger_than_a_devices_hbm_is_the_compilers_out_of_hbm_verdict_naming_the_buffer():
     """libtpu's refusal of one buffer past HBM (a Qwen3-30B-A3B shape on a v5p-64: transformers' batched_mm
     experts gather a weight per token and expert), as the compiler worded it."""

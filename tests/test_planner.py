@@ -102,9 +102,9 @@ def test_xla_fsdp_refuses_what_it_cannot_run_naming_the_triple(triple, words):
     assert raised.value.key == "fsdp.sharding" and all(w in str(raised.value) for w in words), str(raised.value)
 
 
-# One short sequence per device on 1024 v6e chips: communication-bound, where ZeRO-3's groups over every device
-# cost most, and sharding optimizer state and gradients wider than the parameters is faster by more than the
-# cost model's resolution (1%): the case a triple whose degrees differ is for.
+# One short sequence per device on 1024 v6e chips (32 GiB each): communication-bound, where ZeRO-3's groups over
+# every device cost most, and memory-tight, where sharding optimizer state and gradients wider than the
+# parameters is as fast with less memory: the case a triple whose degrees differ is for.
 LLAMA_70B_AT_SCALE = ["model=llama-70b", "fsdp.sharding=auto", "fsdp.mixed_precision=bf16", "train.seq_len=512",
                       "train.global_batch_size=1024", "fsdp.activation_checkpointing=true"]
 
@@ -124,7 +124,6 @@ def test_auto_picks_the_fastest_triple_the_backend_runs_and_says_why():
     ranked = planner.plan(workload(cfg, 1024, caps), 1024, accelerator("v6e"))
     runnable = [e for e in ranked.ranked if e.fits and "torch_tpu" in backends.running(e.triple, 1024)]
     assert runnable[0].triple != ranked.best.triple  # the model's best shards the three apart: not FSDP2's
-    assert ranked.best.step_s < runnable[0].step_s / 1.01  # by more than the cost model can tell apart
     assert chosen.triple == str(runnable[0].triple) and chosen.uniform
     assert chosen.params < 1024
     assert runnable[0].step_s < 0.9 * ranked.baseline.step_s and "vs FULL_SHARD" in chosen.reason
@@ -140,6 +139,29 @@ def test_auto_on_xla_spmd_takes_a_triple_whose_degrees_differ():
     ranked = planner.plan(workload(cfg, 1024, caps), 1024, accelerator("v6e"))
     best = ranked.best_where(lambda t: "xla_spmd" in backends.running(t, 1024))
     assert chosen.triple == str(best.triple) and not chosen.uniform, chosen
+
+
+@pytest.mark.e2e  # four plans of an 8B shape: seconds
+def test_when_nothing_fits_plan_names_the_gradient_accumulation_that_does(capsys):
+    """A Llama-3-8B shape on a v5p-64 at 512 x 4096 tokens (logits and activations of 64k tokens per device)
+    fits with no triple; the plan names the fewest micro-batches that fit, and that config's own plan fits."""
+    llama3_8b = ("{hidden_size: 4096, intermediate_size: 14336, num_hidden_layers: 32, num_attention_heads: 32, "
+                 "num_key_value_heads: 8, vocab_size: 128256, max_position_embeddings: 8192}")
+    sets = ["model=small-llama", f"model.overrides={llama3_8b}", "train.seq_len=4096", "fsdp.mixed_precision=bf16"]
+    args = [a for s in sets for a in ("--set", s)]
+    done = run_in_process(capsys, "plan", *args, "--set", "train.global_batch_size=512", "--accelerator", "v5p-64",
+                          "--json")
+    result = json.loads(done.stdout)
+    assert result["best"] is None and result["accumulate"]["grad_accum_steps"] > 1
+    steps = result["accumulate"]["grad_accum_steps"]
+    fewer = json.loads(run_in_process(capsys, "plan", *args, "--set", "train.global_batch_size=512", "--set",
+                                      f"train.grad_accum_steps={steps // 2}", "--accelerator", "v5p-64",
+                                      "--json").stdout)
+    assert fewer["best"] is None  # the fewest that fit
+    accumulated = json.loads(run_in_process(capsys, "plan", *args, "--set", "train.global_batch_size=512", "--set",
+                                            f"train.grad_accum_steps={steps}", "--accelerator", "v5p-64",
+                                            "--json").stdout)
+    assert accumulated["best"]["triple"] == result["accumulate"]["triple"]
 
 
 def test_rows_the_cost_model_cannot_tell_apart_are_ranked_by_memory_and_compute_bound_is_said(capsys):

@@ -164,15 +164,41 @@ def _plan(args) -> int:
     split = None if micro % args.devices == 0 else (
         f"train.global_batch_size={train.global_batch_size} in {train.grad_accum_steps} micro-batch(es) of {micro} "
         f"rows does not split over {args.devices} devices: no row runs with this batch")
+    accumulate = None if view.best is not None or split else _accumulation_that_fits(cfg, args, hardware, backend)
     if args.json:
-        print(json.dumps(view.as_json(batch_splits=split is None), indent=1))
+        print(json.dumps({**view.as_json(batch_splits=split is None), "accumulate": accumulate}, indent=1))
         return 0
     if split:
         print(f"xla-shard: WARNING: {split}", file=sys.stderr)
     print(view.table(f"{args.devices} x {hardware.name} ({ranked.domain} per {hardware.fast_name} domain), "
                      f"{cfg.model.name}, {train.global_batch_size} x {train.seq_len} tokens per step; ranked for "
                      f"backend {backend}", args.top, args.show), end="")
+    if accumulate:
+        print(f"with train.grad_accum_steps={accumulate['grad_accum_steps']} (micro-batches of "
+              f"{accumulate['rows']} rows, the same step), {accumulate['triple']} fits: "
+              f"{accumulate['gib_per_device']:.1f} GiB per device, {accumulate['step_ms']:.0f} ms predicted")
     return 0
+
+
+def _accumulation_that_fits(cfg, args, hardware, backend) -> dict | None:
+    """When nothing fits: the fewest micro-batches (train.grad_accum_steps, doubled) whose activations let the
+    backend's pick fit, each micro-batch still splitting over the devices."""
+    from xla_shard import backends, planner
+    from xla_shard.planner import report
+
+    train, steps = cfg.train, cfg.train.grad_accum_steps * 2
+    while train.global_batch_size % steps == 0 and (train.global_batch_size // steps) % args.devices == 0:
+        trial = cfg.model_copy(update={"train": train.model_copy(update={"grad_accum_steps": steps})})
+        ranked = planner.plan(planner.workload(trial, args.devices, backends.capabilities(backend)), args.devices,
+                              hardware, hosts=args.hosts, slices=args.slices,
+                              hbm_bytes=args.hbm_gib * 2**30 if args.hbm_gib else None, efficiency=args.efficiency)
+        best = report.BackendView(ranked, backend,
+                                  lambda e, trial=trial: backends.running(e.triple, args.devices, trial)).best
+        if best is not None:
+            return {"grad_accum_steps": steps, "rows": train.global_batch_size // steps, "triple": str(best.triple),
+                    "gib_per_device": best.memory["total"] / 2**30, "step_ms": best.step_s * 1e3}
+        steps *= 2
+    return None
 
 
 def _plan_hardware(args):

@@ -33,7 +33,7 @@ def predicted(cfg, devices: int) -> dict:
     work = planner.workload(cfg, devices, XlaSpmdBackend.capabilities)
     triple = settle(cfg, devices, XlaSpmdBackend.capabilities, "cpu").degrees
     held = cost.memory(work, triple)
-    return {"params_and_optimizer": held["params"] + held["optimizer"],
+    return {"params_and_optimizer": held["params"] + held["optimizer"], "logits": held["logits"],
             "collectives": cost.result_bytes(cost.collectives(work, triple, devices))}
 
 

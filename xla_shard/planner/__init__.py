@@ -65,7 +65,7 @@ def plan(work: Workload, devices: int, acc: Accelerator, hosts: int | None = Non
         acc = Accelerator(**{**acc.__dict__, "hbm_bytes": hbm_bytes})
     estimates = [estimate(work, t, devices, acc, domain, efficiency=efficiency) for t in candidates(devices, domain)]
     groups = tie_groups(estimates)
-    ranked = sorted(estimates, key=lambda e: (not e.fits, groups[id(e)], e.memory["total"]))
+    ranked = sorted(estimates, key=lambda e: (groups[id(e)], e.memory["total"]))
     baseline = next(e for e in estimates if e.triple == Triple(devices, devices, devices))
     return Plan(devices, domain, acc, ranked, baseline)
 
@@ -112,4 +112,5 @@ def workload(cfg, devices: int, capabilities: Capabilities) -> Workload:
                     layers=getattr(config, "num_hidden_layers", 1), hidden=getattr(config, "hidden_size", 1),
                     seq_len=cfg.train.seq_len, compute_bytes=2 if cfg.fsdp.mixed_precision == "bf16" else 4,
                     optimizer=cfg.train.optimizer, activation_checkpointing=cfg.fsdp.activation_checkpointing,
-                    micro_batches=cfg.train.grad_accum_steps)
+                    micro_batches=cfg.train.grad_accum_steps,
+                    vocab=getattr(config, "vocab_size", 0) if cfg.model.task == "causal_lm" else 0)

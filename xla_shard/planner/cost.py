@@ -25,6 +25,7 @@ latency per ring hop, once per FSDP unit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from xla_shard.plan import Triple
@@ -54,6 +55,7 @@ class Workload:
     # `frozen_bytes` per parameter, with no gradient, no optimizer state and no reduction. None: all trained.
     trained_params: int | None = None
     frozen_bytes: int = 4
+    vocab: int = 0  # a causal LM's logits per token (0: a classifier's few labels, left out)
 
     @property
     def trained(self) -> int:
@@ -65,6 +67,13 @@ class Workload:
         tokens = self.tokens_per_device / self.micro_batches
         per_layer = (2 if self.activation_checkpointing else 34) * tokens * self.hidden
         return per_layer * self.layers * self.compute_bytes / 2
+
+    def logits_bytes(self) -> float:
+        """Per device, for one micro-batch: the logits and their gradient, [tokens, vocab] each in the compute
+        dtype, outside any layer (checkpointing does not drop them). What the TPU compiler holds per extra
+        vocabulary entry and token, parameters' share included, for small-llama on a v5p-8 (2048 tokens per
+        device, vocabularies of 32k and 64k): 4.0 bytes in bf16, 7.9 in fp32."""
+        return 2 * self.compute_bytes * self.tokens_per_device / self.micro_batches * self.vocab
 
 
 @dataclass(frozen=True)
@@ -93,13 +102,14 @@ def update_degree(optimizer: str, triple: Triple) -> int:
 
 
 def memory(work: Workload, triple: Triple) -> dict[str, float]:
-    """Bytes per device: params, grads, optimizer, activations, gathered, kept, total."""
+    """Bytes per device: params, grads, optimizer, activations, logits, gathered, kept, total."""
     psi, c, trained = work.params, work.compute_bytes, work.trained
     p, g, os_, k = triple.params, triple.grads, triple.optimizer, triple.kept
     stored = 4 * trained + work.frozen_bytes * (psi - trained)
     found = {"params": stored / p, "grads": 4 * trained / g,
              "optimizer": OPTIMIZER_BYTES[work.optimizer] * trained / os_,
              "activations": work.activation_bytes(),
+             "logits": work.logits_bytes(),
              "gathered": 2 * c * psi / max(1, work.units - 1) if p > 1 else 0.0,  # a unit in use + one prefetched
              "kept": c * psi / k if k < p else 0.0}  # every unit's parameters, held from forward for backward
     found["total"] = sum(found.values())
@@ -135,7 +145,8 @@ def result_bytes(found: list[Collective]) -> dict[str, float]:
 @dataclass
 class Estimate:
     triple: Triple
-    memory: dict[str, float]  # bytes per device: params, grads, optimizer, activations, gathered, kept, total
+    memory: dict[str, float]  # bytes per device: params, grads, optimizer, activations, logits, gathered, kept,
+    # total
     traffic: dict[str, float]  # bytes per device per step, by link class
     compute_s: float
     comm_s: float
@@ -154,15 +165,20 @@ class Estimate:
 STEP_RESOLUTION = 0.01
 
 
-def tie_groups(estimates: list[Estimate]) -> dict[int, int]:
-    """id(estimate) -> its group: estimates sorted by step time, a group starting wherever a step is more than
-    STEP_RESOLUTION slower than the group's fastest."""
-    groups: dict[int, int] = {}
-    lead, group = None, -1
-    for e in sorted(estimates, key=lambda e: e.step_s):
+def tie_groups(estimates: list[Estimate], part: Callable[[Estimate], tuple] = lambda e: (not e.fits,)
+               ) -> dict[int, tuple]:
+    """id(estimate) -> (its part, its group): within each part (those that fit, those that do not, ...), sorted
+    by step time, a group starts wherever a step is more than STEP_RESOLUTION slower than the group's fastest.
+    Sorting by it, then by memory, ranks the fastest first to the cost model's resolution."""
+    groups: dict[int, tuple] = {}
+    leads: dict[tuple, tuple[float, int]] = {}
+    for e in sorted(estimates, key=lambda e: (part(e), e.step_s)):
+        key = part(e)
+        lead, group = leads.get(key, (None, -1))
         if lead is None or e.step_s > lead * (1 + STEP_RESOLUTION):
             lead, group = e.step_s, group + 1
-        groups[id(e)] = group
+            leads[key] = (lead, group)
+        groups[id(e)] = (key, group)
     return groups
 
 
