@@ -133,8 +133,7 @@ def _accelerators() -> list[str]:
 def _plan(args) -> int:
     import json
 
-    from xla_shard import backends, planner
-    from xla_shard.planner import report
+    from xla_shard import backends
 
     cfg = cfglib.load(args.config, args.set)
     hardware = _plan_hardware(args)
@@ -152,10 +151,8 @@ def _plan(args) -> int:
     if cfg.train.global_batch_size * cfg.train.seq_len < args.devices:
         raise UserError(f"train.global_batch_size x seq_len is fewer tokens than --devices {args.devices}")
     backend = args.backend or backends.resolve_name(cfg, on="cuda" if hardware.domain_max else "tpu")
-    ranked = planner.plan(planner.workload(cfg, args.devices, backends.capabilities(backend)), args.devices, hardware,
-                          hosts=args.hosts, slices=args.slices,
-                          hbm_bytes=args.hbm_gib * 2**30 if args.hbm_gib else None, efficiency=args.efficiency)
-    view = report.BackendView(ranked, backend, lambda e: backends.running(e.triple, args.devices, cfg))
+    view = _ranking(cfg, args, hardware, backend)
+    ranked = view.plan
     for wanted in args.show:
         if view.row(wanted) is None:
             raise UserError(f"--show {wanted}: no such row; write it as the table does (P/G/OS, or P(k)/G/OS)")
@@ -180,20 +177,24 @@ def _plan(args) -> int:
     return 0
 
 
-def _accumulation_that_fits(cfg, args, hardware, backend) -> dict | None:
-    """When nothing fits: the fewest micro-batches (train.grad_accum_steps, doubled) whose activations let the
-    backend's pick fit, each micro-batch still splitting over the devices."""
+def _ranking(cfg, args, hardware, backend):
+    """`plan`'s ranking of `cfg` on the hardware its flags name, read for `backend`."""
     from xla_shard import backends, planner
     from xla_shard.planner import report
 
+    ranked = planner.plan(planner.workload(cfg, args.devices, backends.capabilities(backend)), args.devices, hardware,
+                          hosts=args.hosts, slices=args.slices,
+                          hbm_bytes=args.hbm_gib * 2**30 if args.hbm_gib else None, efficiency=args.efficiency)
+    return report.BackendView(ranked, backend, lambda e: backends.running(e.triple, args.devices, cfg))
+
+
+def _accumulation_that_fits(cfg, args, hardware, backend) -> dict | None:
+    """When nothing fits: the fewest micro-batches (train.grad_accum_steps, doubled) whose activations let the
+    backend's pick fit, each micro-batch still splitting over the devices."""
     train, steps = cfg.train, cfg.train.grad_accum_steps * 2
     while train.global_batch_size % steps == 0 and (train.global_batch_size // steps) % args.devices == 0:
         trial = cfg.model_copy(update={"train": train.model_copy(update={"grad_accum_steps": steps})})
-        ranked = planner.plan(planner.workload(trial, args.devices, backends.capabilities(backend)), args.devices,
-                              hardware, hosts=args.hosts, slices=args.slices,
-                              hbm_bytes=args.hbm_gib * 2**30 if args.hbm_gib else None, efficiency=args.efficiency)
-        best = report.BackendView(ranked, backend,
-                                  lambda e, trial=trial: backends.running(e.triple, args.devices, trial)).best
+        best = _ranking(trial, args, hardware, backend).best
         if best is not None:
             return {"grad_accum_steps": steps, "rows": train.global_batch_size // steps, "triple": str(best.triple),
                     "gib_per_device": best.memory["total"] / 2**30, "step_ms": best.step_s * 1e3}

@@ -169,6 +169,7 @@ class _Routed:
     sizes: torch.Tensor  # pairs per expert (int32)
     x: torch.Tensor  # each pair's token
     pre: torch.Tensor  # the first projection (gate and up)
+    act: torch.Tensor  # its activation: the second projection's input
     y: torch.Tensor  # the expert's output
 
 
@@ -178,8 +179,9 @@ def _route(hidden, index, up, down, layout: _Layout) -> _Routed:
     sizes = torch.nn.functional.one_hot(pairs, up.shape[0]).sum(0).to(torch.int32)
     x = _rows(hidden, _token_of(order, index)).to(layout.dtype)
     pre = _grouped(x, up.to(layout.dtype), sizes, layout.stored_out_in)
-    y = _grouped(_activate(pre, layout), down.to(layout.dtype), sizes, layout.stored_out_in)
-    return _Routed(order, sizes, x, pre, y)
+    act = _activate(pre, layout)
+    y = _grouped(act, down.to(layout.dtype), sizes, layout.stored_out_in)
+    return _Routed(order, sizes, x, pre, act, y)
 
 
 def _token_of(order: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -235,8 +237,7 @@ def _experts_grads(grad, hidden, index, route, up, down, layout: str):
     g = _rows(grad, _token_of(order, index)).to(dtype)  # d(weighted pair rows): each pair's token's gradient
     d_route = _rows((g.float() * routed.y.float()).sum(-1), torch.argsort(order)).view(tokens, k).to(route.dtype)
     g = (g * _rows(route.reshape(-1), order).unsqueeze(-1)).to(dtype)  # d y
-    act = _activate(routed.pre, spec)
-    d_down = _grouped_weight_grad(act, g, sizes, spec.stored_out_in)
+    d_down = _grouped_weight_grad(routed.act, g, sizes, spec.stored_out_in)
     g = _grouped(g, down.to(dtype), sizes, not spec.stored_out_in)  # d act
     g = _activation_grad(g, routed.pre, spec)  # d pre
     d_up = _grouped_weight_grad(routed.x, g, sizes, spec.stored_out_in)

@@ -145,8 +145,7 @@ def result_bytes(found: list[Collective]) -> dict[str, float]:
 @dataclass
 class Estimate:
     triple: Triple
-    memory: dict[str, float]  # bytes per device: params, grads, optimizer, activations, logits, gathered, kept,
-    # total
+    memory: dict[str, float]  # bytes per device, by `memory`'s keys
     traffic: dict[str, float]  # bytes per device per step, by link class
     compute_s: float
     comm_s: float

@@ -26,19 +26,24 @@ def sharding_yaml(triple: Triple) -> str:
 def for_backend(estimates: list[Estimate], runs: Callable[[Estimate], bool]) -> list[Estimate]:
     """Those the backend runs first; within each, those that fit, fastest (to the cost model's resolution),
     then smallest."""
-    groups = tie_groups(estimates, lambda e: (not runs(e), not e.fits))
+    groups = _groups(estimates, runs)
     return sorted(estimates, key=lambda e: (groups[id(e)], e.memory["total"]))
 
 
 def ranks(ordered: list[Estimate], runs: Callable[[Estimate], bool]) -> list[int]:
     """Competition ranks: rows that tie (same runs/fits, the same step time to STEP_RESOLUTION) share one."""
-    groups = tie_groups(ordered, lambda e: (not runs(e), not e.fits))
+    groups = _groups(ordered, runs)
     found, previous = [], None
     for position, e in enumerate(ordered, start=1):
         key = groups[id(e)]
         found.append(found[-1] if key == previous else position)
         previous = key
     return found
+
+
+def _groups(estimates: list[Estimate], runs: Callable[[Estimate], bool]) -> dict[int, tuple]:
+    """Ties as one backend sees them: within what it runs and what fits."""
+    return tie_groups(estimates, lambda e: (not runs(e), not e.fits))
 
 
 @dataclass(frozen=True)
