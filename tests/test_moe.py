@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-from conftest import FIXTURES, backend_params, run_cli, run_load_probe, run_worker, runnable
-from model_dirs import MOE_FAMILIES, assemble, moe_dir
+from conftest import FIXTURES, backend_params, run_cli, run_in_process, run_load_probe, run_worker, runnable
+from model_dirs import MOE_FAMILIES, assemble, moe_dir, stored_tensors
 from transformers import AutoModelForCausalLM
 
 from xla_shard import config
@@ -93,25 +93,42 @@ def test_moe_experts_load_bitwise_and_give_from_pretrained_loss(moe_dirs, tmp_pa
         assert all((read == stored) if not nproc else (read < 0.75 * stored) for read, stored in reads), reads
 
 
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_experts_are_exported_one_tensor_per_expert_as_save_pretrained_stores_them(moe_dirs, family):
+    """Each family's fused expert parameters, cut as the export cuts them, are the model directory's own tensors
+    (which save_pretrained wrote) under their names; every other tensor is written as held."""
+    from xla_shard.checkpoint import per_expert
+
+    model = plain(moe_dirs[family])
+    params = {f"model/{name}": value for name, value in model.named_parameters()}
+    pieces = per_expert.pieces(model, list(params), {name: tuple(v.shape) for name, v in params.items()})
+    stored = stored_tensors(moe_dirs[family])
+    assert sorted(piece.key for piece in pieces) == sorted(stored)
+    assert any(piece.expert is not None for piece in pieces)
+    for piece in pieces:
+        assert torch.equal(piece.cut(params[piece.source].detach()), stored[piece.key]), piece
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_a_moe_fine_tune_exports_what_from_pretrained_loads(moe_dirs, tmp_path):
-    from safetensors.torch import load_file
-
+def test_a_moe_fine_tune_exports_what_from_pretrained_loads(moe_dirs, tmp_path, capsys):
     out = tmp_path / "run"
     sets = [f"model.name={moe_dirs['olmoe']}", *DATA, "backend=torch_fsdp", "train.steps=2",
             f"output_dir={out}", f"checkpoint.dir={out}/ckpt", "fsdp.state_dict_type=FULL_STATE_DICT"]
     done = run_cli("train", *[a for s in sets for a in ("--set", s)], "--nproc-per-node", "2")
     assert done.returncode == 0, done.stderr[-3000:]
-    exported = plain(out / "model")
-    saved = {}
-    for file in (out / "model").glob("*.safetensors"):
-        saved.update(load_file(file))
-    state = exported.state_dict()
-    assert saved.keys() == state.keys()
-    assert all(torch.equal(state[name], value) for name, value in saved.items())
+    # The run's export is laid out as the model directory it started from (one tensor per expert) ...
+    assert stored_tensors(out / "model").keys() == stored_tensors(moe_dirs["olmoe"]).keys()
+    exported = plain(out / "model").state_dict()
+    # ... and, on request, as the model holds its experts (fused): both load to the same weights.
+    done = run_in_process(capsys, "ckpt", "export", str(out / "ckpt"), "--to", str(tmp_path / "fused"),
+                          "--fused-experts")
+    assert done.returncode == 0, done.stderr
+    fused = stored_tensors(tmp_path / "fused")
+    assert fused.keys() == exported.keys()
+    assert all(torch.equal(exported[name], value) for name, value in fused.items())
     before = plain(moe_dirs["olmoe"]).state_dict()
-    assert not torch.equal(state["model.layers.0.mlp.experts.gate_up_proj"],
+    assert not torch.equal(exported["model.layers.0.mlp.experts.gate_up_proj"],
                            before["model.layers.0.mlp.experts.gate_up_proj"])  # trained
     assert json.loads((out / "model" / "config.json").read_text())["model_type"] == "olmoe"
 

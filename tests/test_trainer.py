@@ -198,9 +198,14 @@ def test_a_causal_lm_fine_tune_on_jsonl_with_packing_and_eval_resumes_exactly(mo
     # Continue the same run (same schedule, same data order) from its step-2 checkpoint, in another directory.
     resumed = train(tmp_path / "resumed", [*sets, "train.steps=4", f"checkpoint.dir={tmp_path}/resumed/ckpt",
                                            f"checkpoint.resume={tmp_path}/whole/ckpt/step-00000002"])
-    timing = ("step_time_s", "tokens_per_s", "mfu", "mfu_basis", "compilations", "eval_compilations")
+    timing = ("step_time_s", "tokens_per_s", "mfu", "mfu_basis", "compilations", "compile_time_s",
+              "eval_compilations", "eval_time_s", "eval_compile_time_s")
     same = [{k: v for k, v in r.items() if k not in timing} for r in whole if r["step"] > 2]
     assert [{k: v for k, v in r.items() if k not in timing} for r in resumed] == same
+    # The resumed run's steps compile what the whole run's did (restoring the checkpoint is counted apart),
+    # and evaluation's graphs are in neither count.
+    steps = [[r["compilations"] for r in run if "loss" in r] for run in (whole, resumed)]
+    assert steps[1][-1] == steps[0][-1] == steps[0][1], steps
     assert [r["eval_perplexity"] for r in whole if "eval_loss" in r] == pytest.approx(
         [math.exp(r["eval_loss"]) for r in whole if "eval_loss" in r])
 
@@ -270,11 +275,48 @@ def test_without_a_terminal_each_record_is_one_line_with_the_time_left(tmp_path,
     from xla_shard.metrics import StepLogger
 
     logger = StepLogger(str(tmp_path), total_steps=1000, enabled=True)
-    logger.log({"step": 40, "loss": 2.5, "step_time_s": 4.0, "tokens_per_s": 100.0})
+    logger.log({"step": 1, "loss": 2.6, "step_time_s": 0.5, "compile_time_s": 30.0})  # no steady pace yet
+    logger.log({"step": 40, "loss": 2.5, "step_time_s": 4.0, "tokens_per_s": 100.0}, eta_s=3840.4)
     logger.log({"step": 40, "eval_loss": 2.0})
     logger.close()
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == ["step=40 loss=2.5 step_time_s=4 tokens_per_s=100 eta=1:04:00", "step=40 eval_loss=2"]
+    assert lines == ["step=1 loss=2.6 step_time_s=0.5 compile_time_s=30",
+                     "step=40 loss=2.5 step_time_s=4 tokens_per_s=100 eta=1:04:00", "step=40 eval_loss=2"]
+
+
+def test_step_times_leave_out_evaluation_and_compiling_and_the_eta_counts_steady_steps(monkeypatch):
+    """A step that compiled reports its compiling apart and what the step itself took; evaluation (paused) and
+    its compiling are in no step; the ETA waits for a lap past the warm-up that compiled nothing, then is
+    the mean pace of such laps (a checkpoint's save, which recurs, stays in)."""
+    from xla_shard import metrics
+
+    now, compiled = [100.0], [0.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
+
+    def steps(n, seconds, compiling=0.0):
+        for _ in range(n):
+            now[0] += seconds + compiling
+            compiled[0] += compiling
+            clock.tick()
+
+    clock = metrics.StepClock(lambda: compiled[0], start_step=10, warmup_steps=2)
+    steps(1, 0.5, compiling=20.0)
+    assert clock.lap(11) == metrics.Lap(0.5, 20.0, steady=False) and clock.eta_s(11, 20) is None
+    steps(1, 0.5, compiling=4.0)
+    assert clock.lap(12) == metrics.Lap(0.5, 4.0, steady=False) and clock.eta_s(12, 20) is None
+    steps(2, 0.25)
+    with clock.paused():  # an evaluation that compiles its graph
+        now[0] += 9.0
+        compiled[0] += 7.0
+    assert clock.lap(14) == metrics.Lap(0.25, 0.0, steady=True) and clock.eta_s(14, 20) == 6 * 0.25
+    steps(2, 0.75)
+    assert clock.lap(16).steady and clock.eta_s(16, 20) == 4 * 0.5
+    steps(1, 0.5, compiling=3.0)  # a recompile: reported, and no sample of the pace
+    assert clock.lap(17) == metrics.Lap(0.5, 3.0, steady=False) and clock.eta_s(17, 20) == 3 * 0.5
+    eager = metrics.StepClock(lambda: None, start_step=0, warmup_steps=0)  # a backend that compiles nothing
+    now[0] += 2.0
+    eager.tick()
+    assert eager.lap(1) == metrics.Lap(2.0, 0.0, steady=True) and eager.eta_s(1, 3) == 4.0
 
 
 def test_one_metrics_series_per_run(tmp_path):

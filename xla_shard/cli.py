@@ -120,6 +120,9 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--max-shard-size", default="2GB", help="split safetensors files at this size")
     export.add_argument("--merge", action="store_true",
                         help="a LoRA run: write the whole model with the adapters merged (else a peft adapter)")
+    export.add_argument("--fused-experts", action="store_true",
+                        help="MoE: write each layer's experts as one tensor, as the model holds them (else one "
+                             "tensor per expert, as save_pretrained writes them)")
     export.set_defaults(func=_ckpt_export)
     return parser
 
@@ -315,11 +318,9 @@ def _ckpt_verify(args) -> int:
 def _ckpt_export(args) -> int:
     from xla_shard.checkpoint.export import export, parse_size
 
-    report = export(args.url, args.to, parse_size(args.max_shard_size), overwrite=args.overwrite, merge=args.merge)
-    print(f"exported step {report.step}: {report.tensors} tensors, {report.bytes} bytes in "
-          f"{len(report.files)} file(s) to {args.to}; largest tensor {report.largest_tensor_bytes} bytes, "
-          f"host memory grew by at most {report.peak_rss_growth_bytes} bytes"
-          + (f"; copied {', '.join(report.companions)} from the model directory" if report.companions else ""))
+    report = export(args.url, args.to, parse_size(args.max_shard_size), overwrite=args.overwrite, merge=args.merge,
+                    fused_experts=args.fused_experts)
+    print(report.describe(args.to))
     if report.note:
         print(f"note: {report.note}")
     return 0

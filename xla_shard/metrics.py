@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +59,65 @@ def require_tensorboard() -> None:
                           ) from None
 
 
+@dataclass
+class Lap:
+    """The steps since the last record: seconds per step with compiling left out, and the compiling."""
+
+    step_time_s: float
+    compile_time_s: float
+    steady: bool  # past the warm-up and nothing compiled: a fair sample of what the rest of the run takes
+
+
+class StepClock:
+    """Wall time of the training steps alone, for step_time_s, tokens_per_s and the ETA.
+
+    Evaluation runs `paused()`, outside every step. Graph compilation (`compiled_seconds`, the backend's
+    running total; None where nothing compiles) is subtracted from the steps it fell in and reported apart, so
+    a step that compiled shows what it will cost from then on. The ETA is the mean of the steady laps: past
+    the first `warmup_steps` of this run and compiling nothing. A checkpoint's save stays in (it recurs)."""
+
+    def __init__(self, compiled_seconds: Callable[[], float | None], start_step: int, warmup_steps: int):
+        self.compiled_seconds = compiled_seconds
+        self.steady_after = start_step + warmup_steps
+        self.steady_s, self.steady_steps = 0.0, 0
+        self._begin()
+
+    def _begin(self) -> None:
+        self.start, self.steps, self.paused_s = time.perf_counter(), 0, 0.0
+        self.compiled_at = self.compiled_seconds() or 0.0
+
+    def tick(self) -> None:
+        self.steps += 1
+
+    @contextlib.contextmanager
+    def paused(self):
+        start, compiled = time.perf_counter(), self.compiled_seconds() or 0.0
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - start
+            self.compiled_at += (self.compiled_seconds() or 0.0) - compiled  # not the steps' compiling either
+
+    def lap(self, done: int) -> Lap:
+        """Closes the lap of the steps up to `done` (the caller has synchronised with the device)."""
+        wall = time.perf_counter() - self.start - self.paused_s
+        compiling = max(0.0, (self.compiled_seconds() or 0.0) - self.compiled_at)
+        step_time = max(wall - compiling, 1e-9) / self.steps
+        steady = done - self.steps >= self.steady_after and compiling == 0.0
+        if steady:
+            self.steady_s += step_time * self.steps
+            self.steady_steps += self.steps
+        lap = Lap(step_time, compiling, steady)
+        self._begin()
+        return lap
+
+    def eta_s(self, done: int, total: int) -> float | None:
+        """Seconds the steps after `done` will take at the steady pace, or None before any steady lap."""
+        if not self.steady_steps:
+            return None
+        return (total - done) * self.steady_s / self.steady_steps
+
+
 class StepLogger:
     """Writes one JSON line per logged step (and evaluation) to output_dir/metrics.jsonl, TensorBoard events
     if asked, and drives a progress bar on a terminal (main process only).
@@ -92,7 +154,7 @@ class StepLogger:
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", disable=not sys.stderr.isatty(),
                         dynamic_ncols=True)
 
-    def log(self, record: dict[str, Any]) -> None:
+    def log(self, record: dict[str, Any], eta_s: float | None = None) -> None:
         if not self.enabled:
             return
         self.file.write(json.dumps(record) + "\n")
@@ -105,8 +167,8 @@ class StepLogger:
             self.bar.write(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()), file=sys.stderr)
         if self.bar.disable:  # no terminal (a log file): one line per record, with the time left
             line = " ".join(f"{k}={_fmt(v)}" for k, v in record.items())
-            if "step_time_s" in record:
-                left = round(max(0, self.total_steps - record["step"]) * record["step_time_s"])
+            if eta_s is not None:
+                left = round(eta_s)
                 line += f" eta={left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}"
             print(line, file=sys.stderr, flush=True)
 

@@ -27,7 +27,7 @@ from xla_shard.checkpoint import fused, hf_dir, layout
 from xla_shard.checkpoint.contract import StateTensor, region
 from xla_shard.checkpoint.reader import ChunkReader, fill
 from xla_shard.errors import ConfigError
-from xla_shard.hostmem import peak_growth
+from xla_shard.hostmem import mib, peak_growth
 from xla_shard.io.storage import Storage
 from xla_shard.models import ModelSource, build_model, resolve_source
 
@@ -51,8 +51,8 @@ class LoadReport:
     skipped: list[str] = field(default_factory=list)  # directory tensors this model has no place for
 
     def describe(self) -> str:
-        text = (f"read {_mib(self.bytes_read)} of the {_mib(self.bytes_stored)} stored ({self.tensors} tensors), "
-                f"peak host memory +{_mib(self.peak_host_growth)}")
+        text = (f"read {mib(self.bytes_read)} of the {mib(self.bytes_stored)} stored ({self.tensors} tensors), "
+                f"peak host memory +{mib(self.peak_host_growth)}")
         if self.converted:
             text += "; converted " + ", ".join(f"{len(names)} tensor(s) {kind}"
                                                for kind, names in self.converted.items())
@@ -109,7 +109,7 @@ class PretrainedWeights:
         shapes = {**{n: tuple(p.shape) for n, p in params.items()},
                   **{n: tuple(b.shape) for n, b in _persistent_buffers(model)}}
         wanted = {key: shapes[names[0]] for key, names in aliases.items()}
-        rename = _renamer(model, list(wanted))
+        rename = fused.renamer(model, list(wanted))
         tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
         ignored = _ignored_unexpected(model)
         unexpected = []
@@ -274,29 +274,6 @@ def load_model(cfg, backend) -> nn.Module:
     return wrapped
 
 
-def _renamer(model: nn.Module, names: list[str]) -> Callable[[str], str]:
-    """A stored key as this model names it (`names`: its tensors' names as saved): transformers' renamings for
-    the class (legacy gamma/beta and the like) and its base-model prefix added or removed; and, for keys
-    transformers rebuilds into another tensor (MoE experts fused), the converter that does it."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, rename_source_key
-
-    transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    meta_state = dict.fromkeys(names, True)  # transformers tests `.get(key) is not None`
-    prefix = getattr(model, "base_model_prefix", None) or None
-
-    def rename(key: str) -> tuple[str, Any, str | None]:
-        """(the model's name for it, the converter that builds that parameter from it or None, its pattern)."""
-        renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta_state)
-        if pattern is None:
-            return renamed, None, None
-        return renamed, next(c for c in converters if pattern in c.source_patterns), pattern
-
-    return rename
-
-
 def _ignored_unexpected(model: nn.Module) -> Callable[[str], bool]:
     """Stored keys transformers itself ignores for this class (old rotary tables, position ids, ...)."""
     patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
@@ -359,7 +336,3 @@ def _stored_bytes(meta: dict) -> int:
 
 def _some(keys: list[str]) -> str:
     return ", ".join(keys[:_SHOWN]) + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"

@@ -26,8 +26,9 @@ from xla_shard.config.schema import ShardConfig, TrainSection
 from xla_shard.data import Batch, micro_rows
 from xla_shard.data.batches import scored
 from xla_shard.errors import ConfigError, UserError, file_in_the_way, redact
+from xla_shard.hostmem import mib
 from xla_shard.io.overlap import Protected, refuse_overlap
-from xla_shard.metrics import StepLogger, peak_for, train_flops_per_token
+from xla_shard.metrics import StepClock, StepLogger, peak_for, train_flops_per_token
 from xla_shard.models import check_sequence_length, model_config, resolve_source
 from xla_shard.preemption import PreemptionGuard
 from xla_shard.pretrained import PretrainedWeights, build_for
@@ -159,9 +160,10 @@ class Trainer:
         # State of run():
         self.lr, self.grad_norm = cfg.train.lr, None
         self.preempted = False
-        self._compiled_after_warmup: int | None = None
+        self.clock: StepClock | None = None  # run()'s
+        self._graphs = 0  # graphs compiled before the first step and for evaluation: not the steps' own
+        self._graphs_after_warmup: int | None = None  # the steps' graphs at the end of the warm-up
         self._evaluated = False
-        self._interval = (time.perf_counter(), 0)  # (start, steps) of the steps since the last record
 
     def setup(self) -> Trainer:
         cfg = self.cfg
@@ -371,7 +373,7 @@ class Trainer:
                             start_step=self.start_step, tensorboard=train.tensorboard, log=self._log)
         for advisory in self.backend.advisories():
             logger.warn(advisory)
-        self._interval = (time.perf_counter(), 0)
+        self._start_clock()
         prefetch = datalib.Prefetcher(self.micro_batches, range(self.start_step, self.total_steps))
         try:
             with PreemptionGuard(cfg.checkpoint.preemption_grace_s) as preemption:
@@ -384,7 +386,8 @@ class Trainer:
                         hook(self, done, record)
                     if self.eval_source and (done == self.total_steps or
                                              (train.eval_every and done % train.eval_every == 0)):
-                        self._evaluate(done, logger)
+                        with self.clock.paused():
+                            self._evaluate(done, logger)
                     if done % cfg.checkpoint.every_steps == 0 or done == self.total_steps:
                         ckpt.save(done, self.model, self.optimizer)
                     if self.backend.processes.any_rank(preemption.requested):
@@ -398,17 +401,33 @@ class Trainer:
             logger.close()
         return self.records
 
+    def _start_clock(self) -> None:
+        """Training's clock and graph count start here: what setup compiled (the weights put on the devices;
+        on a resume, said once) is counted apart from the steps' graphs, so a resumed run counts as a fresh one."""
+        compiled = self.backend.compilations()
+        self.clock = StepClock(lambda: None if compiled is None else self.backend.compilations().seconds,
+                               self.start_step, self.cfg.train.recompile_warmup_steps)
+        if compiled is None:
+            return
+        self._graphs = compiled.graphs
+        if compiled.graphs and self.start_step:
+            self._log(f"restoring the step-{self.start_step} checkpoint compiled {compiled.graphs} graph(s) "
+                      f"({compiled.seconds:.1f} s), not counted in the steps' compilations")
+
     def _evaluate(self, done: int, logger: StepLogger) -> None:
-        before = self.backend.compilations()
+        start, before = time.perf_counter(), self.backend.compilations()
         result = {"step": done, **self.evaluate()}
         compiled = self.backend.compilations()
+        result["eval_time_s"] = time.perf_counter() - start
         if compiled is not None:
-            result["eval_compilations"] = compiled - before
-            if self._compiled_after_warmup is not None:  # evaluation graphs are not training recompiles
-                self._compiled_after_warmup += compiled - before
-            if compiled > before and self._evaluated:
-                logger.warn(f"step {done}: XLA compiled {compiled - before} new graph(s) for evaluation after the "
-                            "first; evaluation shapes are not static")
+            new = compiled.graphs - before.graphs
+            self._graphs += new  # evaluation's graphs are not the steps' (nor their recompiles)
+            result["eval_compilations"] = new
+            if new:
+                result["eval_compile_time_s"] = compiled.seconds - before.seconds
+            if new and self._evaluated:
+                logger.warn(f"step {done}: XLA compiled {new} new graph(s) for evaluation after the first; "
+                            "evaluation shapes are not static")
         self._evaluated = True
         self.records.append(result)
         logger.log(result)
@@ -425,7 +444,7 @@ class Trainer:
         if report is None:
             return
         self._log(f"fsdp.state_dict_type=FULL_STATE_DICT: exported step {report.step} to {target} "
-                  f"({report.tensors} tensors, {report.bytes} bytes"
+                  f"({report.tensors} tensors, {mib(report.bytes)}"
                   + (f"; with {', '.join(report.companions)})" if report.companions else ")")
                   + (f"; {report.note}" if report.note else ""))
 
@@ -444,14 +463,15 @@ class Trainer:
 
     def _record(self, done: int, loss: torch.Tensor, logger: StepLogger) -> dict[str, Any] | None:
         cfg, backend = self.cfg, self.backend
-        start, steps = self._interval
-        steps += 1
-        self._interval = (start, steps)
+        self.clock.tick()
         if done % cfg.train.log_every and done != self.total_steps:
             return None
-        elapsed = (time.perf_counter() - start) / steps
-        tokens_per_s = cfg.train.global_batch_size * cfg.train.seq_len / elapsed
-        record = {"step": done, "loss": backend.mean_loss(loss), "step_time_s": elapsed, "tokens_per_s": tokens_per_s}
+        mean_loss = backend.mean_loss(loss)  # waits for the device: the lap ends after the steps ran
+        lap = self.clock.lap(done)
+        tokens_per_s = cfg.train.global_batch_size * cfg.train.seq_len / lap.step_time_s
+        record = {"step": done, "loss": mean_loss, "step_time_s": lap.step_time_s, "tokens_per_s": tokens_per_s}
+        if lap.compile_time_s:
+            record["compile_time_s"] = lap.compile_time_s
         mfu = self._mfu(tokens_per_s, logger)
         if mfu is not None:
             record["mfu"] = mfu
@@ -468,19 +488,18 @@ class Trainer:
                                    + f"Lower train.lr (now {cfg.train.lr:g}) or check the data")
         if not self.records:
             record["mfu_basis"] = self.mfu_basis
-        compiles = backend.compilations()
-        if compiles is not None:
-            record["compilations"] = compiles
-            if done == self.start_step + cfg.train.recompile_warmup_steps:
-                self._compiled_after_warmup = compiles
-            elif self._compiled_after_warmup is not None and compiles > self._compiled_after_warmup:
-                record["recompiles"] = compiles - self._compiled_after_warmup
+        compiled = backend.compilations()
+        if compiled is not None:
+            graphs = record["compilations"] = compiled.graphs - self._graphs
+            if self._graphs_after_warmup is None and done >= self.start_step + cfg.train.recompile_warmup_steps:
+                self._graphs_after_warmup = graphs
+            elif self._graphs_after_warmup is not None and graphs > self._graphs_after_warmup:
+                record["recompiles"] = graphs - self._graphs_after_warmup
                 logger.warn(f"step {done}: {record['recompiles']} new graph(s) compiled after warm-up; the step "
                             "is not static (changing shapes or Python-side control flow). Set PT_XLA_DEBUG_LEVEL=2 "
                             "(torch_xla) or TORCH_LOGS=recompiles (train.compile) to see why.")
         self.records.append(record)
-        logger.log(record)
-        self._interval = (time.perf_counter(), 0)
+        logger.log(record, eta_s=self.clock.eta_s(done, self.total_steps))
         return record
 
     def memory_report(self) -> MemoryReport:

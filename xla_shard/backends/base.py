@@ -16,7 +16,7 @@ import abc
 import contextlib
 import types
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -29,6 +29,13 @@ from xla_shard.data import Batch, local_rows
 from xla_shard.plan import ShardingPlan
 
 CheckpointFn = Callable[..., Any]
+
+
+class Compiled(NamedTuple):
+    """What a process has compiled so far: graphs, and the wall seconds compiling them took."""
+
+    graphs: int
+    seconds: float
 
 
 class Backend(abc.ABC):
@@ -148,8 +155,9 @@ class Backend(abc.ABC):
     def mean_loss(self, loss: torch.Tensor) -> float:
         """The global-batch mean of the loss, as a Python float (this synchronises)."""
 
-    def compilations(self) -> int | None:
-        """Graph compilations so far (XLA), or None where nothing is compiled."""
+    def compilations(self) -> Compiled | None:
+        """Graphs compiled so far in this process and the seconds spent compiling them (XLA, torch.compile), or
+        None where nothing is compiled."""
         return None
 
     # ---- introspection -----------------------------------------------------------------------------

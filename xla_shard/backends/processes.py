@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -16,6 +17,28 @@ import torch.distributed as dist
 
 from xla_shard import launch
 from xla_shard.errors import ConfigError, one_line
+
+
+@contextlib.contextmanager
+def forming_a_group():
+    """Wraps the forming of a torch.distributed group: torch 2.9's gloo prints every rank's connection count to
+    standard output as a group forms (`printConnectivityInfo`, a line per process per group). Newer gloo logs
+    that at INFO under GLOO_LOG_LEVEL (default WARN), so the same variable decides here: unless it is INFO or
+    DEBUG, this process's standard output goes nowhere while the group forms (the file descriptor itself:
+    gloo writes from C++)."""
+    if os.environ.get("GLOO_LOG_LEVEL", "").upper() in ("INFO", "DEBUG"):
+        yield
+        return
+    sys.stdout.flush()
+    kept = os.dup(1)
+    try:
+        with open(os.devnull, "w") as nowhere:
+            os.dup2(nowhere.fileno(), 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(kept, 1)
+        os.close(kept)
 
 
 class Processes:

@@ -21,9 +21,9 @@ from torch.utils.checkpoint import checkpoint
 
 from xla_shard import launch, lora
 from xla_shard.backends import fsdp2_devices
-from xla_shard.backends.base import Backend, apply_activation_checkpointing, on_meta
+from xla_shard.backends.base import Backend, Compiled, apply_activation_checkpointing, on_meta
 from xla_shard.backends.fsdp2_devices import DeviceProfile
-from xla_shard.backends.processes import GroupProcesses, meet_as_one_run
+from xla_shard.backends.processes import GroupProcesses, forming_a_group, meet_as_one_run
 from xla_shard.backends.state import BackendState, pack_bytes, unpack_bytes
 from xla_shard.capabilities import Capabilities
 from xla_shard.checkpoint.contract import Box, Chunk
@@ -135,7 +135,9 @@ class TorchFsdpBackend(Backend):
                 meet_as_one_run({**self.cfg.run_identity(), "launch.nnodes": self.cfg.launch.nnodes,
                                  "launch.nproc_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))},
                                 self.cfg.launch.timeout_s)  # node 0's store may be gone (its run over) by now
-                dist.init_process_group(profile.process_group, timeout=timedelta(seconds=self.cfg.launch.timeout_s))
+                with forming_a_group():
+                    dist.init_process_group(profile.process_group,
+                                            timeout=timedelta(seconds=self.cfg.launch.timeout_s))
             except dist.DistError as exc:
                 if not launch.several_nodes():
                     raise
@@ -192,10 +194,11 @@ class TorchFsdpBackend(Backend):
         return self.plan.strategy is ShardingStrategy.NO_SHARD
 
     def _mesh(self):
-        if self.plan.hybrid:
-            return init_device_mesh(self.device.type, (self.plan.replicas, self.plan.shard),
-                                    mesh_dim_names=("replicate", "shard"))
-        return init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("shard",))
+        with forming_a_group():  # a hybrid mesh forms a group per dimension
+            if self.plan.hybrid:
+                return init_device_mesh(self.device.type, (self.plan.replicas, self.plan.shard),
+                                        mesh_dim_names=("replicate", "shard"))
+            return init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("shard",))
 
     def forward_context(self):
         # FSDP2's MixedPrecisionPolicy casts parameters; DDP (NO_SHARD) needs autocast for bf16.
@@ -223,13 +226,13 @@ class TorchFsdpBackend(Backend):
         dist.all_reduce(total)
         return total.item() / self.world
 
-    def compilations(self) -> int | None:
+    def compilations(self) -> Compiled | None:
         """Graphs torch.compile made so far in this process (train.compile), else None."""
         if not self.cfg.train.compile:
             return None
-        from torch._dynamo.utils import counters
+        from torch._dynamo.utils import calculate_time_spent, counters
 
-        return counters["stats"]["unique_graphs"]
+        return Compiled(counters["stats"]["unique_graphs"], calculate_time_spent()["total_wall_time"])
 
     def local_bytes(self, tensors: list[torch.Tensor]) -> list[int]:
         def local(t: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from xla_shard.backends.base import Backend, apply_activation_checkpointing
+from xla_shard.backends.base import Backend, Compiled, apply_activation_checkpointing
 from xla_shard.io.device import on_tpu
 from xla_shard.wrap import checkpoint_targets, wrap_targets
 
@@ -82,11 +82,11 @@ def device_kind() -> str:
     return kind.lower()
 
 
-def compilations() -> int:
+def compilations() -> Compiled:
     import torch_xla.debug.metrics as met
 
-    data = met.metric_data("CompileTime")
-    return int(data[0]) if data else 0
+    data = met.metric_data("CompileTime")  # (count, total nanoseconds, samples)
+    return Compiled(int(data[0]), data[1] / 1e9) if data else Compiled(0, 0.0)
 
 
 class XlaBackend(Backend):
@@ -127,7 +127,7 @@ class XlaBackend(Backend):
 
         torch_xla.sync()
 
-    def compilations(self) -> int:
+    def compilations(self) -> Compiled:
         return compilations()
 
     def traced_program(self, run_step: Callable[[], torch.Tensor], updated: Callable[[], list[torch.Tensor]]) -> bytes:

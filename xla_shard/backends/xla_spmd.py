@@ -28,7 +28,7 @@ from torch import nn
 
 from xla_shard.backends import xla_common, xla_scan
 from xla_shard.backends.base import on_meta, retie
-from xla_shard.backends.processes import GroupProcesses, Processes
+from xla_shard.backends.processes import GroupProcesses, Processes, forming_a_group
 from xla_shard.backends.state import BackendState
 from xla_shard.capabilities import Capabilities
 from xla_shard.checkpoint.contract import Box, Chunk
@@ -237,7 +237,8 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         import torch_xla.distributed.xla_backend  # noqa: F401  (registers xla://)
 
         if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method="xla://")
+            with forming_a_group():
+                dist.init_process_group("gloo", init_method="xla://")
         return GroupProcesses(index, count, torch.device("cpu"))
 
     def setup(self, plan) -> None:

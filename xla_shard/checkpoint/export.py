@@ -15,13 +15,13 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from xla_shard.checkpoint import hf_dir, layout, peft_adapter, schema
+from xla_shard.checkpoint import hf_dir, layout, meta_model, peft_adapter, per_expert, schema
 from xla_shard.checkpoint.inspect import open_checkpoint
 from xla_shard.checkpoint.manifest import CheckpointError
 from xla_shard.checkpoint.reader import ChunkReader
 from xla_shard.config.presets import PRESETS
 from xla_shard.errors import UserError, file_in_the_way, one_line
-from xla_shard.hostmem import peak_growth
+from xla_shard.hostmem import mib, peak_growth
 from xla_shard.io.model_dir import copy_companions, model_directory
 from xla_shard.io.overlap import Protected, refuse_overlap
 from xla_shard.io.storage import Storage
@@ -38,9 +38,20 @@ class ExportReport:
     tensors: int
     bytes: int
     largest_tensor_bytes: int
-    peak_rss_growth_bytes: int
+    peak_rss_growth_bytes: int  # while writing, the code it needs already loaded: what streaming costs
     companions: list[str] = field(default_factory=list)  # tokenizer/generation files copied from the source
     note: str | None = None
+    code_rss_bytes: int = 0  # loading that code first (peft, for an adapter's config): paid once per process
+    code: str = ""
+
+    def describe(self, to: str) -> str:
+        memory = (f"host memory +{mib(self.peak_rss_growth_bytes)} while writing (largest tensor "
+                  f"{mib(self.largest_tensor_bytes)})")
+        if self.code_rss_bytes >= 2**20:
+            memory += f", +{mib(self.code_rss_bytes)} before it to load {self.code}"
+        return (f"exported step {self.step}: {self.tensors} tensors, {mib(self.bytes)} in {len(self.files)} file(s) "
+                f"to {to}; {memory}"
+                + (f"; copied {', '.join(self.companions)} from the model directory" if self.companions else ""))
 
 
 def parse_size(text: str) -> int:
@@ -54,46 +65,58 @@ def parse_size(text: str) -> int:
 
 
 def export(url: str, to: str, max_shard_bytes: int = 2 * 10**9, overwrite: bool = False,
-           merge: bool = False) -> ExportReport:
+           merge: bool = False, fused_experts: bool = False) -> ExportReport:
     """Write the checkpoint at `url` as a Hugging Face model directory at `to` (a path or any fsspec URL). The
     result appears whole or not at all: see `Destination`. A LoRA run's checkpoint is written as a peft adapter
     directory, or with `merge` as the whole model with the adapters merged into the weights of its model
-    directory."""
+    directory. MoE experts are written one tensor per expert, as save_pretrained does, unless `fused_experts`."""
     refuse_overlap("--to", to, [Protected("the checkpoint being read", url, inside_too=True)])
     destination = Destination(to, overwrite)  # refused before the checkpoint is even opened
-    with peak_growth() as growth:
-        storage, manifest = open_checkpoint(url)
-        refuse_overlap("--to", to, _read_by(manifest))
-        hf = manifest.data.get("hf_config")
-        if not isinstance(hf, dict) or not hf:
-            raise CheckpointError(f"{manifest.url}: the manifest has no hf_config; it cannot be exported")
-        names = sorted(n for n in manifest.tensors if n.startswith("model/"))
-        if not names:
-            raise CheckpointError(f"{manifest.url} holds no model tensors (model/...): nothing to export")
-        sizes = {n: schema.nbytes(manifest.tensors[n]["shape"], manifest.tensors[n]["dtype"]) for n in names}
-        run_model = (manifest.data.get("config") or {}).get("model")
-        adapter = peft_adapter.recorded_adapter(manifest, names)
-        if merge and adapter is None:
-            raise CheckpointError(f"{manifest.url} is not a LoRA run's checkpoint: --merge has no adapters to "
-                                  "merge (export it without --merge)")
-        reader, source, transform = ChunkReader(storage, manifest), manifest, None
-        if merge:  # the model directory's weights, the adapters merged into them as they are written
+    storage, manifest = open_checkpoint(url)
+    refuse_overlap("--to", to, _read_by(manifest))
+    hf = manifest.data.get("hf_config")
+    if not isinstance(hf, dict) or not hf:
+        raise CheckpointError(f"{manifest.url}: the manifest has no hf_config; it cannot be exported")
+    names = sorted(n for n in manifest.tensors if n.startswith("model/"))
+    if not names:
+        raise CheckpointError(f"{manifest.url} holds no model tensors (model/...): nothing to export")
+    sizes = {n: schema.nbytes(manifest.tensors[n]["shape"], manifest.tensors[n]["dtype"]) for n in names}
+    run_model = (manifest.data.get("config") or {}).get("model")
+    adapter = peft_adapter.recorded_adapter(manifest, names)
+    if merge and adapter is None:
+        raise CheckpointError(f"{manifest.url} is not a LoRA run's checkpoint: --merge has no adapters to "
+                              "merge (export it without --merge)")
+    reader, source, transform, layout_note = ChunkReader(storage, manifest), manifest, None, None
+    # What the export asks transformers or peft is asked before the writing starts, so that the memory the
+    # writing takes is measured alone: their code costs some 200-340 MiB of host memory once per process.
+    with peak_growth() as loading:
+        if adapter is not None and not merge:  # the checkpoint holds the adapters: a peft directory
+            code = "peft (adapter_config.json is its LoraConfig)"
+            config = peft_adapter.CONFIG, peft_adapter.config_json(adapter, run_model, names, _base_name(run_model))
+            pieces = per_expert.whole(names, _shapes(manifest, names), peft_adapter.key)
+            single, max_shard_bytes = peft_adapter.WEIGHTS, math.inf
+        elif merge:  # the model directory's weights, the adapters merged into them as they are written
+            code = "transformers (which layers are Conv1D)"
             merged = peft_adapter.Merge(_base_directory(manifest, run_model), reader, manifest, names, adapter)
             reader, source, names, sizes, transform = (merged.reader, merged.manifest, merged.names, merged.sizes,
                                                        merged.transform)
-        with destination as out, _source_kept(storage, manifest, to):
-            if adapter is not None and not merge:  # the checkpoint holds the adapters: a peft directory
-                files = _write_weights(reader, source, names, sizes, out, math.inf, peft_adapter.key,
-                                       peft_adapter.WEIGHTS)
-                config = peft_adapter.CONFIG, peft_adapter.config_json(adapter, run_model, names,
-                                                                       _base_name(run_model))
-            else:
-                files = _write_weights(reader, source, names, sizes, out, max_shard_bytes, transform=transform)
-                config = "config.json", json.dumps(hf, indent=2).encode()
-            copied, note = _copy_companions(manifest, out)
-            out.write(*config)  # last: what loaders look for first
-    return ExportReport(manifest.step, files, len(names), sum(sizes.values()), max(sizes.values()),
-                        growth.bytes, copied, note)
+            pieces = per_expert.whole(names, _shapes(source, names), lambda name: name[len("model/"):])
+            config, single = ("config.json", json.dumps(hf, indent=2).encode()), WEIGHTS
+        else:
+            code = "transformers (how save_pretrained names the tensors)"
+            pieces, layout_note = _layout(manifest, names, hf, fused_experts)
+            config, single = ("config.json", json.dumps(hf, indent=2).encode()), WEIGHTS
+    with peak_growth() as growth, destination as out, _source_kept(storage, manifest, to):
+        files = _write_weights(reader, source, pieces, out, max_shard_bytes, single, transform)
+        copied, note = _copy_companions(manifest, out)
+        out.write(*config)  # last: what loaders look for first
+    note = "; ".join(n for n in (layout_note, note) if n) or None
+    return ExportReport(manifest.step, files, len(pieces), sum(sizes.values()), max(sizes.values()),
+                        growth.bytes, copied, note, loading.bytes, code)
+
+
+def _shapes(manifest, names: list[str]) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(manifest.tensors[n]["shape"]) for n in names}
 
 
 def _read_by(manifest) -> list[Protected]:
@@ -195,40 +218,62 @@ class Destination:
                 self.final.remove_tree("")
 
 
-def _write_weights(reader: ChunkReader, manifest, names: list[str], sizes: dict[str, int], out: Storage,
-                   max_shard_bytes: float, key=lambda name: name[len("model/"):], single: str = WEIGHTS,
-                   transform=None) -> list[str]:
-    """The tensors `names` as safetensors files of at most `max_shard_bytes` each, under `key(name)`, each
-    passed through `transform(name, tensor)` (same shape and dtype; None: as stored) as it is written."""
-    groups: list[list[str]] = [[]]
-    for name in names:  # split by size, tensors kept whole, in name order
-        if groups[-1] and sum(sizes[n] for n in groups[-1]) + sizes[name] > max_shard_bytes:
+def _write_weights(reader: ChunkReader, manifest, pieces: list[per_expert.Piece], out: Storage,
+                   max_shard_bytes: float, single: str = WEIGHTS, transform=None) -> list[str]:
+    """The `pieces` as safetensors files of at most `max_shard_bytes` each, in their order (a fused tensor's
+    pieces together, so it is read once), each checkpoint tensor passed through `transform(name, tensor)` (same
+    shape and dtype; None: as stored) as it is read."""
+    dtype = {piece.key: manifest.tensors[piece.source]["dtype"] for piece in pieces}
+    size = {piece.key: schema.nbytes(piece.shape, dtype[piece.key]) for piece in pieces}
+    groups: list[list[per_expert.Piece]] = [[]]
+    for piece in pieces:  # split by size, tensors kept whole
+        if groups[-1] and sum(size[p.key] for p in groups[-1]) + size[piece.key] > max_shard_bytes:
             groups.append([])
-        groups[-1].append(name)
+        groups[-1].append(piece)
     files = [single] if len(groups) == 1 else [
         f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     weight_map = {}
     for file, group in zip(files, groups):
         header, offset = {}, 0
-        for name in group:
-            meta = manifest.tensors[name]
-            header[key(name)] = {"dtype": meta["dtype"], "shape": meta["shape"],
-                                 "data_offsets": [offset, offset + sizes[name]]}
-            offset += sizes[name]
-            weight_map[key(name)] = file
+        for piece in group:
+            header[piece.key] = {"dtype": dtype[piece.key], "shape": list(piece.shape),
+                                 "data_offsets": [offset, offset + size[piece.key]]}
+            offset += size[piece.key]
+            weight_map[piece.key] = file
 
-        def parts(group=group, header=header):  # one tensor in memory at a time
+        def parts(group=group, header=header):  # one checkpoint tensor in memory at a time
             yield layout.safetensors_prefix({**header, "__metadata__": {"format": "pt"}})
-            for name in group:
-                shape = tuple(manifest.tensors[name]["shape"])
-                (tensor,) = reader.read([(name, ((0,) * len(shape), shape))])
-                yield layout.tensor_bytes(transform(name, tensor) if transform else tensor)
+            held = None, None
+            for piece in group:
+                if held[0] != piece.source:
+                    held = None, None  # let the last one go before reading the next
+                    shape = tuple(manifest.tensors[piece.source]["shape"])
+                    (tensor,) = reader.read([(piece.source, ((0,) * len(shape), shape))])
+                    held = piece.source, transform(piece.source, tensor) if transform else tensor
+                yield layout.tensor_bytes(piece.cut(held[1]))
 
         out.write(file, parts)
     if len(files) > 1:
-        out.write(INDEX, json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map},
-                                    indent=2).encode())
+        out.write(INDEX, json.dumps({"metadata": {"total_size": sum(size.values())},
+                                     "weight_map": dict(sorted(weight_map.items()))}, indent=2).encode())
     return files
+
+
+def _layout(manifest, names: list[str], hf: dict, fused_experts: bool) -> tuple[list[per_expert.Piece], str | None]:
+    """The exported tensors under the names save_pretrained writes (MoE experts one tensor per expert, unless
+    `fused_experts`; names a model renames on load, such as GPT-NeoX's, as stored), else as held. Returns
+    (pieces, a note where the layout is not save_pretrained's unasked)."""
+    shapes = _shapes(manifest, names)
+    held = per_expert.whole(names, shapes, key=lambda name: name[len("model/"):])
+    if fused_experts:
+        return held, None
+    try:
+        split = per_expert.pieces(meta_model.build(hf), names, shapes)
+    except CheckpointError as exc:  # not split, or a config transformers does not build (a manifest is untrusted)
+        return held, f"tensors written as the model holds them, not as save_pretrained would: {exc}"
+    if split is None:
+        return held, None
+    return sorted(split, key=lambda piece: (piece.source, piece.key)), None
 
 
 def _copy_companions(manifest, out: Storage) -> tuple[list[str], str | None]:

@@ -11,7 +11,9 @@ spans, the pieces of the stored tensors that fall in it, read by byte range and 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -134,3 +136,26 @@ def expert_of(stored: str, pattern: str) -> int | None:
     regex = re.escape(pattern).replace(r"\*", r"(\d+)")
     match = re.search(regex, stored)
     return int(match.group(1)) if match else None
+
+
+def renamer(model, names: list[str]) -> Callable[[str], tuple[str, Any, str | None]]:
+    """A stored key as this model names it (`names`: its tensors' names as saved): transformers' renamings for
+    the class (legacy gamma/beta and the like) and its base-model prefix added or removed; and, for keys
+    transformers rebuilds into another tensor (MoE experts fused), the converter that does it."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta_state = dict.fromkeys(names, True)  # transformers tests `.get(key) is not None`
+    prefix = getattr(model, "base_model_prefix", None) or None
+
+    def rename(key: str) -> tuple[str, Any, str | None]:
+        """(the model's name for it, the converter that builds that parameter from it or None, its pattern)."""
+        renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta_state)
+        if pattern is None:
+            return renamed, None, None
+        return renamed, next(c for c in converters if pattern in c.source_patterns), pattern
+
+    return rename

@@ -18,11 +18,10 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from xla_shard.checkpoint import hf_dir, schema
+from xla_shard.checkpoint import hf_dir, meta_model, schema
 from xla_shard.checkpoint.manifest import CheckpointError
 from xla_shard.checkpoint.reader import ChunkReader
 from xla_shard.config.schema import LoraSection
-from xla_shard.errors import one_line
 from xla_shard.io.storage import Storage
 
 WEIGHTS = "adapter_model.safetensors"
@@ -145,19 +144,7 @@ class Merge:
 def _conv1d_layers(hf_config: dict[str, Any], weights: list[str]) -> set[str]:
     """The adapted weights that belong to transformers' Conv1D layers (stored transposed), found on a model
     built from the checkpoint's config on the meta device."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
     from transformers.pytorch_utils import Conv1D
 
-    fields = {k: v for k, v in hf_config.items() if k not in ("auto_map", "model_type")}
-    try:
-        config = AutoConfig.for_model(hf_config["model_type"], **fields)
-        auto = AutoModelForSequenceClassification if any("SequenceClassification" in a for a in
-                                                         config.architectures or []) else AutoModelForCausalLM
-        with init_empty_weights():
-            model = auto.from_config(config)
-    except (KeyError, ValueError, TypeError, AttributeError) as exc:  # the manifest is untrusted input
-        raise CheckpointError(f"the manifest's hf_config does not build a transformers model to merge into: "
-                              f"{type(exc).__name__}: {one_line(exc)[:200]}") from None
-    modules = dict(model.named_modules())
+    modules = dict(meta_model.build(hf_config).named_modules())
     return {w for w in weights if isinstance(modules.get(w[len("model/"):-len(".weight")]), Conv1D)}
