@@ -82,7 +82,7 @@ def bytes_after_backward(trainer, step: int) -> dict[str, int]:
     backend, model = trainer.backend, trainer.model
     batch = backend.place(trainer.micro_batches(step)[0])
     with backend.forward_context():
-        trainer.loss_fn(model, batch).backward()
+        trainer.objective.loss(model, batch).backward()
     backend.after_step()
     report = trainer.memory_report()
     trainer.optimizer.step()

@@ -16,6 +16,7 @@ from xla_shard.backends.processes import Processes
 from xla_shard.backends.xla_spmd import XlaSpmdBackend
 from xla_shard.data import build
 from xla_shard.models import model_config, resolve_source
+from xla_shard.methods import objective_for
 from xla_shard.train import Trainer
 
 CORPUS = FIXTURES / "corpus.jsonl"
@@ -66,16 +67,16 @@ class _Hosts(Processes):
 @pytest.mark.parametrize("hosts", HOSTS[1:])
 def test_token_weights_over_hosts_are_one_hosts(model_dirs, hosts):
     cfg, source = _setup(model_dirs.llama, "data.packing=false", "train.seq_len=128")  # padded: uneven counts
+    objective = objective_for(cfg)
     one = _host(cfg, source, 0, 1)
-    expected = Trainer._token_weights(one, Trainer.micro_batches(one, 3))
-    assert expected is not None and len(set(expected)) == 2  # the counts differ, so the weights do
+    expected = objective.weights(Trainer.micro_batches(one, 3), one.backend.processes, 1)
+    assert len(set(expected)) == 2  # the counts differ, so the weights do
     parts = [Trainer.micro_batches(_host(cfg, source, h, hosts), 3) for h in range(hosts)]
     counts = [[int((rows["labels"][:, 1:] != -100).sum()) for rows in part] for part in parts]
     totals = [sum(column) for column in zip(*counts)]
+    assert expected == pytest.approx([t / sum(totals) for t in totals])  # each its share of the step's tokens
     for h in range(hosts):
-        host = _host(cfg, source, h, hosts)
-        host.backend.processes = _Hosts(h, hosts, totals)
-        assert Trainer._token_weights(host, parts[h]) == expected
+        assert objective.weights(parts[h], _Hosts(h, hosts, totals), 1) == expected
 
 
 @pytest.mark.xla

@@ -19,7 +19,7 @@ LAYERS = [
               "xla_shard.planner.hlo", "xla_shard.schedule", "xla_shard.preemption",
               "xla_shard.attention", "xla_shard.experts", "xla_shard.metrics"]),
     ("storage formats and data", ["xla_shard.checkpoint", "xla_shard.data"]),
-    ("model", ["xla_shard.models", "xla_shard.wrap", "xla_shard.lora"]),
+    ("model", ["xla_shard.models", "xla_shard.wrap", "xla_shard.lora", "xla_shard.methods"]),
     ("loading and planning", ["xla_shard.pretrained", "xla_shard.planner"]),
     ("backends", ["xla_shard.backends"]),
     ("training", ["xla_shard.train"]),
@@ -106,6 +106,15 @@ def test_the_check_sees_function_local_imports():
     """The loops this check exists for ran through imports inside functions: they must be in the graph."""
     assert "xla_shard.planner.settle" in GRAPH["xla_shard.backends"]
     assert "xla_shard.models" in GRAPH["xla_shard.planner"]  # imported inside `workload`
+
+
+def test_nothing_outside_the_methods_room_names_a_concrete_method():
+    """The trainer, evaluation and the rest ask `xla_shard.methods` for the objective; only the room itself
+    imports the modules that hold the methods."""
+    reaching_in = [f"{module} imports {target}" for module, targets in GRAPH.items() for target in targets
+                   if target.startswith("xla_shard.methods.") and not module.startswith("xla_shard.methods")]
+    assert not reaching_in, reaching_in
+    assert "xla_shard.methods" in GRAPH["xla_shard.train"]
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))

@@ -24,10 +24,10 @@ from xla_shard.backends.base import Backend
 from xla_shard.checkpoint import Checkpointer, CheckpointError, NoCheckpoints, finished_message, hf_dir
 from xla_shard.config.schema import ShardConfig, TrainSection
 from xla_shard.data import Batch, micro_rows
-from xla_shard.data.batches import scored
 from xla_shard.errors import ConfigError, UserError, file_in_the_way, redact
 from xla_shard.hostmem import mib
 from xla_shard.io.overlap import Protected, refuse_overlap
+from xla_shard.methods import Objective, objective_for
 from xla_shard.metrics import StepClock, StepLogger, peak_for, train_flops_per_token
 from xla_shard.models import check_sequence_length, model_config, resolve_source
 from xla_shard.preemption import PreemptionGuard
@@ -122,26 +122,21 @@ StepHook = Callable[["Trainer", int, "dict[str, Any] | None"], None]
 EvalHook = Callable[["Trainer", int, "dict[str, Any]"], None]
 
 
-def model_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """The loss transformers computes from `labels`: next-token cross-entropy for a causal LM, cross-entropy
-    over classes for a sequence classifier."""
-    return model(**batch).loss
-
-
 class Trainer:
     """The whole training job for one config.
 
-    Seams: `loss_fn(model, batch) -> loss` replaces the model's own loss (`batch` holds `input_ids` and `labels`:
+    Seams: the objective (`xla_shard.methods`) says what a step computes and evaluation reports;
+    `loss_fn(model, batch) -> loss` replaces the model's own loss (`batch` holds `input_ids` and `labels`:
     this process's rows, on its device; its values are averaged over micro-batches and processes as they are,
-    while the model's own loss is weighted by each micro-batch's labelled tokens, see `_token_weights`);
+    while the model's own loss is weighted by each micro-batch's labelled tokens, see `Objective.weights`);
     `on_step_end` and `on_evaluate` hooks (see `StepHook`, `EvalHook`) see every step and evaluation. `setup()`
     builds everything below; `run()` trains."""
 
-    def __init__(self, cfg: ShardConfig, backend: Backend | None = None, loss_fn: LossFn = model_loss,
+    def __init__(self, cfg: ShardConfig, backend: Backend | None = None, loss_fn: LossFn | None = None,
                  on_step_end: list[StepHook] | None = None, on_evaluate: list[EvalHook] | None = None):
         self.cfg = cfg
         self.backend = backend or backends.create(cfg)
-        self.loss_fn = loss_fn
+        self.objective = objective_for(cfg, loss_fn)
         self.on_step_end = list(on_step_end or [])
         self.on_evaluate = list(on_evaluate or [])
         self.records: list[dict[str, Any]] = []  # every logged and evaluation record, in order
@@ -326,17 +321,20 @@ class Trainer:
         backend, train = self.backend, self.cfg.train
         micro_batches = micro_batches or self.micro_batches(step)
         k = len(micro_batches)
-        # Only rows that can differ pay for the count (a collective with a host sync, on torchrun).
-        weights = self._token_weights(micro_batches) if self.loss_fn is model_loss and self.uneven_labels else None
+        weights = self.objective.weights(micro_batches, backend.processes, backend.world, self.uneven_labels)
+        equal = len(set(weights)) == 1
         total = None
         for j, rows in enumerate(micro_batches):
             batch = backend.place(rows)
             with backend.grad_sync(self.model, enabled=j == k - 1):
                 with backend.forward_context():
-                    loss = self.loss_fn(self.model, batch)
-                if weights is not None:  # a device scalar, not a Python one: XLA would compile each value apart
+                    loss = self.objective.loss(self.model, batch)
+                # Unequal shares as a device scalar, not a Python one: XLA would compile each value apart.
+                if not equal:
                     loss = loss * torch.tensor(weights[j], dtype=loss.dtype, device=loss.device)
-                (loss / k if k > 1 and weights is None else loss).backward()
+                elif k > 1:
+                    loss = loss / k
+                loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
         self.grad_norm = (backend.clip_grad_norm(self.model, train.max_grad_norm)
                           if train.max_grad_norm is not None else None)
@@ -346,26 +344,10 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         backend.after_step()
-        return total / k if k > 1 and weights is None else total
-
-    def _token_weights(self, micro_batches: list[Batch]) -> list[float] | None:
-        """Each micro-batch's share of the step's loss, or None where the plain mean over micro-batches and
-        processes is already right. transformers' loss is a mean over a micro-batch's labelled tokens; where
-        micro-batches hold different numbers (answers only, padded rows), the step's loss is the mean over all
-        of the step's labelled tokens, on every process together: what one process training the whole batch
-        gets, on every backend alike. A process per device has a loss over its own rows, and the gradients are
-        averaged over the `world` of them; SPMD (world 1) has one loss over the rows of every host."""
-        causal = self.cfg.model.task == "causal_lm"
-        counts = [int(scored(rows["labels"], causal).sum()) for rows in micro_batches]
-        totals = self.backend.processes.total(counts)
-        world, k, tokens = self.backend.world, len(micro_batches), sum(totals)
-        counted = totals if world == 1 else counts
-        if tokens == 0 or all(count * world * k == tokens for count in counted):
-            return None
-        return [count * world / tokens for count in counted]
+        return total
 
     def evaluate(self) -> dict[str, float]:
-        return evaluate(self.model, self.backend, self.eval_source, self.cfg)
+        return evaluate(self.model, self.backend, self.eval_source, self.cfg, self.objective)
 
     def run(self) -> list[dict[str, Any]]:
         cfg, ckpt, train = self.cfg, self.checkpointer, self.cfg.train
@@ -516,49 +498,17 @@ class Trainer:
                             full(params), full(grads), full(states))
 
 
-@torch.no_grad()
-def evaluate(model, backend, source, cfg) -> dict[str, float]:
-    """Loss and accuracy (and a causal LM's perplexity) over every row of an evaluation source (`train.eval_steps`
-    batches if set), with the model in eval mode: summed over the tokens (causal LM) or rows (classification)
-    that have a label, then divided by their count, so filler rows and padding count for nothing. (The Trainer
-    and TRL average each batch's mean instead; the two agree where every batch has as many labelled tokens.)
-    Every process calls it."""
+def evaluate(model, backend, source, cfg, objective: Objective | None = None) -> dict[str, float]:
+    """The objective's metrics (the config's unless given) over every row of an evaluation source
+    (`train.eval_steps` batches if set), with the model in eval mode. A causal LM's or classifier's loss and
+    accuracy are summed over the tokens or rows that have a label, then divided by their count, so filler rows
+    and padding count for nothing. (The Trainer and TRL average each batch's mean instead; the two agree where
+    every batch has as many labelled tokens.) Every process calls it."""
     train = cfg.train
     batches = min(source.batches, train.eval_steps or source.batches)
     rows = micro_rows(train.global_batch_size, 0, 1, *backend.processes.batch_part)
-    classify = cfg.model.task == "sequence_classification"
-    model.eval()
-    loss_sum = counted = correct = None
-    try:
-        for index in range(batches):
-            batch = backend.place(source.rows(index, rows))
-            with backend.forward_context():
-                out = model(**batch)
-            labels = batch["labels"]
-            counts = scored(labels, causal=not classify)
-            n = counts.sum().float()
-            # A process whose rows are all filler gets a NaN mean (0/0): it contributes 0, not NaN.
-            loss = torch.where(n > 0, out.loss.detach().float() * n, torch.zeros_like(n))
-            loss_sum, counted = (loss, n) if loss_sum is None else (loss_sum + loss, counted + n)
-            # A classifier's rows, or a causal LM's tokens, whose most likely prediction is the label (TRL's
-            # mean_token_accuracy: position t predicts the label at t + 1).
-            predicted, wanted = (out.logits.argmax(-1), labels) if classify else \
-                (out.logits[:, :-1].argmax(-1), labels[:, 1:])
-            hits = ((predicted == wanted) & counts).sum().float()
-            correct = hits if correct is None else correct + hits
-            backend.after_step()
-    finally:
-        model.train()
-    total = backend.mean_loss(counted)  # means over processes: their ratio is the ratio of the sums
-    result = {"eval_loss": backend.mean_loss(loss_sum) / total}
-    if classify:
-        result["eval_accuracy"] = backend.mean_loss(correct) / total
-    else:
-        result["eval_perplexity"] = math.exp(min(result["eval_loss"], 700.0))
-        result["eval_mean_token_accuracy"] = backend.mean_loss(correct) / total
-    result["eval_batches"] = batches
-    result["eval_rows"] = source.rows_covered(batches)
-    return result
+    result = (objective or objective_for(cfg)).evaluate(model, backend, source, batches, rows)
+    return {**result, "eval_batches": batches, "eval_rows": source.rows_covered(batches)}
 
 
 def run(cfg: ShardConfig, backend: Backend | None = None) -> int:

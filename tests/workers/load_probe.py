@@ -20,7 +20,7 @@ def main(out: str, *overrides: str) -> None:
     backend, model = trainer.backend, trainer.model
     chunks = {t.name[len("model/"):]: (t.shape, t.chunks()) for t in backend.state.tensors(model)}
     with torch.no_grad(), backend.forward_context():
-        loss = trainer.loss_fn(model, backend.local_batch(trainer.source.global_batch(0)))
+        loss = trainer.objective.loss(model, backend.local_batch(trainer.source.global_batch(0)))
     report = dataclasses.asdict(trainer.load_report) if trainer.load_report else None
     index, _ = backend.processes.writer
     torch.save({"chunks": chunks, "loss": backend.mean_loss(loss), "report": report,

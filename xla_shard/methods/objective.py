@@ -1,0 +1,124 @@
+"""What a training step computes and what evaluation reports: one `Objective` object per fine-tuning method.
+
+The trainer (and a loop of your own) asks the objective for a micro-batch's loss, for how the step's
+micro-batches weigh in it, and for the evaluation metrics; it never branches on the task or the data's kind.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from xla_shard.data import Batch
+from xla_shard.data.batches import scored
+
+
+class Objective:
+    """A fine-tuning method's step and evaluation. Subclasses give `loss`, and `counted` where the loss is a
+    mean over some labelled items (tokens, rows), then `eval_batch` and `eval_result` for evaluation."""
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """The micro-batch's loss (a device scalar): `batch` holds this process's rows, on its device."""
+        raise NotImplementedError
+
+    def counted(self, batch: Batch) -> torch.Tensor | None:
+        """Where `loss` averages (a boolean mask over the batch's labels), or None where it is no such mean."""
+        return None
+
+    def weights(self, micro_batches: list[Batch], processes, world: int, uneven: bool = True) -> list[float]:
+        """Each micro-batch's share of the step's loss (host rows, before they are placed). Where the loss is a
+        mean over labelled items and micro-batches hold different numbers of them (answers only, padded rows),
+        the step's loss is the mean over all of the step's items, on every process together: what one process
+        training the whole batch gets, on every backend alike. Else the plain mean: 1/k each. A process per
+        device has a loss over its own rows, and its gradients are averaged over the `world` of them; SPMD
+        (world 1) has one loss over the rows of every host. `uneven=False` (rows that cannot differ) skips the
+        count, a collective with a host sync on torchrun."""
+        k = len(micro_batches)
+        masks = [self.counted(rows) for rows in micro_batches] if uneven else [None]
+        if any(mask is None for mask in masks):
+            return [1.0 / k] * k
+        counts = [int(mask.sum()) for mask in masks]
+        totals = processes.total(counts)
+        tokens = sum(totals)
+        counted = totals if world == 1 else counts
+        if tokens == 0 or all(count * world * k == tokens for count in counted):
+            return [1.0 / k] * k
+        return [count * world / tokens for count in counted]
+
+    def eval_batch(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+        """Sums over one evaluation batch (device scalars), added up over batches and processes."""
+        raise NotImplementedError
+
+    def eval_result(self, sums: dict[str, float]) -> dict[str, float]:
+        """The evaluation metrics from the sums over every evaluation row."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, backend, source, batches: int, rows: list[int]) -> dict[str, float]:
+        """`eval_result` over `batches` batches of `source` (this process's `rows` of each), in eval mode. Every
+        process calls it."""
+        model.eval()
+        sums: dict[str, torch.Tensor] = {}
+        try:
+            for index in range(batches):
+                batch = backend.place(source.rows(index, rows))
+                with backend.forward_context():
+                    got = self.eval_batch(model, batch)
+                sums = got if not sums else {key: sums[key] + value for key, value in got.items()}
+                backend.after_step()
+        finally:
+            model.train()
+        # Means over processes: their ratios are the ratios of the sums.
+        return self.eval_result({key: backend.mean_loss(value) for key, value in sums.items()})
+
+
+class ModelLoss(Objective):
+    """The loss transformers computes from `labels`, averaged over what has a label: a causal LM's next
+    tokens (`causal`), a sequence classifier's rows. Evaluation: the loss over every labelled item and how many
+    of them the model's most likely prediction gets right (TRL's mean_token_accuracy for a causal LM: position t
+    predicts the label at t + 1), plus a causal LM's perplexity."""
+
+    def __init__(self, causal: bool):
+        self.causal = causal
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        return model(**batch).loss
+
+    def counted(self, batch: Batch) -> torch.Tensor:
+        return scored(batch["labels"], self.causal)
+
+    def eval_batch(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+        out = model(**batch)
+        labels = batch["labels"]
+        counts = scored(labels, self.causal)
+        n = counts.sum().float()
+        # A process whose rows are all filler gets a NaN mean (0/0): it contributes 0, not NaN.
+        loss = torch.where(n > 0, out.loss.detach().float() * n, torch.zeros_like(n))
+        predicted, wanted = (out.logits[:, :-1].argmax(-1), labels[:, 1:]) if self.causal else \
+            (out.logits.argmax(-1), labels)
+        return {"loss": loss, "count": n, "correct": ((predicted == wanted) & counts).sum().float()}
+
+    def eval_result(self, sums: dict[str, float]) -> dict[str, float]:
+        loss = sums["loss"] / sums["count"]
+        if not self.causal:
+            return {"eval_loss": loss, "eval_accuracy": sums["correct"] / sums["count"]}
+        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)),
+                "eval_mean_token_accuracy": sums["correct"] / sums["count"]}
+
+
+class CustomLoss(ModelLoss):
+    """A loss of the user's own (`loss_fn(model, batch)`): its values are averaged over micro-batches as they
+    are (xla_shard cannot know what they are means over); evaluation reports the model's own loss."""
+
+    def __init__(self, loss_fn, causal: bool):
+        super().__init__(causal)
+        self.loss_fn = loss_fn
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        return self.loss_fn(model, batch)
+
+    def counted(self, batch: Batch) -> None:
+        return None
+
