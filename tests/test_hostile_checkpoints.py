@@ -178,12 +178,11 @@ def test_a_checkpoint_dir_named_like_a_glob_saves_resumes_and_exports(tmp_path, 
 
 # ---- the manifest's LoRA section is untrusted ----------------------------------------------------------
 def _lora_checkpoint(tmp_path: Path) -> Path:
-    from xla_shard import lora
+    from xla_shard.methods import adapter_for
 
-    cfg = config.load(None, ["model.lora.r=2", "model.lora.target_modules=[q_proj]"])
+    adapter = adapter_for(config.load(None, ["model.lora.r=2", "model.lora.target_modules=[q_proj]"]))
     model = _model()
-    values, _ = lora.inject(model, cfg.model.lora, "causal_lm", seed=0)
-    lora.materialize(model, values)
+    adapter.materialize(model, adapter.inject(model, "causal_lm", seed=0))
     ckpt = _checkpointer(tmp_path / "ckpt", "model.lora.r=2", "model.lora.target_modules=[q_proj]")
     ckpt.trained_only = True
     ckpt.restore(model, None)

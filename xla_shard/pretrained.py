@@ -22,13 +22,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from xla_shard import experts, lora
+from xla_shard import experts
 from xla_shard.checkpoint import fused, hf_dir, layout
 from xla_shard.checkpoint.contract import StateTensor, region
 from xla_shard.checkpoint.reader import ChunkReader, fill
 from xla_shard.errors import ConfigError
 from xla_shard.hostmem import mib, peak_growth
 from xla_shard.io.storage import Storage
+from xla_shard.methods import Adapter, adapter_for
 from xla_shard.models import ModelSource, build_model, resolve_source
 
 _SHOWN = 4  # keys named in one error or log line
@@ -96,16 +97,18 @@ class PretrainedWeights:
             return None
 
     # ---- before sharding ------------------------------------------------------------------------------
-    def match(self, model: nn.Module, seed: int, adapters: dict[str, torch.Tensor] | None = None) -> None:
+    def match(self, model: nn.Module, seed: int, adapters: dict[str, torch.Tensor] | None = None,
+              adapter: Adapter | None = None) -> None:
         """Pair every parameter (and stored buffer) with a stored tensor; parameters of a head the directory
         lacks get fresh values from `seed`, LoRA `adapters` the values given. Anything else missing, unexpected
-        or of another shape is refused. A LoRA-wrapped layer's parameters are matched under their stored names
-        (`lora.stored_name`); a module trained whole beside adapters has two copies, both read from the file."""
+        or of another shape is refused. An adapted layer's parameters are matched under their stored names
+        (`adapter.stored_name`); a module trained whole beside adapters has two copies, both read from the file."""
         adapters = adapters or {}
+        stored_name = (adapter or Adapter()).stored_name
         params = {n: p for n, p in model.named_parameters() if n not in adapters}
         aliases: dict[str, list[str]] = {}
         for name in [*params, *(n for n, _ in _persistent_buffers(model))]:
-            aliases.setdefault(lora.stored_name(name), []).append(name)
+            aliases.setdefault(stored_name(name), []).append(name)
         shapes = {**{n: tuple(p.shape) for n, p in params.items()},
                   **{n: tuple(b.shape) for n, b in _persistent_buffers(model)}}
         wanted = {key: shapes[names[0]] for key, names in aliases.items()}
@@ -134,7 +137,7 @@ class PretrainedWeights:
             else:
                 unexpected.append(key)
         self._plan_fused(pieces, wanted, aliases)
-        missing = sorted({lora.stored_name(n) for n in set(params) - set(self.names)})
+        missing = sorted({stored_name(n) for n in set(params) - set(self.names)})
         base = _base_prefix(model)
         head = [k for k in missing if base and not k.startswith(base)]
         lost = [k for k in missing if k not in head]
@@ -158,7 +161,7 @@ class PretrainedWeights:
                 raise ConfigError("model.name", f"{where}: {key} is {list(have)} there, {list(shapes[key])} in the "
                                                 f"model{hint}")
         self.skipped += other_heads
-        self.fresh = {**_fresh_values(model, [n for n in params if lora.stored_name(n) in head], seed), **adapters}
+        self.fresh = {**_fresh_values(model, [n for n in params if stored_name(n) in head], seed), **adapters}
 
     def _plan_fused(self, pieces: dict[str, tuple[Any, dict[str, dict[int, str]]]], wanted: dict[str, tuple],
                     aliases: dict[str, list[str]]) -> None:
@@ -254,13 +257,12 @@ def build_for(cfg, accelerator: str | None = None, capabilities=None, empty: boo
         capabilities.refuse("model.overrides.output_router_logits", f"is true for {source.name}, and "
                                                                     f"{capabilities.router_aux_loss}: set it to false, "
                                                                     "or train on backend torch_fsdp, which adds it")
-    adapters = None
-    if cfg.model.lora is not None:
-        adapters, _ = lora.inject(model, cfg.model.lora, cfg.model.task, cfg.train.seed)
-        if not empty:
-            lora.materialize(model, adapters)
+    adapter = adapter_for(cfg)
+    adapters = adapter.inject(model, cfg.model.task, cfg.train.seed)
+    if adapters and not empty:
+        adapter.materialize(model, adapters)
     if weights is not None:
-        weights.match(model, cfg.train.seed, adapters)
+        weights.match(model, cfg.train.seed, adapters, adapter)
     return model, weights, source
 
 

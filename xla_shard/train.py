@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from xla_shard import backends, launch, lora, metrics
+from xla_shard import backends, launch, metrics
 from xla_shard import data as datalib
 from xla_shard.backends.base import Backend
 from xla_shard.checkpoint import Checkpointer, CheckpointError, NoCheckpoints, finished_message, hf_dir
@@ -27,7 +27,7 @@ from xla_shard.data import Batch, micro_rows
 from xla_shard.errors import ConfigError, UserError, file_in_the_way, redact
 from xla_shard.hostmem import mib
 from xla_shard.io.overlap import Protected, refuse_overlap
-from xla_shard.methods import Objective, objective_for
+from xla_shard.methods import Objective, adapter_for, objective_for
 from xla_shard.metrics import StepClock, StepLogger, peak_for, train_flops_per_token
 from xla_shard.models import check_sequence_length, model_config, resolve_source
 from xla_shard.preemption import PreemptionGuard
@@ -137,6 +137,7 @@ class Trainer:
         self.cfg = cfg
         self.backend = backend or backends.create(cfg)
         self.objective = objective_for(cfg, loss_fn)
+        self.adapter = adapter_for(cfg)
         self.on_step_end = list(on_step_end or [])
         self.on_evaluate = list(on_evaluate or [])
         self.records: list[dict[str, Any]] = []  # every logged and evaluation record, in order
@@ -177,8 +178,9 @@ class Trainer:
         self._log(f"data: {sources.description}; {self.total_steps} steps"
                   + (f" ({cfg.train.epochs:g} epoch(s))" if cfg.train.epochs else ""))
         model_class = type(model).__name__  # before wrapping (FSDP2 renames the class)
-        if cfg.model.lora is not None:
-            self._log(f"model.lora: {lora.describe(model, cfg.model.lora)}")
+        trained = self.adapter.describe(model)
+        if trained:
+            self._log(trained)
         inferred = inferred_layers(model, cfg.fsdp)
         if inferred:
             self._log(f"wrap: {inferred}")
@@ -189,7 +191,7 @@ class Trainer:
         self.peak_per_device, self.mfu_basis = self._mfu_basis()
         if cfg.checkpoint.dir:
             self.checkpointer = Checkpointer(cfg.checkpoint, backend.state, log=self._log,
-                                             trained_only=cfg.model.lora is not None)
+                                             trained_only=self.adapter.freezes_base)
             self.start_step = self.checkpointer.restore(self.model, self.optimizer)
             self.warmup_rule = self._resumed_warmup_rule()
             self.checkpointer.lr_warmup_rule = self.warmup_rule
@@ -208,16 +210,16 @@ class Trainer:
                       else f"random init from train.seed={cfg.train.seed}")
             self._log(f"model: {model_class}, " + origin
                       + ("" if source.directory is None else f" (model.init={cfg.model.init})"))
-        elif self.start_step and cfg.model.lora is not None:  # the checkpoint held what is trained, not the base
+        elif self.start_step and self.adapter.freezes_base:  # the checkpoint held what is trained, not the base
             self._check_base(weights)
             report = weights.load(backend, self.model, frozen_only=True)
-            self._log(f"model: resumed the LoRA adapters; the frozen weights read from {source.directory} "
+            self._log(f"model: resumed the trained parameters; the frozen weights read from {source.directory} "
                       f"({report.describe()})")
         elif self.start_step:
             weights.load_buffers(backend, self.model)  # checkpoints hold parameters; stored buffers come from here
             self._log(f"model: resumed, so the pretrained weights of {source.directory} were not read")
         else:
-            if cfg.model.lora is not None and backend.processes.is_main:  # the base the adapters will be trained on
+            if self.adapter.freezes_base and backend.processes.is_main:  # the base the adapters will be trained on
                 self.checkpointer.base = weights.identity()
             self._load_pretrained(weights, model_class)
         return self
@@ -239,8 +241,9 @@ class Trainer:
         return recorded
 
     def _check_base(self, weights: PretrainedWeights) -> None:
-        """A LoRA resume reads the frozen base from model.name again: it must be the base the checkpoint's
-        adapters were trained on (the same bytes, as far as `hf_dir.identity` tells), not merely its shapes."""
+        """A resume over a frozen base (LoRA) reads that base from model.name again: it must be the base the
+        checkpoint's adapters were trained on (the same bytes, as far as `hf_dir.identity` tells), not merely
+        its shapes."""
         recorded = self.checkpointer.restored_base
         if recorded is None:
             self._log(f"the step-{self.start_step} checkpoint records no identity of its base (written by an older "
@@ -250,7 +253,7 @@ class Trainer:
             return
         differs = hf_dir.identity_mismatch(recorded["files"], weights.storage, weights.manifest)
         if differs:
-            raise ConfigError("model.name", f"{differs}: the LoRA adapters of the step-{self.start_step} checkpoint "
+            raise ConfigError("model.name", f"{differs}: the adapters of the step-{self.start_step} checkpoint "
                                             f"were trained on another base ({recorded.get('directory')}); point "
                                             "model.name at that base, or start a new run in another checkpoint.dir")
         self.checkpointer.base = recorded
@@ -267,11 +270,11 @@ class Trainer:
 
     def _load_pretrained(self, weights: PretrainedWeights, model_class: str) -> None:
         report = weights.load(self.backend, self.model)
-        head = [name for name in report.fresh if not lora.is_adapter(name)]
+        head = [name for name in report.fresh if not self.adapter.is_added(name)]
         adapters = len(report.fresh) - len(head)
         self._log(f"model: {model_class}, pretrained weights from {weights.source.directory}"
                   + (f"; new head {', '.join(head)} initialised from train.seed" if head else "")
-                  + (f"; {adapters} LoRA matrices initialised from train.seed" if adapters else "")
+                  + (f"; {adapters} {self.adapter.added} initialised from train.seed" if adapters else "")
                   + (f"; {len(report.skipped)} stored tensor(s) not used ({', '.join(report.skipped[:4])}"
                      f"{', ...' if len(report.skipped) > 4 else ''})" if report.skipped else ""))
         # Every process reports its own reads: the point is that each reads only its part.

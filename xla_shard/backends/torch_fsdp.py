@@ -19,7 +19,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from xla_shard import launch, lora
+from xla_shard import launch
 from xla_shard.backends import fsdp2_devices
 from xla_shard.backends.base import Backend, Compiled, apply_activation_checkpointing, on_meta
 from xla_shard.backends.fsdp2_devices import DeviceProfile
@@ -28,6 +28,7 @@ from xla_shard.backends.state import BackendState, pack_bytes, unpack_bytes
 from xla_shard.capabilities import Capabilities
 from xla_shard.checkpoint.contract import Box, Chunk
 from xla_shard.config.schema import ShardingStrategy
+from xla_shard.methods import adapter_for
 from xla_shard.errors import ConfigError, one_line
 from xla_shard.wrap import checkpoint_targets, wrap_targets
 
@@ -157,7 +158,7 @@ class TorchFsdpBackend(Backend):
                                            functools.partial(checkpoint, use_reentrant=False))
         units = wrap_targets(model, fsdp)
         if len({p.dtype for p in model.parameters()}) > 1:  # fp32 adapters over a bf16 base (model.lora)
-            units = lora.trained_modules(model) + units
+            units = adapter_for(self.cfg).trained_modules(model) + units
         if self.cfg.train.compile:
             self._compile(units or [model])
         empty = on_meta(model)  # to be filled by a pretrained load: shard first, then allocate only the shards

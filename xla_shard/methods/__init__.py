@@ -1,13 +1,24 @@
-"""The room for fine-tuning methods: what a step computes and what evaluation reports (`Objective`).
+"""The room for fine-tuning methods: how the model is changed (`Adapter`: full fine-tuning, LoRA) and what a
+step computes and evaluation reports (`Objective`).
 
-The trainer, a loop of your own and evaluation ask `objective_for(cfg)` and the object it returns; nothing
-outside this package names a concrete method (tests/test_layout.py holds that). A method is a module here
-with its tests, and a line in `objective_for`.
+The trainer, the pretrained loader, the planner, the backends and a loop of your own ask `adapter_for(cfg)`
+and `objective_for(cfg)` and the objects they return; nothing outside this package names a concrete method
+(tests/test_layout.py holds that). A method is a module here with its tests, and a line in one of the two.
 """
 
 from __future__ import annotations
 
+from xla_shard.methods.adapter import Adapter
 from xla_shard.methods.objective import Objective
+
+
+def adapter_for(cfg) -> Adapter:
+    """The adapter `cfg` fine-tunes with: LoRA (`model.lora`), or none (every parameter trains)."""
+    if cfg.model.lora is not None:
+        from xla_shard.methods.lora import Lora
+
+        return Lora(cfg.model.lora)
+    return Adapter()
 
 
 def objective_for(cfg, loss_fn=None) -> Objective:
@@ -18,4 +29,4 @@ def objective_for(cfg, loss_fn=None) -> Objective:
     return ModelLoss(causal) if loss_fn is None else CustomLoss(loss_fn, causal)
 
 
-__all__ = ["Objective", "objective_for"]
+__all__ = ["Adapter", "Objective", "adapter_for", "objective_for"]

@@ -86,6 +86,7 @@ def workload(cfg, devices: int, capabilities: Capabilities) -> Workload:
     at every micro-batch; FSDP wrappers gather whole units and reduce once)."""
     import torch
 
+    from xla_shard.methods import adapter_for
     from xla_shard.metrics import train_flops_per_token
     from xla_shard.models import build_model
     from xla_shard.wrap import wrap_targets
@@ -98,12 +99,9 @@ def workload(cfg, devices: int, capabilities: Capabilities) -> Workload:
     units = len(wrap_targets(model, cfg.fsdp)) + 1
     flops = train_flops_per_token(model, cfg.train.seq_len)
     embedding = embedding_params(model) if capabilities.gathers_per_tensor else 0
-    trained, frozen_bytes = None, 4
-    if cfg.model.lora is not None:  # adapters counted on the meta device: nothing allocated
-        from xla_shard import lora
-
-        trained = lora.trained_parameters(model, cfg.model.lora, cfg.model.task)
-        frozen_bytes = 2 if cfg.model.lora.base_dtype == "bfloat16" else 4
+    adapter = adapter_for(cfg)
+    trained, frozen_bytes = adapter.trained_parameters(model, cfg.model.task), adapter.frozen_bytes
+    if trained is not None:  # counted on the meta device: nothing allocated
         flops -= 2 * max(0, params - trained)  # backward computes no weight gradient for the frozen base
     return Workload(params=params, units=units, trained_params=trained, frozen_bytes=frozen_bytes,
                     embedding_params=embedding,

@@ -1,4 +1,4 @@
-"""`model.lora`: LoRA adapters injected by peft into the model before it is sharded.
+"""`model.lora`: LoRA adapters injected by peft into the model before it is sharded (the `Lora` adapter).
 
 peft's own layers do the work (`inject_adapter_in_model`): each target linear layer keeps its weight as
 `<layer>.base_layer.weight`, frozen, beside trainable `<layer>.lora_A.default.weight` and `lora_B`. The model,
@@ -17,6 +17,7 @@ from torch import nn
 
 from xla_shard.config.schema import LoraSection
 from xla_shard.errors import ConfigError, one_line
+from xla_shard.methods.adapter import Adapter
 
 ADAPTER = "default"  # peft's adapter name; exports drop it, as peft's save_pretrained does
 # What peft puts into a wrapped module's parameter names: removed, they are the names the model directory uses.
@@ -182,3 +183,38 @@ def describe(model: nn.Module, section: LoraSection) -> str:
     targets = section.target_modules if isinstance(section.target_modules, str) else ", ".join(section.target_modules)
     return (f"rank {section.r} adapters on {targets}" + (f", {', '.join(whole)} trained whole" if whole else "")
             + f"; {trained:,} of {total:,} parameters trained ({100 * trained / total:.2f}%), the rest frozen")
+
+
+class Lora(Adapter):
+    """peft's LoRA over a frozen base (`model.lora`): what this module does, as the adapter the house asks."""
+
+    freezes_base = True
+    added = "LoRA matrices"
+
+    def __init__(self, section: LoraSection):
+        self.section = section
+
+    def inject(self, model: nn.Module, task: str, seed: int) -> dict[str, torch.Tensor]:
+        return inject(model, self.section, task, seed)[0]
+
+    def materialize(self, model: nn.Module, values: dict[str, torch.Tensor]) -> None:
+        materialize(model, values)
+
+    def stored_name(self, name: str) -> str:
+        return stored_name(name)
+
+    def is_added(self, name: str) -> bool:
+        return is_adapter(name)
+
+    def describe(self, model: nn.Module) -> str:
+        return f"model.lora: {describe(model, self.section)}"
+
+    def trained_modules(self, model: nn.Module) -> list[nn.Module]:
+        return trained_modules(model)
+
+    def trained_parameters(self, model: nn.Module, task: str) -> int:
+        return trained_parameters(model, self.section, task)
+
+    @property
+    def frozen_bytes(self) -> int:
+        return 2 if self.section.base_dtype == "bfloat16" else 4

@@ -1,0 +1,53 @@
+"""How a model is changed for fine-tuning before it is sharded: one `Adapter` object per method.
+
+The pretrained loader asks it for each parameter's stored name and the new parameters' initial values; the
+trainer for what to log and whether checkpoints hold only what trains; the planner for what trains; a backend
+for the modules it must shard apart. None of them names a method. The base class changes nothing: full
+fine-tuning.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Adapter:
+    """Full fine-tuning: every parameter trains, under the name the model directory stores it by."""
+
+    freezes_base = False  # frozen parameters exist: checkpoints leave them out, a resume reads them again
+    added = "adapter parameters"  # what the parameters it adds are called in the log
+
+    def inject(self, model: nn.Module, task: str, seed: int) -> dict[str, torch.Tensor]:
+        """Change `model` in place (on the meta device: nothing allocated); the initial values, by parameter
+        name, of the parameters it added (computed on the host from `seed`, the same on every process)."""
+        return {}
+
+    def materialize(self, model: nn.Module, values: dict[str, torch.Tensor]) -> None:
+        """Give a model built for real (random init, not on the meta device) the added parameters' values."""
+
+    def stored_name(self, name: str) -> str:
+        """A parameter's name as the model directory stores it."""
+        return name
+
+    def is_added(self, name: str) -> bool:
+        """A parameter the adapter added (initialised by it, not read from the model directory)."""
+        return False
+
+    def describe(self, model: nn.Module) -> str | None:
+        """What is trained, for the log (None: everything, nothing to say)."""
+        return None
+
+    def trained_modules(self, model: nn.Module) -> list[nn.Module]:
+        """Modules whose parameters train beside frozen ones, which FSDP2 must shard as units of their own (it
+        wants one dtype per unit)."""
+        return []
+
+    def trained_parameters(self, model: nn.Module, task: str) -> int | None:
+        """How many parameters train, counted by adapting `model` on the meta device (None: all of them)."""
+        return None
+
+    @property
+    def frozen_bytes(self) -> int:
+        """Bytes per element of the frozen parameters."""
+        return 4
