@@ -89,6 +89,36 @@ def test_renderings_match_their_golden_files(name):
         assert text == (folder / file).read_text(), f"{name}/{file} changed; XLA_SHARD_UPDATE_GOLDEN=1 to accept"
 
 
+def test_gpu_vms_start_with_fixed_ranks_each_node_its_own(tmp_path):
+    """Several GPU VMs meet at node 0 by torchrun's static rendezvous (xla-shard's launch), node r taking ranks
+    r*gpus..: each launch line names its VM's rank, and a VM restarted after a preemption reads the same rank
+    from its own name. Not c10d's join order, which numbered the nodes as they came."""
+    import shlex
+
+    from xla_shard.launch import Nodes
+
+    rendering = _render("gpu-2node")
+    shipped = tmp_path / "config.yaml"
+    shipped.write_text(rendering.files["config.yaml"])
+    names = [f"{config.load(GPU, []).deploy.name}-{i}" for i in range(2)]
+    launches = [c for c in rendering.commands if c[:3] == ["gcloud", "compute", "ssh"] and "train_loop.sh" in c[-1]]
+    assert [c[3].split("@")[1] for c in launches] == names
+    startup = rendering.files["startup.sh"]
+    restart = shlex.split(startup[startup.index("bash -c ") + len("bash -c "):].splitlines()[0])[0]
+    for rank, (name, command) in enumerate(zip(names, launches)):
+        args = command[-1].split("train_loop.sh ~/config.yaml ")[1].split(" >")[0]
+        on_restart = restart.split("train_loop.sh ~/config.yaml ")[1].split(" >")[0]
+        for words in (args, on_restart):  # as bash expands them on that VM
+            done = subprocess.run(["bash", "-c", f"HOSTNAME={name}; printf '%s\\n' {words}"], capture_output=True,
+                                  text=True)
+            assert done.stdout.split() == ["--set", f"launch.node_rank={rank}"], (words, done)
+        launch = config.load(str(shipped), [f"launch.node_rank={rank}"]).launch
+        torchrun = Nodes(launch.nnodes, launch.node_rank, launch.rdzv_endpoint, launch.rdzv_id).torchrun_args()
+        assert {"--nnodes=2", f"--node-rank={rank}", "--rdzv-backend=static",
+                f"--rdzv-endpoint={names[0]}:29500"} <= set(torchrun), torchrun
+        assert launch.nproc_per_node == 8  # an a3-highgpu-8g's GPUs
+
+
 def test_scripts_and_renderings_are_shellcheck_clean(tmp_path):
     scripts = sorted(str(p) for p in (REPO / "scripts").glob("*.sh"))
     for name in RENDERINGS:

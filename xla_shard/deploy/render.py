@@ -33,13 +33,16 @@ def _remote(remote_dir: str, *commands: str) -> str:
     return " && ".join([f"cd ~/{shlex.quote(remote_dir)}", *commands])
 
 
-def _launch(launch_env: dict[str, str], config_name: str, log: str) -> str:
+def _launch(launch_env: dict[str, str], config_name: str, log: str, args: str = "") -> str:
+    """`args`: more of `xla-shard train`'s arguments, shell words as they are (validated names only)."""
     env = " ".join(f"{key}={shlex.quote(value)}" for key, value in launch_env.items())
-    return f"{env} setsid nohup scripts/train_loop.sh ~/{shlex.quote(config_name)} {log} 2>&1 < /dev/null &"
+    return (f"{env}{' ' if env else ''}setsid nohup scripts/train_loop.sh ~/{shlex.quote(config_name)}"
+            f"{' ' if args else ''}{args} {log} 2>&1 < /dev/null &")
 
 
-def _startup(target: str, user: str, remote_dir: str, launch_env: dict[str, str], config_name: str) -> str:
-    command = _remote(remote_dir, _launch(launch_env, config_name, ">> ~/train.log"))
+def _startup(target: str, user: str, remote_dir: str, launch_env: dict[str, str], config_name: str,
+             args: str = "") -> str:
+    command = _remote(remote_dir, _launch(launch_env, config_name, ">> ~/train.log", args))
     return template("startup.sh.tmpl").substitute(
         target=target, user=shlex.quote(user), remote_dir=shlex.quote(remote_dir), command=shlex.quote(command))
 
@@ -137,20 +140,25 @@ def _render_gpu(cfg: ShardConfig, config_name: str) -> Rendering:
               *([f"--subnet={d.subnetwork}"] if d.subnetwork else []),
               *account, f"--metadata-from-file=startup-script={HERE}/startup.sh"]
     if d.gpu_nodes == 1:
-        torchrun = ["torchrun", "--standalone", f"--nproc-per-node={gpus}"]
-    else:
-        torchrun = ["torchrun", f"--nnodes={d.gpu_nodes}", f"--nproc-per-node={gpus}", "--rdzv-backend=c10d",
-                    f"--rdzv-endpoint={names[0]}:29500", f"--rdzv-id={d.name}"]
-    # train_loop.sh splits this on whitespace; every word is a validated name, so none holds a space.
-    launch_env = {"XLA_SHARD_LAUNCHER": " ".join([*torchrun, "-m", "xla_shard.cli", "train"])}
+        # train_loop.sh splits this on whitespace; every word is a validated name, so none holds a space.
+        launch_env = {"XLA_SHARD_LAUNCHER": f"torchrun --standalone --nproc-per-node={gpus} -m xla_shard.cli train"}
+    else:  # xla-shard's own launch: torchrun's static rendezvous, node r holding ranks r*gpus.. (not join order)
+        if cfg.launch.nnodes not in (1, d.gpu_nodes):
+            raise ConfigError("launch.nnodes", f"{cfg.launch.nnodes}, but deploy.gpu_nodes is {d.gpu_nodes}: one "
+                                               "node per VM; set them alike")
+        launch_env = {}
+        cfg = cfg.model_copy(update={"launch": cfg.launch.model_copy(update={
+            "nnodes": d.gpu_nodes, "nproc_per_node": gpus, "rdzv_endpoint": f"{names[0]}:{gke.RDZV_PORT}",
+            "rdzv_id": d.name})})
     copies, setups, launches = [], [], []
-    for name in names:
+    for rank, name in enumerate(names):
         node = f"{d.remote_user}@{name}"
         copies.append(["gcloud", "compute", "scp", f"{HERE}/xla_shard.tar.gz", f"{HERE}/{config_name}", f"{node}:~/",
                        *where])
         setups.append(["gcloud", "compute", "ssh", node, *where, f"--command={_setup(d.remote_dir, 'gpu')}"])
+        args = f"--set launch.node_rank={rank}" if d.gpu_nodes > 1 else ""
         launches.append(["gcloud", "compute", "ssh", node, *where,
-                         f"--command={_remote(d.remote_dir, _launch(launch_env, config_name, '> ~/train.log'))}"])
+                         f"--command={_remote(d.remote_dir, _launch(launch_env, config_name, '> ~/train.log', args))}"])
     follow = ["gcloud", "compute", "ssh", f"{d.remote_user}@{names[0]}", *where, "--command=tail -F ~/train.log"]
     delete = ["gcloud", "compute", "instances", "delete", *names, *where, "--quiet"]
     rendering = Rendering("gpu-vm", [create, *copies, *setups, *launches, follow, delete])
@@ -160,7 +168,9 @@ def _render_gpu(cfg: ShardConfig, config_name: str) -> Rendering:
         setup="\n".join(map(shell_line, setups)), launch="\n".join(map(shell_line, launches)),
         **messages(d.name, follow))
     rendering.files["teardown.sh"] = template("teardown.sh.tmpl").substitute(common=common, delete=shell_line(delete))
-    rendering.files["startup.sh"] = _startup("gpu-vm", d.remote_user, d.remote_dir, launch_env, config_name)
+    # A VM restarted after a preemption finds its rank in its own name (NAME-RANK), as it was launched.
+    rank = '--set launch.node_rank="${HOSTNAME##*-}"' if d.gpu_nodes > 1 else ""
+    rendering.files["startup.sh"] = _startup("gpu-vm", d.remote_user, d.remote_dir, launch_env, config_name, rank)
     rendering.files[config_name] = dump(cfg)
     return rendering
 

@@ -6,5 +6,5 @@ set -euo pipefail
 user=xlashard
 user_home="$(getent passwd "$user" | cut -d: -f6 || true)"
 if [[ -n "$user_home" && -x "$user_home"/xla_shard/scripts/train_loop.sh ]]; then
-  sudo -u "$user" -H bash -c 'cd ~/xla_shard && XLA_SHARD_LAUNCHER='"'"'torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=xla-shard-a3-0:29500 --rdzv-id=xla-shard-a3 -m xla_shard.cli train'"'"' setsid nohup scripts/train_loop.sh ~/config.yaml >> ~/train.log 2>&1 < /dev/null &'
+  sudo -u "$user" -H bash -c 'cd ~/xla_shard && setsid nohup scripts/train_loop.sh ~/config.yaml --set launch.node_rank="${HOSTNAME##*-}" >> ~/train.log 2>&1 < /dev/null &'
 fi
