@@ -140,6 +140,7 @@ def test_dry_run_prints_and_runs_nothing(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "+ /nonexistent/gcloud compute tpus queued-resources create" in done.stderr
     assert not (out / "xla_shard.tar.gz").exists()
+    assert "nothing was created or started" in done.stderr and "training started" not in done.stderr
 
 
 @pytest.mark.parametrize("sets, key, value", [

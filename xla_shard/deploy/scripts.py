@@ -44,7 +44,9 @@ def shell_line(argv: list[str], tool: str = "GCLOUD") -> str:
 def messages(name: str, follow: list[str]) -> dict[str, str]:
     """The lines deploy.sh prints at the end, as single shell words."""
     return dict(name=shlex.quote(name), started=shlex.quote(f"training started on {name}; follow the log with:"),
-                follow=shlex.quote(f"  {shlex.join(follow)}"))
+                follow=shlex.quote(f"  {shlex.join(follow)}"),
+                dry=shlex.quote(f"DRY_RUN=1: the commands above were printed, not run; nothing was created or "
+                                f"started for {name}"))
 
 
 # What the example configs in scripts/configs/ hold where a user's own project and bucket go.

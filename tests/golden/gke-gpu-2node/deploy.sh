@@ -31,5 +31,9 @@ KUBECTL="${KUBECTL:-kubectl}"
 # jobset.yaml too, as a ConfigMap.
 run "$GCLOUD" container clusters get-credentials gpu-cluster --zone=us-central1-a --project=my-project
 run "$KUBECTL" apply --filename="$HERE"/jobset.yaml
-echo 'training started on xla-shard-a3; follow the log with:' >&2
-echo '  kubectl logs --follow --namespace=default --max-log-requests=64 --selector=jobset.sigs.k8s.io/jobset-name=xla-shard-a3' >&2
+if [[ "$DRY_RUN" == 1 ]]; then
+  echo 'DRY_RUN=1: the commands above were printed, not run; nothing was created or started for xla-shard-a3' >&2
+else
+  echo 'training started on xla-shard-a3; follow the log with:' >&2
+  echo '  kubectl logs --follow --namespace=default --max-log-requests=64 --selector=jobset.sigs.k8s.io/jobset-name=xla-shard-a3' >&2
+fi

@@ -39,5 +39,9 @@ run "$GCLOUD" compute instances create xla-shard-a3 --zone=us-central1-a --proje
 run "$GCLOUD" compute scp "$HERE"/xla_shard.tar.gz "$HERE"/config.yaml 'xlashard@xla-shard-a3:~/' --zone=us-central1-a --project=my-project
 run "$GCLOUD" compute ssh xlashard@xla-shard-a3 --zone=us-central1-a --project=my-project '--command=mkdir -p ~/xla_shard && tar xzf ~/xla_shard.tar.gz -C ~/xla_shard && bash ~/xla_shard/scripts/setup_worker.sh gpu'
 run "$GCLOUD" compute ssh xlashard@xla-shard-a3 --zone=us-central1-a --project=my-project '--command=cd ~/xla_shard && XLA_SHARD_LAUNCHER='"'"'torchrun --standalone --nproc-per-node=8 -m xla_shard.cli train'"'"' setsid nohup scripts/train_loop.sh ~/config.yaml > ~/train.log 2>&1 < /dev/null &'
-echo 'training started on xla-shard-a3; follow the log with:' >&2
-echo '  gcloud compute ssh xlashard@xla-shard-a3 --zone=us-central1-a --project=my-project '"'"'--command=tail -F ~/train.log'"'"'' >&2
+if [[ "$DRY_RUN" == 1 ]]; then
+  echo 'DRY_RUN=1: the commands above were printed, not run; nothing was created or started for xla-shard-a3' >&2
+else
+  echo 'training started on xla-shard-a3; follow the log with:' >&2
+  echo '  gcloud compute ssh xlashard@xla-shard-a3 --zone=us-central1-a --project=my-project '"'"'--command=tail -F ~/train.log'"'"'' >&2
+fi

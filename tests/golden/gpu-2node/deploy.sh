@@ -42,5 +42,9 @@ run "$GCLOUD" compute ssh xlashard@xla-shard-a3-0 --zone=us-central1-a --project
 run "$GCLOUD" compute ssh xlashard@xla-shard-a3-1 --zone=us-central1-a --project=my-project '--command=mkdir -p ~/xla_shard && tar xzf ~/xla_shard.tar.gz -C ~/xla_shard && bash ~/xla_shard/scripts/setup_worker.sh gpu'
 run "$GCLOUD" compute ssh xlashard@xla-shard-a3-0 --zone=us-central1-a --project=my-project '--command=cd ~/xla_shard && setsid nohup scripts/train_loop.sh ~/config.yaml --set launch.node_rank=0 > ~/train.log 2>&1 < /dev/null &'
 run "$GCLOUD" compute ssh xlashard@xla-shard-a3-1 --zone=us-central1-a --project=my-project '--command=cd ~/xla_shard && setsid nohup scripts/train_loop.sh ~/config.yaml --set launch.node_rank=1 > ~/train.log 2>&1 < /dev/null &'
-echo 'training started on xla-shard-a3; follow the log with:' >&2
-echo '  gcloud compute ssh xlashard@xla-shard-a3-0 --zone=us-central1-a --project=my-project '"'"'--command=tail -F ~/train.log'"'"'' >&2
+if [[ "$DRY_RUN" == 1 ]]; then
+  echo 'DRY_RUN=1: the commands above were printed, not run; nothing was created or started for xla-shard-a3' >&2
+else
+  echo 'training started on xla-shard-a3; follow the log with:' >&2
+  echo '  gcloud compute ssh xlashard@xla-shard-a3-0 --zone=us-central1-a --project=my-project '"'"'--command=tail -F ~/train.log'"'"'' >&2
+fi

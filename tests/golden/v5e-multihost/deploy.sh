@@ -39,5 +39,9 @@ run "$GCLOUD" compute tpus tpu-vm create xla-shard-v4 --zone=us-west4-a --projec
 run "$GCLOUD" compute tpus tpu-vm scp "$HERE"/xla_shard.tar.gz "$HERE"/config.yaml 'xlashard@xla-shard-v4:~/' --zone=us-west4-a --project=my-project --worker=all
 run "$GCLOUD" compute tpus tpu-vm ssh xlashard@xla-shard-v4 --zone=us-west4-a --project=my-project --worker=all '--command=mkdir -p ~/xla_shard && tar xzf ~/xla_shard.tar.gz -C ~/xla_shard && bash ~/xla_shard/scripts/setup_worker.sh tpu'
 run "$GCLOUD" compute tpus tpu-vm ssh xlashard@xla-shard-v4 --zone=us-west4-a --project=my-project --worker=all '--command=cd ~/xla_shard && PJRT_DEVICE=TPU setsid nohup scripts/train_loop.sh ~/config.yaml > ~/train.log 2>&1 < /dev/null &'
-echo 'training started on xla-shard-v4; follow the log with:' >&2
-echo '  gcloud compute tpus tpu-vm ssh xlashard@xla-shard-v4 --zone=us-west4-a --project=my-project --worker=0 '"'"'--command=tail -F ~/train.log'"'"'' >&2
+if [[ "$DRY_RUN" == 1 ]]; then
+  echo 'DRY_RUN=1: the commands above were printed, not run; nothing was created or started for xla-shard-v4' >&2
+else
+  echo 'training started on xla-shard-v4; follow the log with:' >&2
+  echo '  gcloud compute tpus tpu-vm ssh xlashard@xla-shard-v4 --zone=us-west4-a --project=my-project --worker=0 '"'"'--command=tail -F ~/train.log'"'"'' >&2
+fi
