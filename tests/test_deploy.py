@@ -30,7 +30,8 @@ RENDERINGS = {
     "gpu-2node": (GPU, "gpu-vm", []),
     # GKE (tests/test_gke.py validates the manifests and xpk commands): several slices, and GPU node pools.
     "gke-v5p-2slices": (TPU, "gke", ["deploy.cluster=train-cluster", "deploy.image=us-docker.pkg.dev/p1/xla-shard:1",
-                                     "deploy.accelerator_type=v5p-32", "deploy.num_slices=2"]),
+                                     "deploy.accelerator_type=v5p-32", "deploy.num_slices=2",
+                                     "deploy.zone=us-east5-a"]),
     "gke-gpu-2node": (GPU, "gke", ["deploy.cluster=gpu-cluster", "deploy.image=us-docker.pkg.dev/p1/xla-shard:1"]),
 }
 OWN = ["deploy.project=acme-train-1", "checkpoint.dir=gs://acme-ckpts/run"]  # a user's own, not the placeholders

@@ -27,10 +27,12 @@ OWN = ["deploy.project=acme-train-1", "checkpoint.dir=gs://acme-ckpts/run", "dep
        "deploy.image=us-docker.pkg.dev/acme-train-1/train/xla-shard:1.0"]
 # name -> (config, sets): single- and multi-host slices of every generation GKE runs, several slices, GPUs.
 GKE = {
-    "gke-v6e-single": (TPU, ["deploy.accelerator_type=v6e-4", "deploy.provisioning=on-demand"]),
-    "gke-v5p-multislice": (TPU, ["deploy.accelerator_type=v5p-32", "deploy.num_slices=2"]),
-    "gke-v5e-multihost": (TPU, ["deploy.accelerator_type=v5litepod-16"]),
-    "gke-v6e-multihost": (TPU, ["deploy.accelerator_type=v6e-16", "deploy.namespace=research"]),
+    "gke-v6e-single": (TPU, ["deploy.accelerator_type=v6e-4", "deploy.provisioning=on-demand",
+                             "deploy.zone=us-east5-b"]),
+    "gke-v5p-multislice": (TPU, ["deploy.accelerator_type=v5p-32", "deploy.num_slices=2", "deploy.zone=us-east5-a"]),
+    "gke-v5e-multihost": (TPU, ["deploy.accelerator_type=v5litepod-16", "deploy.zone=us-west4-a"]),
+    "gke-v6e-multihost": (TPU, ["deploy.accelerator_type=v6e-16", "deploy.namespace=research",
+                                "deploy.zone=us-east5-b"]),
     "gke-tpu7x": (TPU, ["deploy.accelerator_type=tpu7x-16"]),
     "gke-gpu-2node": (GPU, []),
 }
@@ -219,6 +221,7 @@ def test_what_each_pod_runs_is_a_valid_run_of_the_rendered_config(tmp_path):
     (["deploy.accelerator_type=v5p-24"], "deploy.accelerator_type", "topology"),
     (["deploy.name=a-workload-name-longer-than-forty-characters"], "deploy.name", "40"),
     (["backend=xla_fsdp", "deploy.num_slices=2"], "deploy.num_slices", "xla_spmd"),
+    (["deploy.zone=us-central2-b"], "deploy.zone", "no v5p TPUs"),  # the default zone: v4 only
 ])
 def test_bad_gke_configs_name_the_key(sets, key, words):
     with pytest.raises(ConfigError) as raised:

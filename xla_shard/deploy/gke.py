@@ -117,6 +117,7 @@ _ManifestDumper.add_representer(str, lambda dumper, text: dumper.represent_scala
 def _tpu(cfg: ShardConfig, config_name: str) -> tuple[list[dict], list[str] | None]:
     d = cfg.deploy
     tpu_slice = tpu.parse_gke(d.accelerator_type)
+    tpu.check_zone(tpu_slice.generation, d.zone, d.allow_unlisted_zone)  # the cluster's zone holds its node pools
     hosts = tpu_slice.hosts * d.num_slices
     check_common(cfg, hosts)
     capabilities = check_backend(cfg, "tpu", hosts)

@@ -85,11 +85,17 @@ def parse(accelerator_type: str, zone: str, allow_unlisted_zone: bool = False) -
     # Single-host slices: up to one host's chips (v5e/v6e single hosts go up to 8 chips).
     single_host = 8 if not generation.size_counts_cores else generation.chips_per_host
     hosts = 1 if chips <= single_host else chips // generation.chips_per_host
-    if zone not in generation.zones and not allow_unlisted_zone:
+    check_zone(generation, zone, allow_unlisted_zone)
+    return Slice(accelerator_type, generation, chips, hosts)
+
+
+def check_zone(generation: Generation, zone: str, allow_unlisted_zone: bool = False) -> None:
+    """A zone that has the generation's TPUs, by the table (a generation listing none, TPU7x on GKE, is the
+    cluster's to place)."""
+    if generation.zones and zone not in generation.zones and not allow_unlisted_zone:
         raise ConfigError("deploy.zone", f"{zone!r} has no {generation.prefix} TPUs in xla_shard's table "
                                          f"(zones: {', '.join(generation.zones)}); set "
                                          "deploy.allow_unlisted_zone=true if the table is out of date")
-    return Slice(accelerator_type, generation, chips, hosts)
 
 
 def parse_gke(accelerator_type: str) -> GkeSlice:

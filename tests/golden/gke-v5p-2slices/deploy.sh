@@ -29,7 +29,7 @@ KUBECTL="${KUBECTL:-kubectl}"
 
 # The image jobset.yaml names (deploy.image) must hold xla_shard and its runtime; the config travels in
 # jobset.yaml too, as a ConfigMap.
-run "$GCLOUD" container clusters get-credentials train-cluster --zone=us-central2-b --project=my-project
+run "$GCLOUD" container clusters get-credentials train-cluster --zone=us-east5-a --project=my-project
 run "$KUBECTL" apply --filename="$HERE"/jobset.yaml
 if [[ "$DRY_RUN" == 1 ]]; then
   echo 'DRY_RUN=1: the commands above were printed, not run; nothing was created or started for xla-shard-v4' >&2
