@@ -185,6 +185,25 @@ def test_a_claim_of_4_tb_is_checked_against_the_bytes_stored_before_anything_is_
     assert "the manifest says" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("edit, words", [
+    # a layer count transformers would spend minutes building, even on the meta device
+    (lambda m: m["hf_config"].update(num_hidden_layers=10**8),
+     ["hf_config.num_hidden_layers is 100000000", "its tensors hold 1 layer(s)"]),
+    # the same count reached through a tensor's name
+    (lambda m: m["tensors"].update({"model/model.layers.99999999.mlp.up_proj.weight":
+                                    m["tensors"].pop("model/model.layers.0.mlp.up_proj.weight")}),
+     ["tensor names reach index 99999999", "beyond the 4096 layers"]),
+])
+def test_a_layer_count_is_not_the_manifests_to_choose(tmp_path, capsys, checkpoint, edit, words):
+    """The export builds the model the manifest's hf_config describes: a count there or in a name would
+    otherwise decide how long that takes. A config claiming layers the checkpoint lacks would also load
+    with those layers freshly initialised."""
+    step, _ = checkpoint
+    edit_manifest(step, edit)
+    refused(capsys, ["ckpt", "export", str(step), "--to", str(tmp_path / "out")], str(step), *words)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_manifest_nested_without_end_is_refused(capsys, checkpoint):
     step, _ = checkpoint
     (step / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)

@@ -100,10 +100,12 @@ def export(url: str, to: str, max_shard_bytes: int = 2 * 10**9, overwrite: bool 
             merged = peft_adapter.Merge(_base_directory(manifest, run_model), reader, manifest, names, adapter)
             reader, source, names, sizes, transform = (merged.reader, merged.manifest, merged.names, merged.sizes,
                                                        merged.transform)
+            meta_model.check_whole(manifest.url, hf, names)
             pieces = per_expert.whole(names, _shapes(source, names), lambda name: name[len("model/"):])
             config, single = ("config.json", json.dumps(hf, indent=2).encode()), WEIGHTS
         else:
             code = "transformers (how save_pretrained names the tensors)"
+            meta_model.check_whole(manifest.url, hf, names)
             pieces, layout_note = _layout(manifest, names, hf, fused_experts)
             config, single = ("config.json", json.dumps(hf, indent=2).encode()), WEIGHTS
     with peak_growth() as growth, destination as out, _source_kept(storage, manifest, to):
@@ -268,7 +270,7 @@ def _layout(manifest, names: list[str], hf: dict, fused_experts: bool) -> tuple[
     if fused_experts:
         return held, None
     try:
-        split = per_expert.pieces(meta_model.build(hf), names, shapes)
+        split = per_expert.pieces(meta_model.build(manifest.url, hf, names), names, shapes)
     except CheckpointError as exc:  # not split, or a config transformers does not build (a manifest is untrusted)
         return held, f"tensors written as the model holds them, not as save_pretrained would: {exc}"
     if split is None:

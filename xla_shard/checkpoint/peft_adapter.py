@@ -119,7 +119,7 @@ class Merge:
         if absent:
             raise CheckpointError(f"{base.url} has no tensor {absent[0][len('model/'):]!r} to merge the adapter "
                                   "into (it stores the model under other names)")
-        self.transposed = _conv1d_layers(manifest.data["hf_config"], list(self.adapters))
+        self.transposed = _conv1d_layers(manifest, list(self.adapters))
 
     def _read(self, name: str) -> torch.Tensor:
         shape = tuple(self.checkpoint_manifest.tensors[name]["shape"])
@@ -141,10 +141,10 @@ class Merge:
         return (tensor.float() + delta).to(tensor.dtype)
 
 
-def _conv1d_layers(hf_config: dict[str, Any], weights: list[str]) -> set[str]:
+def _conv1d_layers(manifest, weights: list[str]) -> set[str]:
     """The adapted weights that belong to transformers' Conv1D layers (stored transposed), found on a model
     built from the checkpoint's config on the meta device."""
     from transformers.pytorch_utils import Conv1D
 
-    modules = dict(meta_model.build(hf_config).named_modules())
+    modules = dict(meta_model.build(manifest.url, manifest.data["hf_config"], weights).named_modules())
     return {w for w in weights if isinstance(modules.get(w[len("model/"):-len(".weight")]), Conv1D)}

@@ -34,17 +34,19 @@ class Objective:
         training the whole batch gets, on every backend alike. Else the plain mean: 1/k each. A process per
         device has a loss over its own rows, and its gradients are averaged over the `world` of them; SPMD
         (world 1) has one loss over the rows of every host. `uneven=False` (rows that cannot differ) skips the
-        count, a collective with a host sync on torchrun."""
+        count, a collective with a host sync on torchrun. Equal shares are exactly `1.0 / k`: the step tests
+        for that value to take the plain mean."""
         k = len(micro_batches)
-        masks = [self.counted(rows) for rows in micro_batches] if uneven else [None]
-        if any(mask is None for mask in masks):
-            return [1.0 / k] * k
+        plain = [1.0 / k] * k
+        masks = [self.counted(rows) for rows in micro_batches] if uneven else []
+        if not masks or any(mask is None for mask in masks):
+            return plain
         counts = [int(mask.sum()) for mask in masks]
         totals = processes.total(counts)
         tokens = sum(totals)
         counted = totals if world == 1 else counts
         if tokens == 0 or all(count * world * k == tokens for count in counted):
-            return [1.0 / k] * k
+            return plain
         return [count * world / tokens for count in counted]
 
     def eval_batch(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
