@@ -169,7 +169,9 @@ class Trainer:
                                            empty=backend.placeholders)
         check_sequence_length(model.config, cfg.train.seq_len)
         check_output_dir(cfg.output_dir)
-        self.flops_per_token = train_flops_per_token(model, cfg.train.seq_len)
+        # A forward without backward is a third of a training step's FLOPs.
+        self.flops_per_token = (train_flops_per_token(model, cfg.train.seq_len)
+                                * (1 + self.objective.forwards_without_grad / 3))
         with backend.processes.main_first():
             sources = datalib.build(cfg, model.config, source.directory)
         self.source, self.eval_source = sources.train, sources.eval
@@ -453,7 +455,8 @@ class Trainer:
             return None
         mean_loss = backend.mean_loss(loss)  # waits for the device: the lap ends after the steps ran
         lap = self.clock.lap(done)
-        tokens_per_s = cfg.train.global_batch_size * cfg.train.seq_len / lap.step_time_s
+        tokens = cfg.train.global_batch_size * cfg.train.seq_len * self.objective.sequences_per_row
+        tokens_per_s = tokens / lap.step_time_s
         record = {"step": done, "loss": mean_loss, "step_time_s": lap.step_time_s, "tokens_per_s": tokens_per_s}
         if lap.compile_time_s:
             record["compile_time_s"] = lap.compile_time_s

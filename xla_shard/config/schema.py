@@ -316,13 +316,17 @@ class DataSection(_Section):
     tokenizer: str | None = None
     # causal_lm: what a row is. text: plain text in `text_field`; chat: a list of {role, content} messages in
     # `messages_field`, rendered with the tokenizer's chat template; prompt_completion: a prompt and its answer in
-    # `prompt_field` and `completion_field` (strings, or lists of messages).
-    kind: Literal["text", "chat", "prompt_completion"] = "text"
+    # `prompt_field` and `completion_field` (strings, or lists of messages); preference: a prompt and two answers
+    # to it, `chosen_field` preferred over `rejected_field` (strings, or lists of messages), trained with DPO (the
+    # `dpo` section).
+    kind: Literal["text", "chat", "prompt_completion", "preference"] = "text"
     # causal_lm: the column holding the text (txt files: each line is a row of `text`).
     text_field: str = "text"
     messages_field: str = "messages"
     prompt_field: str = "prompt"
     completion_field: str = "completion"
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
     # chat and prompt_completion: the loss covers the assistant turns / the completion only (null: true for them).
     completion_only_loss: bool | None = None
     # sequence_classification: one text column, or a pair such as [premise, hypothesis]; and the label column
@@ -330,6 +334,7 @@ class DataSection(_Section):
     text_fields: list[str] = Field(default_factory=lambda: ["text"], min_length=1, max_length=2)
     label_field: str = "label"
     # causal_lm: join documents with EOS and cut seq_len blocks (true), or pad each document to seq_len (false).
+    # Preference rows are always padded: the chosen and rejected sequences of a row stand side by side.
     packing: bool = True
     # Evaluation rows: another file (same format rules), or a seeded fraction held out of the training rows.
     eval_path: str | None = None
@@ -357,9 +362,31 @@ class DataSection(_Section):
         if self.kind != "text" and self.format == "txt":
             raise ValueError(f"data.format txt holds one line of text per row; data.kind {self.kind} needs named "
                              "columns (jsonl, json, parquet or csv)")
+        if self.kind == "preference" and self.completion_only_loss is not None:
+            raise ValueError("data.completion_only_loss applies to chat and prompt_completion; DPO's log-probabilities "
+                             "are always the completions' (drop the key)")
         if self.streaming and self.eval_fraction:
             raise ValueError("data.streaming reads the rows once, in order: hold evaluation rows out in a file "
                              "(data.eval_path), not data.eval_fraction")
+        return self
+
+
+class DpoSection(_Section):
+    """Direct preference optimisation (data.kind preference), with TRL's DPOTrainer's keys and defaults: the loss
+    pushes the policy's log-probability ratio of chosen over rejected completions above the reference model's."""
+
+    # How far the policy may move from the reference: the rewards are beta x (log-ratio to the reference).
+    beta: float = Field(default=0.1, gt=0)
+    # sigmoid: -log sigmoid(beta x margin), DPO's own; robust: Robust DPO, for labels flipped with probability
+    # `label_smoothing`.
+    loss_type: Literal["sigmoid", "robust"] = "sigmoid"
+    label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)
+
+    @model_validator(mode="after")
+    def _smoothing_is_robusts(self) -> DpoSection:
+        if self.label_smoothing and self.loss_type != "robust":
+            raise ValueError("dpo.label_smoothing is Robust DPO's flip probability; TRL's sigmoid loss does not use "
+                             "it: set dpo.loss_type: robust, or drop it")
         return self
 
 
@@ -525,6 +552,7 @@ class ShardConfig(_Section):
     mesh: MeshSection = Field(default_factory=MeshSection)
     train: TrainSection = Field(default_factory=TrainSection)
     data: DataSection = Field(default_factory=DataSection)
+    dpo: DpoSection = Field(default_factory=DpoSection)
     launch: LaunchSection = Field(default_factory=LaunchSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     deploy: DeploySection = Field(default_factory=DeploySection)
@@ -550,6 +578,12 @@ class ShardConfig(_Section):
     def _eval_needs_data(self) -> ShardConfig:
         if self.data.path == "synthetic" and self.train.eval_every is not None:
             raise ValueError("train.eval_every is set but data.path is synthetic: nothing to evaluate on")
+        if self.data.kind == "preference" and self.model.lora is None:
+            raise ValueError("data.kind preference trains LoRA adapters (set model.lora): the DPO reference is the "
+                             "model with its adapters switched off; a reference model of its own is not built yet")
+        changed = [key for key, value in self.dpo if value != DpoSection.model_fields[key].default]
+        if self.data.kind != "preference" and changed:
+            raise ValueError(f"dpo.{changed[0]} applies to data.kind preference; data.kind is {self.data.kind}")
         if self.data.kind != "text" and self.model.task != "causal_lm":
             raise ValueError(f"data.kind {self.data.kind} trains a causal LM on answers; model.task is "
                              f"{self.model.task} (its rows are data.text_fields and data.label_field)")

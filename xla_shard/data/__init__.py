@@ -69,12 +69,16 @@ def build(cfg, model_config, model_directory: str | None = None) -> DataSources:
         raise ConfigError("data.path", f"{data.path} gives {rows} training rows of {train.seq_len} tokens, fewer "
                                        f"than one batch of train.global_batch_size={train.global_batch_size}")
     what = "rows"
-    if task == "causal_lm" and data.packing:
+    if data.kind == "preference":
+        what = "preference rows (prompt + chosen, prompt + rejected), padded"
+    elif task == "causal_lm" and data.packing:
         what = "blocks of packed tokens" if data.kind == "text" else f"rows of packed {data.kind} examples"
     elif data.kind != "text":
         what = f"{data.kind} examples, padded"
-    scope = {"text": "", "chat": "; loss on the assistant turns", "prompt_completion": "; loss on the completions"}
-    uneven = task == "causal_lm" and (data.kind != "text" or not data.packing)
+    scope = {"text": "", "chat": "; loss on the assistant turns", "prompt_completion": "; loss on the completions",
+             "preference": f"; DPO ({cfg.dpo.loss_type}, beta {cfg.dpo.beta:g}) on the completions' log-probabilities"}
+    # A DPO loss is a mean over rows, every one of which counts: no tokens to weigh.
+    uneven = task == "causal_lm" and data.kind != "preference" and (data.kind != "text" or not data.packing)
     return DataSources(DatasetSource(train_rows, train.global_batch_size, train.seed), evaluation,
                        f"{data.path}: {rows} training {what} of {train.seq_len} tokens"
                        + (f", {len(eval_rows)} for evaluation" if eval_rows is not None else "")
@@ -133,6 +137,10 @@ def _tokenized(cfg, tokenizer, model_config, task):
 
     def encode(rows, path):
         nonlocal dropped
+        if data.kind == "preference":
+            rows, cut = _preference_rows(cfg, tokenizer, rows, path)
+            dropped += cut
+            return rows
         if data.kind != "text":
             rows, cut = _sft_rows(cfg, tokenizer, model_config, rows, path)
             dropped += cut
@@ -160,6 +168,15 @@ def _sft_rows(cfg, tokenizer, model_config, rows, path):
         sft.require_position_ids(model_config)
         return sft.packed(examples, seq_len, pad, workers), dropped
     return sft.padded(examples, seq_len, pad, workers), dropped
+
+
+def _preference_rows(cfg, tokenizer, rows, path):
+    """Prompt / chosen / rejected rows, tokenized as TRL's DPOTrainer does, both sequences of a row padded."""
+    from xla_shard.data import preference, sft, tokenize
+
+    workers = tokenize.worker_count(len(rows), cfg.data.num_proc)
+    return preference.examples(rows, tokenizer, preference.fields_of(cfg.data), cfg.train.seq_len,
+                               sft.pad_id(tokenizer), workers, path)
 
 
 def load_tokenizer(location: str | None, model_config, explicit: bool, model_name: str):

@@ -27,7 +27,7 @@ from xla_shard.data.tokenize import IGNORE, require_columns
 from xla_shard.errors import ConfigError, one_line
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_CHARS_PER_TOKEN = 256  # a rendering's bound, per token of seq_len (see _Renderer)
+MAX_CHARS_PER_TOKEN = 256  # a rendering's bound, per token of seq_len (see Renderer)
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def require_position_ids(model_config) -> None:
                                           "row)")
 
 
-class _Renderer:
+class Renderer:
     """Renders rows with the tokenizer's chat template, each rendering bounded (`chat_template.budget`) to
     MAX_CHARS_PER_TOKEN characters per token of `seq_len`: far more than a row can keep. Past that, a rendering
     whose labels are every token is cut there (tokens past `seq_len` are dropped anyway); any other is refused,
@@ -156,7 +156,7 @@ class _Renderer:
                                            f"{type(exc).__name__}: {one_line(exc)[:300]}") from None
 
 
-class _ChatEncoder(_Renderer):
+class _ChatEncoder(Renderer):
     def __init__(self, tokenizer, fields: SftFields, path: str, seq_len: int):
         if not tokenizer.chat_template:
             raise ConfigError("data.kind", f"chat renders {fields.messages!r} with the tokenizer's chat template, and "
@@ -208,7 +208,7 @@ class _ChatEncoder(_Renderer):
         return mask
 
 
-class _PromptCompletionEncoder(_Renderer):
+class _PromptCompletionEncoder(Renderer):
     def __call__(self, row, index: int) -> tuple[list[int], list[int]]:
         prompt, completion = row[self.fields.prompt], row[self.fields.completion]
         if isinstance(prompt, str) and isinstance(completion, str):
@@ -235,8 +235,8 @@ class _PromptCompletionEncoder(_Renderer):
         else:
             raise ConfigError("data.prompt_field", f"{self.path}: row {index}: {self.fields.prompt!r} and "
                                                    f"{self.fields.completion!r} must both be text or both be lists of "
-                                                   f"messages, not {_kind(prompt)} and {_kind(completion)}")
-        start = _common_prefix(prompt_ids, ids)  # where the completion's tokens start (TRL's rule)
+                                                   f"messages, not {kind_of(prompt)} and {kind_of(completion)}")
+        start = common_prefix(prompt_ids, ids)  # where the completion's tokens start (TRL's rule)
         if not self.fields.completion_only:
             return ids, list(ids)
         return ids, [IGNORE] * start + ids[start:]
@@ -246,7 +246,7 @@ def check_messages(messages, key: str, field: str, path: str, index: int) -> lis
     """The row's messages as {role, content} dicts, or one line naming the key, the row and what is wrong."""
     where = f"{path}: row {index}"
     if not isinstance(messages, list) or not messages:
-        raise ConfigError(key, f"{where}: {field!r} is {_kind(messages)}, not a list of messages")
+        raise ConfigError(key, f"{where}: {field!r} is {kind_of(messages)}, not a list of messages")
     for turn, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ConfigError(key, f"{where}: message {turn} of {field!r} has no role")
@@ -259,7 +259,7 @@ def check_messages(messages, key: str, field: str, path: str, index: int) -> lis
     return [{k: v for k, v in message.items() if v is not None} for message in messages]
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -268,5 +268,5 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _kind(value) -> str:
+def kind_of(value) -> str:
     return "missing" if value is None else type(value).__name__

@@ -1,5 +1,5 @@
 """The room for fine-tuning methods: how the model is changed (`Adapter`: full fine-tuning, LoRA) and what a
-step computes and evaluation reports (`Objective`).
+step computes and evaluation reports (`Objective`: the model's own loss, one of yours, DPO).
 
 The trainer, the pretrained loader, the planner, the backends and a loop of your own ask `adapter_for(cfg)`
 and `objective_for(cfg)` and the objects they return; nothing outside this package names a concrete method
@@ -25,6 +25,10 @@ def objective_for(cfg, loss_fn=None) -> Objective:
     """The objective `cfg` trains (with `loss_fn(model, batch)`, a loss of your own in its place)."""
     from xla_shard.methods.objective import CustomLoss, ModelLoss
 
+    if cfg.data.kind == "preference" and loss_fn is None:
+        from xla_shard.methods.dpo import Dpo
+
+        return Dpo(cfg.dpo, adapter_for(cfg))
     causal = cfg.model.task == "causal_lm"
     return ModelLoss(causal) if loss_fn is None else CustomLoss(loss_fn, causal)
 

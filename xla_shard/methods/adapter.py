@@ -8,6 +8,8 @@ fine-tuning.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -25,6 +27,11 @@ class Adapter:
 
     def materialize(self, model: nn.Module, values: dict[str, torch.Tensor]) -> None:
         """Give a model built for real (random init, not on the meta device) the added parameters' values."""
+
+    def switched_off(self, model: nn.Module) -> contextlib.AbstractContextManager | None:
+        """A context in which `model` computes as the model it was changed from (a DPO reference with no copy
+        of the weights), or None where the change cannot be switched off."""
+        return None
 
     def stored_name(self, name: str) -> str:
         """A parameter's name as the model directory stores it."""

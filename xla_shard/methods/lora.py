@@ -10,6 +10,7 @@ holds state only for trainable parameters, never sees the base.
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import torch
@@ -174,6 +175,23 @@ def _initial_values(model: nn.Module, config, seed: int) -> dict[str, torch.Tens
     return values
 
 
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """The base model's forward: every peft layer of `model` (wrapped or sharded, its modules are still peft's)
+    skips its adapters. peft's own `disable_adapter` also sets the adapters' requires_grad, which sharded
+    parameters must keep; the flag alone is what the forward reads."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._disable_adapters = False
+
+
 def describe(model: nn.Module, section: LoraSection) -> str:
     """What is trained, for the log: the adapters' rank and targets, and the share of parameters trained."""
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -199,6 +217,9 @@ class Lora(Adapter):
 
     def materialize(self, model: nn.Module, values: dict[str, torch.Tensor]) -> None:
         materialize(model, values)
+
+    def switched_off(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return adapters_off(model)
 
     def stored_name(self, name: str) -> str:
         return stored_name(name)

@@ -19,6 +19,9 @@ class Objective:
     """A fine-tuning method's step and evaluation. Subclasses give `loss`, and `counted` where the loss is a
     mean over some labelled items (tokens, rows), then `eval_batch` and `eval_result` for evaluation."""
 
+    sequences_per_row = 1  # sequences of seq_len tokens a row holds: what tokens_per_s counts
+    forwards_without_grad = 0  # extra forward passes per step with no backward (a reference model's): for MFU
+
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """The micro-batch's loss (a device scalar): `batch` holds this process's rows, on its device."""
         raise NotImplementedError

@@ -1,0 +1,208 @@
+"""Preference tuning (data.kind preference, DPO): the rows TRL's DPOTrainer tokenizes, the losses and evaluation
+metrics it computes from the same adapters, and one line for rows and settings that cannot be trained."""
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from conftest import FIXTURES, backend_params, run_cli, runnable
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from xla_shard import config
+from xla_shard.data import preference
+from xla_shard.data.files import read_rows
+from xla_shard.data.tokenize import IGNORE
+from xla_shard.errors import ConfigError
+
+pytestmark = pytest.mark.torch_version  # its subject depends on torch's version
+
+PLAIN = FIXTURES / "preference.jsonl"
+CHAT = FIXTURES / "preference_chat.jsonl"
+LORA = ["model.lora.r=4", "model.lora.alpha=8"]
+BACKENDS = {
+    "xla_spmd": (["backend=xla_spmd", "cpu_devices=2"], 0),
+    "torch_fsdp": (["backend=torch_fsdp"], 2),
+}
+
+
+def _cfg(model_dir, path, seq_len, *sets):
+    return config.load(None, [f"model.name={model_dir}", f"data.path={path}", "data.kind=preference",
+                              f"train.seq_len={seq_len}", *LORA, *sets])
+
+
+def _ours(model_dir, path, seq_len):
+    cfg = _cfg(model_dir, path, seq_len)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return preference.examples(read_rows(str(path), None, "data.path"), tokenizer, preference.fields_of(cfg.data),
+                               seq_len, 0, None, str(path))
+
+
+def _trl_rows(model_dir, path, seq_len):
+    """TRL's DPOTrainer's own preparation of the file: prompt_ids, chosen_ids, rejected_ids per row."""
+    import datasets
+    from trl import DPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = datasets.Dataset.from_list([json.loads(line) for line in path.read_text().splitlines()])
+    trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), processing_class=tokenizer,
+                         train_dataset=rows, args=_trl_args(path.parent / "unused", seq_len))
+    return trainer.train_dataset
+
+
+def _trl_args(out, seq_len, **args):
+    from trl import DPOConfig
+
+    return DPOConfig(output_dir=str(out), max_length=seq_len, report_to=[], use_cpu=True, bf16=False,
+                     gradient_checkpointing=False, save_strategy="no", **args)
+
+
+@pytest.mark.parametrize("path, seq_len", [(PLAIN, 64), (CHAT, 96), (CHAT, 40)])  # 40 cuts answers, drops rows
+def test_rows_tokenize_as_trls(model_dirs, path, seq_len):
+    """Each row's two sequences are TRL's prompt + chosen and prompt + rejected, cut at seq_len as its collator
+    cuts them; the labels are the completion tokens; rows TRL drops (the prompt fills seq_len) are dropped."""
+    pytest.importorskip("trl")
+    ours, dropped = _ours(model_dirs.llama_chat, path, seq_len)
+    theirs = _trl_rows(model_dirs.llama_chat, path, seq_len)
+    assert len(ours) == len(theirs) and dropped == 8 - len(theirs) and (dropped > 0) == (seq_len == 40)
+    for row, want in zip(ours, theirs):
+        for ids, labels, mask, completion in zip(row["input_ids"], row["labels"], row["attention_mask"],
+                                                 (want["chosen_ids"], want["rejected_ids"])):
+            sequence = (want["prompt_ids"] + completion)[:seq_len]
+            n = len(sequence)
+            assert ids[:n] == sequence and sum(mask) == n and len(ids) == seq_len
+            assert labels[:n] == ([IGNORE] * len(want["prompt_ids"]) + completion)[:seq_len]
+            assert set(labels[n:]) <= {IGNORE}
+    eos = AutoTokenizer.from_pretrained(model_dirs.llama_chat).eos_token_id
+    if path == PLAIN:  # TRL's EOS after each plain-text completion
+        assert all(r["chosen_ids"][-1] == eos and r["rejected_ids"][-1] == eos for r in theirs)
+
+
+def _write(tmp_path, rows):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+GOOD = {"prompt": "Q: where?\nA:", "chosen": " by the river", "rejected": " no idea"}
+
+
+@pytest.mark.parametrize("bad, key, words", [
+    ({**GOOD, "chosen": None}, "data.chosen_field", "row 1: 'chosen' is missing"),
+    ({**GOOD, "rejected": ""}, "data.rejected_field", "row 1: 'rejected' is empty"),
+    ({**GOOD, "rejected": GOOD["chosen"]}, "data.rejected_field", "the same completion"),
+    ({**GOOD, "chosen": [{"role": "assistant", "content": "x"}]}, "data.prompt_field", "all be text or all be lists"),
+    ({"prompt": [{"role": "user", "content": "q"}], "chosen": [{"role": "wizard", "content": "a"}],
+      "rejected": [{"role": "assistant", "content": "b"}]}, "data.chosen_field", "unknown role 'wizard'"),
+])
+def test_a_row_that_cannot_be_compared_is_refused_naming_the_key_and_row(model_dirs, tmp_path, bad, key, words):
+    path = _write(tmp_path, [GOOD, bad])
+    with pytest.raises(ConfigError) as info:
+        _ours(model_dirs.llama_chat, path, 64)
+    assert info.value.key == key and words in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["data.kind=preference"], "trains LoRA adapters (set model.lora)"),
+    (["data.kind=preference", *LORA, "data.completion_only_loss=true"], "always the completions'"),
+    (["data.kind=preference", *LORA, "dpo.label_smoothing=0.1"], "set dpo.loss_type: robust"),
+    (["dpo.beta=0.5"], "dpo.beta applies to data.kind preference"),
+])
+def test_settings_that_do_not_make_a_dpo_run_are_refused(sets, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        config.load(None, [f"data.path={PLAIN}", *sets])
+
+
+def _trl_run(model_dir, path, args, steps):
+    """DPOTrainer over peft + plain transformers on one process, from the run's own initial adapters: each step's
+    loss, then its evaluation of `path`."""
+    import datasets
+    from peft import LoraConfig, get_peft_model
+    from trl import DPOTrainer
+
+    from xla_shard.pretrained import build_for
+
+    cfg = config.load(None, args)
+    _, weights, _ = build_for(cfg)  # the adapters' initial values, as the run draws them from train.seed
+    base = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", use_cache=False)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    assert not model.load_state_dict({f"base_model.model.{k}": v for k, v in weights.fresh.items()},
+                                     strict=False).unexpected_keys
+    rows = datasets.Dataset.from_list([json.loads(line) for line in path.read_text().splitlines()])
+    losses = []
+
+    class Recording(DPOTrainer):
+        def compute_loss(self, *a, **k):
+            loss = super().compute_loss(*a, **k)
+            if self.model.training:
+                losses.append(loss.item())
+            return loss
+
+    train = cfg.train
+    trainer = Recording(model=model, processing_class=AutoTokenizer.from_pretrained(model_dir), train_dataset=rows,
+                        eval_dataset=rows, args=_trl_args(
+                            path.parent / "unused", train.seq_len, per_device_train_batch_size=len(rows),
+                            per_device_eval_batch_size=len(rows), learning_rate=train.lr, optim="sgd",
+                            lr_scheduler_type="constant", max_steps=steps, beta=cfg.dpo.beta, max_grad_norm=0.0,
+                            logging_steps=1))
+    trainer.train()
+    return losses, trainer.evaluate()
+
+
+@pytest.fixture(scope="module")
+def trl_run(model_dirs):
+    pytest.importorskip("trl")
+    common = _common(model_dirs)
+    return _trl_run(model_dirs.llama_chat, CHAT, common, 3)
+
+
+def _common(model_dirs):
+    return [f"model.name={model_dirs.llama_chat}", f"data.path={CHAT}", "data.kind=preference", "train.seq_len=96",
+            "train.global_batch_size=8", "train.optimizer=sgd", "train.lr=1.0", "train.steps=3", *LORA]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", backend_params(list(BACKENDS)))
+def test_dpo_follows_trls_dpo_trainer(model_dirs, tmp_path, backend, trl_run):
+    """Conversational rows, every row in each step (so the order rows come in does not matter), SGD: step 1's
+    loss is ln 2 (the adapters start at zero, so the policy is its reference), the losses follow DPOTrainer's
+    after it, and the evaluation of every row reports TRL's metrics under TRL's names."""
+    sets, nproc = runnable(BACKENDS)[backend]
+    out = tmp_path / "run"
+    args = [*_common(model_dirs), *sets, f"output_dir={out}", f"data.eval_path={CHAT}", "train.eval_every=3"]
+    extra = ["--nproc-per-node", str(nproc)] if nproc else []
+    done = run_cli("train", *[a for s in args for a in ("--set", s)], *extra)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "DPO (sigmoid, beta 0.1)" in done.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    evaluation = next(r for r in records if "eval_loss" in r)
+    want, want_eval = trl_run
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-6)
+    assert losses == pytest.approx(want, rel=1e-5), (backend, losses, want)
+    assert want[-1] < want[0]
+    for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                "logps/chosen", "logps/rejected"):
+        assert evaluation[f"eval_{key}"] == pytest.approx(want_eval[f"eval_{key}"], rel=1e-4, abs=1e-6), key
+
+
+def test_the_reference_is_the_model_with_its_adapters_off(model_dirs):
+    """Switched off, a LoRA model computes its base's logits exactly, whatever its adapters hold; switched on
+    again, its own."""
+    from xla_shard.methods import adapter_for
+
+    cfg = _cfg(model_dirs.llama_chat, CHAT, 32)
+    model = AutoModelForCausalLM.from_pretrained(model_dirs.llama_chat, attn_implementation="eager")
+    base = model(input_ids=torch.arange(8)[None]).logits
+    adapter = adapter_for(cfg)
+    adapter.inject(model, "causal_lm", 0)
+    for name, param in model.named_parameters():
+        if ".lora_" in name:
+            param.data.normal_()
+    ids = torch.arange(8)[None]
+    with torch.no_grad(), adapter.switched_off(model):
+        off = model(input_ids=ids).logits
+    torch.testing.assert_close(off, base, rtol=0, atol=0)
+    assert not torch.allclose(model(input_ids=ids).logits, base)

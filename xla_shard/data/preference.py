@@ -1,0 +1,99 @@
+"""Preference rows (`data.kind: preference`): a prompt, a chosen and a rejected completion -> one training row
+holding both sequences.
+
+Tokenized as TRL's `DPOTrainer` tokenizes them: plain text rows as prompt and prompt + completion (EOS added to
+each completion that lacks it), conversations through the tokenizer's chat template (the prompt with the
+generation prompt); the completion starts where the tokenized prompt stops being a prefix of both tokenized
+sequences. Each sequence is cut at `seq_len` (its start kept) and padded to it; a row whose prompt alone fills
+`seq_len` keeps no completion token and is dropped and counted, as TRL drops it.
+
+A row is `input_ids`, `labels` and `attention_mask` of shape [2, seq_len]: chosen, then rejected. The labels are
+the completion tokens (IGNORE on the prompt and padding): the objective sums their log-probabilities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xla_shard.data.sft import Renderer, check_messages, common_prefix, kind_of
+from xla_shard.data.tokenize import IGNORE, require_columns
+from xla_shard.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class PreferenceFields:
+    prompt: str
+    chosen: str
+    rejected: str
+    completion_only: bool = True  # what `Renderer` asks: every rendering has answers whose ends matter
+
+
+def fields_of(data) -> PreferenceFields:
+    return PreferenceFields(data.prompt_field, data.chosen_field, data.rejected_field)
+
+
+def examples(rows, tokenizer, fields: PreferenceFields, seq_len: int, pad: int, num_proc: int | None, path: str):
+    """(`datasets.Dataset` of [2, seq_len] rows, how many rows were dropped: their prompt fills seq_len)."""
+    require_columns(rows, [fields.prompt, fields.chosen, fields.rejected], "data.prompt_field", path)
+    encode = _PairEncoder(tokenizer, fields, path, seq_len)
+
+    def tokenize(row, index):
+        prompt, chosen, rejected = encode(row, index)
+        if len(prompt) >= seq_len:
+            return {"input_ids": [], "labels": [], "attention_mask": []}
+        out = {"input_ids": [], "labels": [], "attention_mask": []}
+        for completion in (chosen, rejected):
+            ids = (prompt + completion)[:seq_len]
+            labels = ([IGNORE] * len(prompt) + completion)[:seq_len]
+            fill = seq_len - len(ids)
+            out["input_ids"].append(ids + [pad] * fill)
+            out["labels"].append(labels + [IGNORE] * fill)
+            out["attention_mask"].append([1] * len(ids) + [0] * fill)
+        return out
+
+    tokenized = rows.map(tokenize, with_indices=True, remove_columns=rows.column_names, num_proc=num_proc)
+    kept = tokenized.filter(lambda row: len(row["input_ids"]) == 2, num_proc=num_proc)
+    if len(kept) == 0:
+        raise ConfigError("train.seq_len", f"{path}: every prompt fills train.seq_len={seq_len} tokens, so no "
+                                           "completion token is left to compare")
+    return kept, len(tokenized) - len(kept)
+
+
+class _PairEncoder(Renderer):
+    def __call__(self, row, index: int) -> tuple[list[int], list[int], list[int]]:
+        """(prompt ids, chosen ids, rejected ids) as TRL splits them."""
+        fields, where = self.fields, f"{self.path}: row {index}"
+        prompt, chosen, rejected = row[fields.prompt], row[fields.chosen], row[fields.rejected]
+        for key, field, value in (("data.chosen_field", fields.chosen, chosen),
+                                  ("data.rejected_field", fields.rejected, rejected)):
+            if value is None or (isinstance(value, (str, list)) and not value):
+                raise ConfigError(key, f"{where}: {field!r} is {'missing' if value is None else 'empty'}: a "
+                                       "preference row needs two completions to compare")
+        if chosen == rejected:
+            raise ConfigError("data.rejected_field", f"{where}: {fields.chosen!r} and {fields.rejected!r} are the "
+                                                     "same completion, so there is no preference to learn")
+        if all(isinstance(v, str) for v in (prompt, chosen, rejected)):
+            eos = self.tokenizer.eos_token
+            if eos is None:
+                raise ConfigError("data.kind", "preference rows end each completion with EOS, and the tokenizer "
+                                               f"({self.tokenizer.name_or_path}) has no EOS token")
+            chosen, rejected = (c if c.endswith(eos) else c + eos for c in (chosen, rejected))
+            prompt_ids = self.tokenizer(text=prompt)["input_ids"]
+            pairs = [self.tokenizer(text=prompt + c)["input_ids"] for c in (chosen, rejected)]
+        elif all(isinstance(v, list) for v in (prompt, chosen, rejected)):
+            if not self.tokenizer.chat_template:
+                raise ConfigError("data.kind", f"row {index} of {self.path} holds messages, which are rendered with "
+                                               "the tokenizer's chat template, and the tokenizer has none")
+            prompt = check_messages(prompt, "data.prompt_field", fields.prompt, self.path, index)
+            completions = [check_messages(c, key, field, self.path, index) for c, key, field in
+                           ((chosen, "data.chosen_field", fields.chosen),
+                            (rejected, "data.rejected_field", fields.rejected))]
+            prompt_ids = self.render(prompt, index, add_generation_prompt=True)["input_ids"]
+            pairs = [self.render(prompt + c, index)["input_ids"] for c in completions]
+        else:
+            raise ConfigError("data.prompt_field", f"{where}: {fields.prompt!r}, {fields.chosen!r} and "
+                                                   f"{fields.rejected!r} must all be text or all be lists of "
+                                                   f"messages, not {kind_of(prompt)}, {kind_of(chosen)} and "
+                                                   f"{kind_of(rejected)}")
+        start = min(common_prefix(prompt_ids, ids) for ids in pairs)  # TRL's rule
+        return prompt_ids[:start], pairs[0][start:], pairs[1][start:]
