@@ -1,11 +1,13 @@
-"""DPO (data.kind preference, the reference = LoRA adapters off) against SFT on the same rows: step time and
-the host memory a step takes, per process, side by side in one run.
+"""DPO (data.kind preference) with its reference = the LoRA adapters switched off, and with a reference model of
+its own (dpo.reference: the same directory, built frozen beside the policy), against SFT on the same rows: step
+time and the host memory a step takes, per process, side by side in one run.
 
     python bench/dpo_step.py [--hidden 256 --layers 4 --rows 32 --seq-len 256 --nproc 2 --backend torch_fsdp]
 
 Makes a Llama directory and its tokenizer with `save_pretrained` (tests/model_dirs.py; nothing downloaded) and a
 file of preference rows; trains LoRA adapters through xla_shard's Trainer under torchrun (CPU: gloo): DPO on
-prompt / chosen / rejected, and SFT (prompt_completion) on prompt / chosen of the same rows. Each run takes one
+prompt / chosen / rejected (twice: the two references), and SFT (prompt_completion) on prompt / chosen of the same
+rows. Each run takes one
 warm-up step, then `--steps` timed ones; the peak host memory growth over all of them (VmHWM, from the end of
 setup) is per process.
 A DPO step runs a forward without gradients (the reference) and a training step over twice the sequences.
@@ -83,9 +85,11 @@ def main() -> None:
         data = Path(tmp) / "rows.jsonl"
         write_rows(data, args.rows)
         runs = {}
-        for name, kind in (("SFT (prompt + chosen)", "prompt_completion"), ("DPO, reference = adapters off",
-                                                                           "preference")):
-            worker_args = [str(directory), str(data), args.backend, str(args.steps), f"data.kind={kind}", *common]
+        for name, sets in (("SFT (prompt + chosen)", ["data.kind=prompt_completion"]),
+                           ("DPO, reference = adapters off", ["data.kind=preference"]),
+                           ("DPO, reference model of its own", ["data.kind=preference",
+                                                                 f"dpo.reference={directory}"])):
+            worker_args = [str(directory), str(data), args.backend, str(args.steps), *sets, *common]
             runs[name] = torchrun_records(__file__, args.nproc, worker_args, name)
     mib = 2**20
     print(f"Llama hidden {args.hidden} x {args.layers} layers, LoRA r=8, {args.backend} x{args.nproc}, "
@@ -97,7 +101,6 @@ def main() -> None:
     for name, records in runs.items():
         step_s, grown = max(r["step_s"] for r in records), max(r["peak_growth"] for r in records)
         print(f"{name:32} {step_s:8.3f} {step_s / base_s:6.2f} {grown / mib:9.1f} {grown / max(base_mem, 1):6.2f}")
-    print("DPO with a reference model of its own: not built yet (data.kind preference needs model.lora)")
 
 
 if __name__ == "__main__":

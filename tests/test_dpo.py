@@ -7,10 +7,10 @@ import re
 
 import pytest
 import torch
-from conftest import FIXTURES, backend_params, run_cli, runnable
+from conftest import FIXTURES, backend_params, run_trainings, runnable
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from xla_shard import config
+from xla_shard import backends, config
 from xla_shard.data import preference
 from xla_shard.data.files import read_rows
 from xla_shard.data.tokenize import IGNORE
@@ -104,7 +104,6 @@ def test_a_row_that_cannot_be_compared_is_refused_naming_the_key_and_row(model_d
 
 
 @pytest.mark.parametrize("sets, words", [
-    (["data.kind=preference"], "trains LoRA adapters (set model.lora)"),
     (["data.kind=preference", *LORA, "data.completion_only_loss=true"], "always the completions'"),
     (["data.kind=preference", *LORA, "dpo.label_smoothing=0.1"], "set dpo.loss_type: robust"),
     (["dpo.beta=0.5"], "dpo.beta applies to data.kind preference"),
@@ -114,9 +113,19 @@ def test_settings_that_do_not_make_a_dpo_run_are_refused(sets, words):
         config.load(None, [f"data.path={PLAIN}", *sets])
 
 
-def _trl_run(model_dir, path, args, steps):
-    """DPOTrainer over peft + plain transformers on one process, from the run's own initial adapters: each step's
-    loss, then its evaluation of `path`."""
+@pytest.mark.xla
+def test_xla_fsdp_refuses_dpo_naming_key_and_backend():
+    cfg = config.load(None, [f"data.path={PLAIN}", "data.kind=preference", "backend=xla_fsdp", "cpu_devices=1"])
+    with pytest.raises(ConfigError) as raised:
+        backends.create(cfg)
+    assert (raised.value.key, raised.value.backend) == ("data.kind", "xla_fsdp")
+    assert "frozen reference model" in str(raised.value)
+
+
+def _trl_run(model_dir, path, args, steps, reference=None):
+    """DPOTrainer over plain transformers on one process, from the run's own initial adapters (LoRA, through
+    peft) or with the reference model at `reference` (full fine-tuning): each step's loss, then its evaluation
+    of `path`."""
     import datasets
     from peft import LoraConfig, get_peft_model
     from trl import DPOTrainer
@@ -124,11 +133,14 @@ def _trl_run(model_dir, path, args, steps):
     from xla_shard.pretrained import build_for
 
     cfg = config.load(None, args)
-    _, weights, _ = build_for(cfg)  # the adapters' initial values, as the run draws them from train.seed
-    base = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", use_cache=False)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    assert not model.load_state_dict({f"base_model.model.{k}": v for k, v in weights.fresh.items()},
-                                     strict=False).unexpected_keys
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", use_cache=False)
+    if cfg.model.lora is not None:
+        _, weights, _ = build_for(cfg)  # the adapters' initial values, as the run draws them from train.seed
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        assert not model.load_state_dict({f"base_model.model.{k}": v for k, v in weights.fresh.items()},
+                                         strict=False).unexpected_keys
+    ref_model = reference and AutoModelForCausalLM.from_pretrained(reference, attn_implementation="eager",
+                                                                   use_cache=False)
     rows = datasets.Dataset.from_list([json.loads(line) for line in path.read_text().splitlines()])
     losses = []
 
@@ -140,8 +152,8 @@ def _trl_run(model_dir, path, args, steps):
             return loss
 
     train = cfg.train
-    trainer = Recording(model=model, processing_class=AutoTokenizer.from_pretrained(model_dir), train_dataset=rows,
-                        eval_dataset=rows, args=_trl_args(
+    trainer = Recording(model=model, ref_model=ref_model, processing_class=AutoTokenizer.from_pretrained(model_dir),
+                        train_dataset=rows, eval_dataset=rows, args=_trl_args(
                             path.parent / "unused", train.seq_len, per_device_train_batch_size=len(rows),
                             per_device_eval_batch_size=len(rows), learning_rate=train.lr, optim="sgd",
                             lr_scheduler_type="constant", max_steps=steps, beta=cfg.dpo.beta, max_grad_norm=0.0,
@@ -150,42 +162,58 @@ def _trl_run(model_dir, path, args, steps):
     return losses, trainer.evaluate()
 
 
-@pytest.fixture(scope="module")
-def trl_run(model_dirs):
-    pytest.importorskip("trl")
-    common = _common(model_dirs)
-    return _trl_run(model_dirs.llama_chat, CHAT, common, 3)
-
-
 def _common(model_dirs):
     return [f"model.name={model_dirs.llama_chat}", f"data.path={CHAT}", "data.kind=preference", "train.seq_len=96",
-            "train.global_batch_size=8", "train.optimizer=sgd", "train.lr=1.0", "train.steps=3", *LORA]
+            "train.global_batch_size=8", "train.optimizer=sgd", "train.steps=3", f"data.eval_path={CHAT}",
+            "train.eval_every=3"]
+
+
+RUNS = {  # LoRA, its reference the adapters switched off; full fine-tuning, its reference another model
+    "lora": [*LORA, "train.lr=1.0"],
+    "full": ["train.lr=0.5", "dpo.reference={reference}"],
+}
+
+
+@pytest.fixture(scope="module")
+def reference_dir(tmp_path_factory):
+    from model_dirs import CHAT_TEMPLATE, llama_dir
+
+    return llama_dir(tmp_path_factory.mktemp("reference") / "llama", seed=9, chat_template=CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def trl_runs(model_dirs, reference_dir):
+    pytest.importorskip("trl")
+    return {name: _trl_run(model_dirs.llama_chat, CHAT, [*_common(model_dirs), *_run(name, reference_dir)], 3,
+                           reference_dir if name == "full" else None) for name in RUNS}
+
+
+def _run(name, reference_dir):
+    return [s.format(reference=reference_dir) for s in RUNS[name]]
 
 
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", backend_params(list(BACKENDS)))
-def test_dpo_follows_trls_dpo_trainer(model_dirs, tmp_path, backend, trl_run):
-    """Conversational rows, every row in each step (so the order rows come in does not matter), SGD: step 1's
-    loss is ln 2 (the adapters start at zero, so the policy is its reference), the losses follow DPOTrainer's
-    after it, and the evaluation of every row reports TRL's metrics under TRL's names."""
+def test_dpo_follows_trls_dpo_trainer(model_dirs, reference_dir, tmp_path, backend, trl_runs):
+    """Conversational rows, every row in each step (so the order rows come in does not matter), SGD, evaluated
+    on every row after step 3; one process for both runs. With LoRA, step 1's loss is ln 2 (the adapters start at
+    zero, so the policy is its reference); fully fine-tuned against another model, it is not. Either way the
+    losses follow DPOTrainer's, and the evaluation reports TRL's metrics under TRL's names."""
     sets, nproc = runnable(BACKENDS)[backend]
-    out = tmp_path / "run"
-    args = [*_common(model_dirs), *sets, f"output_dir={out}", f"data.eval_path={CHAT}", "train.eval_every=3"]
-    extra = ["--nproc-per-node", str(nproc)] if nproc else []
-    done = run_cli("train", *[a for s in args for a in ("--set", s)], *extra)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "DPO (sigmoid, beta 0.1)" in done.stderr
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in records if "loss" in r]
-    evaluation = next(r for r in records if "eval_loss" in r)
-    want, want_eval = trl_run
-    assert losses[0] == pytest.approx(math.log(2), abs=1e-6)
-    assert losses == pytest.approx(want, rel=1e-5), (backend, losses, want)
-    assert want[-1] < want[0]
-    for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-                "logps/chosen", "logps/rejected"):
-        assert evaluation[f"eval_{key}"] == pytest.approx(want_eval[f"eval_{key}"], rel=1e-4, abs=1e-6), key
+    got = run_trainings(tmp_path, [*_common(model_dirs), *sets],
+                        {name: _run(name, reference_dir) for name in RUNS}, nproc=nproc)
+    for name, records in got.items():
+        losses = [r["loss"] for r in records if "loss" in r]
+        evaluation = next(r for r in records if "eval_loss" in r)
+        want, want_eval = trl_runs[name]
+        assert (losses[0] == pytest.approx(math.log(2), abs=1e-6)) == (name == "lora"), (name, losses)
+        assert losses == pytest.approx(want, rel=1e-5), (backend, name, losses, want)
+        assert want[-1] < want[0]
+        for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                    "logps/chosen", "logps/rejected"):
+            assert evaluation[f"eval_{key}"] == pytest.approx(want_eval[f"eval_{key}"], rel=1e-4, abs=1e-6), \
+                (name, key)
 
 
 def test_the_reference_is_the_model_with_its_adapters_off(model_dirs):

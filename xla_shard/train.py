@@ -224,7 +224,30 @@ class Trainer:
             if self.adapter.freezes_base and backend.processes.is_main:  # the base the adapters will be trained on
                 self.checkpointer.base = weights.identity()
             self._load_pretrained(weights, model_class)
+        if self.objective.reference_directory:
+            self.objective.use_reference(self._reference_model(self.objective.reference_directory, model.config))
         return self
+
+    def _reference_model(self, directory: str, policy_config) -> nn.Module:
+        """The model at `directory`, frozen, sharded as the policy is and in eval mode: what the objective
+        compares the policy with (DPO's reference). Never checkpointed: the checkpointer holds the policy only."""
+        cfg, backend = self.cfg, self.backend
+        model_section = cfg.model.model_copy(update={"name": directory, "lora": None, "init": "pretrained"})
+        try:
+            model, weights, _ = build_for(cfg.model_copy(update={"model": model_section}), backend.accelerator,
+                                          backend.capabilities, empty=backend.placeholders)
+        except ConfigError as exc:
+            raise ConfigError("dpo.reference", f"{directory}: {exc.message}") from None
+        if model.config.vocab_size != policy_config.vocab_size:
+            raise ConfigError("dpo.reference", f"{directory} has {model.config.vocab_size} token embeddings, the "
+                                               f"policy {policy_config.vocab_size}: the reference must read the same "
+                                               "tokens")
+        model.requires_grad_(False)
+        wrapped = backend.wrap(model)
+        if weights is not None:
+            report = weights.load(backend, wrapped)
+            self._log(f"reference model: {directory}, frozen, sharded as the policy ({report.describe()})")
+        return wrapped.eval()
 
     def _resumed_warmup_rule(self) -> str:
         """The warm-up rule this run goes on with: a fresh run's is transformers'; a resumed one keeps its

@@ -86,7 +86,7 @@ def trace(cfg: ShardConfig, tpu: compiler.Slice, placeholders: bool = True) -> T
         trips = next(iter(stacked)).shape[0] if stacked else 1
         with compiler.kernels_lowered_for(tpu):
             proto = backend.traced_program(lambda: trainer.step(1), lambda: [*trained, *states])
-        tokens = cfg.train.global_batch_size * cfg.train.seq_len
+        tokens = cfg.train.global_batch_size * cfg.train.seq_len * trainer.objective.sequences_per_row
         return Trace(proto, backend.num_devices, str(backend.plan), sizes[0], sizes[1], batch // backend.num_devices,
                      sizes[2] + sizes[1], trainer.flops_per_token * tokens, trips)
 

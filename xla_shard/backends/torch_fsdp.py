@@ -164,6 +164,8 @@ class TorchFsdpBackend(Backend):
         empty = on_meta(model)  # to be filled by a pretrained load: shard first, then allocate only the shards
         if not empty or self.data_parallel:
             model = self.to_device(model)
+        if self.data_parallel and not any(p.requires_grad for p in model.parameters()):
+            return model  # a frozen model (DPO's reference), which DistributedDataParallel refuses: replicas as is
         if self.data_parallel:
             device_ids = [self.device.index] if self.device.type != "cpu" else None
             return DistributedDataParallel(model, device_ids=device_ids,

@@ -143,6 +143,10 @@ class XlaFsdpBackend(xla_common.XlaBackend):
     def check(self) -> None:
         super().check()
         self._check_xla_settings()
+        if self.cfg.data.kind == "preference":
+            self.capabilities.refuse("data.kind", "preference (DPO) runs a frozen reference model beside the policy, "
+                                                  "which xla_shard does not build as XlaFullyShardedDataParallel: use "
+                                                  "xla_spmd")
         if not xla_common.on_tpu() and self.cfg.cpu_devices != 1:
             self.capabilities.refuse("cpu_devices", f"FSDPv1 runs on XLA's CPU client at 1 device only (got "
                                                     f"{self.cfg.cpu_devices}): its multi-replica collectives fail "

@@ -381,6 +381,9 @@ class DpoSection(_Section):
     # `label_smoothing`.
     loss_type: Literal["sigmoid", "robust"] = "sigmoid"
     label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)
+    # The reference model: a model directory (local or a URL), frozen, sharded like the policy and never saved;
+    # null: the policy with its LoRA adapters switched off (model.lora), else the weights it starts from.
+    reference: str | None = None
 
     @model_validator(mode="after")
     def _smoothing_is_robusts(self) -> DpoSection:
@@ -578,9 +581,6 @@ class ShardConfig(_Section):
     def _eval_needs_data(self) -> ShardConfig:
         if self.data.path == "synthetic" and self.train.eval_every is not None:
             raise ValueError("train.eval_every is set but data.path is synthetic: nothing to evaluate on")
-        if self.data.kind == "preference" and self.model.lora is None:
-            raise ValueError("data.kind preference trains LoRA adapters (set model.lora): the DPO reference is the "
-                             "model with its adapters switched off; a reference model of its own is not built yet")
         changed = [key for key, value in self.dpo if value != DpoSection.model_fields[key].default]
         if self.data.kind != "preference" and changed:
             raise ValueError(f"dpo.{changed[0]} applies to data.kind preference; data.kind is {self.data.kind}")

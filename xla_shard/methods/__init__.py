@@ -28,7 +28,7 @@ def objective_for(cfg, loss_fn=None) -> Objective:
     if cfg.data.kind == "preference" and loss_fn is None:
         from xla_shard.methods.dpo import Dpo
 
-        return Dpo(cfg.dpo, adapter_for(cfg))
+        return Dpo(cfg.dpo, adapter_for(cfg), cfg.model.name)
     causal = cfg.model.task == "causal_lm"
     return ModelLoss(causal) if loss_fn is None else CustomLoss(loss_fn, causal)
 

@@ -28,10 +28,12 @@ class Adapter:
     def materialize(self, model: nn.Module, values: dict[str, torch.Tensor]) -> None:
         """Give a model built for real (random init, not on the meta device) the added parameters' values."""
 
-    def switched_off(self, model: nn.Module) -> contextlib.AbstractContextManager | None:
+    switches_off = False  # whether `switched_off` gives the model it was changed from
+
+    def switched_off(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """A context in which `model` computes as the model it was changed from (a DPO reference with no copy
-        of the weights), or None where the change cannot be switched off."""
-        return None
+        of the weights), where `switches_off`."""
+        raise NotImplementedError(f"{type(self).__name__} changes the model in a way that cannot be switched off")
 
     def stored_name(self, name: str) -> str:
         """A parameter's name as the model directory stores it."""

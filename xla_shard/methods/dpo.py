@@ -2,8 +2,9 @@
 
 A row holds a prompt with its chosen and its rejected completion ([2, seq_len], see `xla_shard.data.preference`);
 the two sequences of every row go through the model in one forward. Each completion's log-probability is the
-sum over its tokens; the reference's comes from the same model with the adapter switched off (LoRA: the base,
-no second copy of the weights), computed first, without gradients. The sigmoid loss is
+sum over its tokens; the reference's comes first, without gradients: from `dpo.reference` (a model directory,
+built frozen beside the policy), else the same model with the adapter switched off (LoRA: the base, no second
+copy of the weights), else the weights the policy starts from, built beside it. The sigmoid loss is
 -log sigmoid(beta * margin), margin = (policy - reference log-ratio of chosen) - (the same of rejected); Robust
 DPO's adds the flipped-label term. Evaluation reports TRL's metrics over every evaluation row.
 """
@@ -24,9 +25,15 @@ class Dpo(Objective):
     sequences_per_row = 2  # chosen and rejected
     forwards_without_grad = 1  # the reference's
 
-    def __init__(self, section, adapter: Adapter):
+    def __init__(self, section, adapter: Adapter, policy: str):
+        """`policy`: the model directory the policy starts from (model.name)."""
         self.beta, self.loss_type, self.smoothing = section.beta, section.loss_type, section.label_smoothing
         self.adapter = adapter
+        self.reference_directory = section.reference or (None if adapter.switches_off else policy)
+        self.reference: nn.Module | None = None
+
+    def use_reference(self, model: nn.Module) -> None:
+        self.reference = model
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         return self._terms(model, batch)["loss"].mean()
@@ -56,8 +63,12 @@ class Dpo(Objective):
 
     def _terms(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
         """Per row: the loss, the rewards and their margin, and the policy's log-probabilities."""
-        with torch.no_grad(), self.adapter.switched_off(model):
-            reference = self.log_probs(model, batch)
+        with torch.no_grad():
+            if self.reference is not None:
+                reference = self.log_probs(self.reference, batch)
+            else:
+                with self.adapter.switched_off(model):
+                    reference = self.log_probs(model, batch)
         chosen, rejected = self.log_probs(model, batch)
         chosen_ratio, rejected_ratio = chosen - reference[0], rejected - reference[1]
         margin = self.beta * (chosen_ratio - rejected_ratio)

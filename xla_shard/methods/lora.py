@@ -207,6 +207,7 @@ class Lora(Adapter):
     """peft's LoRA over a frozen base (`model.lora`): what this module does, as the adapter the house asks."""
 
     freezes_base = True
+    switches_off = True
     added = "LoRA matrices"
 
     def __init__(self, section: LoraSection):

@@ -21,6 +21,12 @@ class Objective:
 
     sequences_per_row = 1  # sequences of seq_len tokens a row holds: what tokens_per_s counts
     forwards_without_grad = 0  # extra forward passes per step with no backward (a reference model's): for MFU
+    # A model directory the trainer builds frozen beside the policy, sharded like it and never saved, and hands
+    # to `use_reference` (DPO's reference model); None: nothing.
+    reference_directory: str | None = None
+
+    def use_reference(self, model: nn.Module) -> None:
+        """The frozen model built from `reference_directory`, on its devices and in eval mode."""
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """The micro-batch's loss (a device scalar): `batch` holds this process's rows, on its device."""
