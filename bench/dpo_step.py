@@ -42,6 +42,8 @@ def write_rows(path: Path, rows: int) -> None:
 
 
 def worker(directory: str, data: str, backend: str, steps: str, *overrides: str) -> None:
+    import torch
+
     from xla_shard import config
     from xla_shard.hostmem import peak_growth
     from xla_shard.launch import exit_without_finalizing
@@ -56,8 +58,11 @@ def worker(directory: str, data: str, backend: str, steps: str, *overrides: str)
             start = time.perf_counter()
             trainer.step(step).item()  # waits for the step (XLA runs it asynchronously)
             times.append(time.perf_counter() - start)
-    print(json.dumps({"rank": trainer.backend.processes.writer[0], "step_s": statistics.median(times),
-                      "peak_growth": growth.bytes}), flush=True)
+    measured = torch.tensor([statistics.median(times), float(growth.bytes)], dtype=torch.float64)
+    if torch.distributed.is_initialized():  # the largest over the processes
+        torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX)
+    if trainer.backend.processes.is_main:
+        print(json.dumps({"step_s": measured[0].item(), "peak_growth": measured[1].item()}), flush=True)
     trainer.backend.shutdown()
     exit_without_finalizing(0)
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import FIXTURES, backend_params, run_trainings, runnable
+from conftest import FIXTURES, backend_params, run_trainings, run_worker, runnable
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from xla_shard import backends, config
@@ -122,46 +122,6 @@ def test_xla_fsdp_refuses_dpo_naming_key_and_backend():
     assert "frozen reference model" in str(raised.value)
 
 
-def _trl_run(model_dir, path, args, steps, reference=None):
-    """DPOTrainer over plain transformers on one process, from the run's own initial adapters (LoRA, through
-    peft) or with the reference model at `reference` (full fine-tuning): each step's loss, then its evaluation
-    of `path`."""
-    import datasets
-    from peft import LoraConfig, get_peft_model
-    from trl import DPOTrainer
-
-    from xla_shard.pretrained import build_for
-
-    cfg = config.load(None, args)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", use_cache=False)
-    if cfg.model.lora is not None:
-        _, weights, _ = build_for(cfg)  # the adapters' initial values, as the run draws them from train.seed
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-        assert not model.load_state_dict({f"base_model.model.{k}": v for k, v in weights.fresh.items()},
-                                         strict=False).unexpected_keys
-    ref_model = reference and AutoModelForCausalLM.from_pretrained(reference, attn_implementation="eager",
-                                                                   use_cache=False)
-    rows = datasets.Dataset.from_list([json.loads(line) for line in path.read_text().splitlines()])
-    losses = []
-
-    class Recording(DPOTrainer):
-        def compute_loss(self, *a, **k):
-            loss = super().compute_loss(*a, **k)
-            if self.model.training:
-                losses.append(loss.item())
-            return loss
-
-    train = cfg.train
-    trainer = Recording(model=model, ref_model=ref_model, processing_class=AutoTokenizer.from_pretrained(model_dir),
-                        train_dataset=rows, eval_dataset=rows, args=_trl_args(
-                            path.parent / "unused", train.seq_len, per_device_train_batch_size=len(rows),
-                            per_device_eval_batch_size=len(rows), learning_rate=train.lr, optim="sgd",
-                            lr_scheduler_type="constant", max_steps=steps, beta=cfg.dpo.beta, max_grad_norm=0.0,
-                            logging_steps=1))
-    trainer.train()
-    return losses, trainer.evaluate()
-
-
 def _common(model_dirs):
     return [f"model.name={model_dirs.llama_chat}", f"data.path={CHAT}", "data.kind=preference", "train.seq_len=96",
             "train.global_batch_size=8", "train.optimizer=sgd", "train.steps=3", f"data.eval_path={CHAT}",
@@ -182,10 +142,17 @@ def reference_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trl_runs(model_dirs, reference_dir):
+def trl_runs(model_dirs, reference_dir, tmp_path_factory):
+    """tests/workers/trl_dpo.py's run of each of RUNS: (losses, evaluation)."""
     pytest.importorskip("trl")
-    return {name: _trl_run(model_dirs.llama_chat, CHAT, [*_common(model_dirs), *_run(name, reference_dir)], 3,
-                           reference_dir if name == "full" else None) for name in RUNS}
+    got = {}
+    for name in RUNS:
+        reference = str(reference_dir) if name == "full" else "-"
+        done = run_worker("trl_dpo.py", str(CHAT), reference, *_common(model_dirs), *_run(name, reference_dir),
+                          cwd=tmp_path_factory.mktemp("trl"), env={"USE_TORCH_XLA": "0"})
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        got[name] = result["losses"], result["eval"]
+    return got
 
 
 def _run(name, reference_dir):
@@ -197,13 +164,30 @@ def _run(name, reference_dir):
 @pytest.mark.parametrize("backend", backend_params(list(BACKENDS)))
 def test_dpo_follows_trls_dpo_trainer(model_dirs, reference_dir, tmp_path, backend, trl_runs):
     """Conversational rows, every row in each step (so the order rows come in does not matter), SGD, evaluated
-    on every row after step 3; one process for both runs. With LoRA, step 1's loss is ln 2 (the adapters start at
-    zero, so the policy is its reference); fully fine-tuned against another model, it is not. Either way the
-    losses follow DPOTrainer's, and the evaluation reports TRL's metrics under TRL's names."""
+    on every row after step 3; one process for every run. With LoRA, step 1's loss is ln 2 (the adapters start
+    at zero, so the policy is its reference); fully fine-tuned against another model, it is not. Either way the
+    losses follow DPOTrainer's, and the evaluation reports TRL's metrics under TRL's names. A run stopped after
+    step 2 resumes exactly, its checkpoint holding the policy and nothing of the reference."""
     sets, nproc = runnable(BACKENDS)[backend]
+    ckpt = tmp_path / "ckpt"
+    interrupted = {"stopped": [*_run("full", reference_dir), "train.steps=2", f"checkpoint.dir={ckpt}"],
+                   "resumed": [*_run("full", reference_dir), f"checkpoint.dir={ckpt}"]}
     got = run_trainings(tmp_path, [*_common(model_dirs), *sets],
-                        {name: _run(name, reference_dir) for name in RUNS}, nproc=nproc)
-    for name, records in got.items():
+                        {**{name: _run(name, reference_dir) for name in RUNS}, **interrupted}, nproc=nproc)
+    # Resumed at step 2 (the reference read again, never checkpointed): step 3 and its evaluation, bitwise.
+    def losses(records):
+        return [(r["step"], r["loss"]) for r in records if "loss" in r]
+
+    def evaluations(records):
+        return [(r["step"], r["eval_loss"], r["eval_rewards/margins"]) for r in records if "eval_loss" in r]
+
+    assert losses(got["stopped"] + got["resumed"]) == losses(got["full"])
+    assert evaluations(got["resumed"]) == evaluations(got["full"])
+    manifest = json.loads((ckpt / "step-00000003" / "manifest.json").read_text())
+    policy = AutoModelForCausalLM.from_pretrained(model_dirs.llama_chat).state_dict()
+    assert {n[len("model/"):] for n in manifest["tensors"] if n.startswith("model/")} == set(policy)
+    for name in RUNS:
+        records = got[name]
         losses = [r["loss"] for r in records if "loss" in r]
         evaluation = next(r for r in records if "eval_loss" in r)
         want, want_eval = trl_runs[name]
