@@ -127,10 +127,10 @@ def test_placeholders_trace_the_program_real_parameters_do(tmp_path):
     pytest.importorskip("jax")
     moe = moe_dir(tmp_path / "qwen3-moe", "qwen3_moe")
     (moe / "model.safetensors").unlink()
-    runs = [["model=small-llama"],
-            ["model=small-llama", "model.lora={r: 4}"],
-            ["model=small-llama", "fsdp.scan_layers=true", "fsdp.activation_checkpointing=true"],
-            ["model=small-llama", "fsdp.sharding={params: 2, grads: 4, optimizer: 4}", "train.grad_accum_steps=2",
+    runs = [["model=tiny-llama"],
+            ["model=tiny-llama", "model.lora={r: 4}"],
+            ["model=tiny-llama", "fsdp.scan_layers=true", "fsdp.activation_checkpointing=true"],
+            ["model=tiny-llama", "fsdp.sharding={params: 2, grads: 4, optimizer: 4}", "train.grad_accum_steps=2",
              "train.global_batch_size=8"],
             [f"model.name={moe}", "model.init=random", "fsdp.mixed_precision=bf16"],
             [f"model.name={moe}", "model.init=random", "fsdp.mixed_precision=bf16", "fsdp.scan_layers=true",
@@ -139,7 +139,7 @@ def test_placeholders_trace_the_program_real_parameters_do(tmp_path):
     for run, result in zip(runs, results):
         assert result["placeholders"] == result["real"], run
         assert result["real"]["collectives"]["all-gather"]["count"] > 0, run
-        assert (result["real"]["kernels"] > 0) == (run[0] != "model=small-llama"), run
+        assert (result["real"]["kernels"] > 0) == (run[0] != "model=tiny-llama"), run
 
 
 def _traces(*args, runs, cwd) -> list[dict]:
@@ -177,9 +177,10 @@ def test_the_planner_is_held_to_the_tpu_compiler(tmp_path):
 def test_the_planners_logits_are_what_the_tpu_compiler_holds_for_them(tmp_path):
     """The planner's memory has a term for a causal LM's logits and their gradient ([tokens, vocabulary] each):
     doubling small-llama's vocabulary from 32k to 64k grows the compiled program's temporaries per device by
-    what that term grows, within 5%, in bf16 and in fp32."""
+    what that term grows, within 5%, in bf16 and in fp32. One layer: the logits do not depend on the depth, and
+    the compiles are shorter (47 s for the four here, 106 s with four layers)."""
     pytest.importorskip("jax")
-    runs = [[f"model.overrides={{vocab_size: {vocab}}}", f"fsdp.mixed_precision={precision}"]
+    runs = [[f"model.overrides={{vocab_size: {vocab}, num_hidden_layers: 1}}", f"fsdp.mixed_precision={precision}"]
             for precision in ("bf16", "no") for vocab in (32768, 65536)]
     results = _traces("v5p-8", "model=small-llama", "train.global_batch_size=16", "train.seq_len=512", runs=runs,
                       cwd=tmp_path)

@@ -128,6 +128,8 @@ def _common(model_dirs):
             "train.eval_every=3"]
 
 
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
 RUNS = {  # LoRA, its reference the adapters switched off; full fine-tuning, its reference another model
     "lora": [*LORA, "train.lr=1.0"],
     "full": ["train.lr=0.5", "dpo.reference={reference}"],
@@ -151,7 +153,7 @@ def trl_runs(model_dirs, reference_dir, tmp_path_factory):
         done = run_worker("trl_dpo.py", str(CHAT), reference, *_common(model_dirs), *_run(name, reference_dir),
                           cwd=tmp_path_factory.mktemp("trl"), env={"USE_TORCH_XLA": "0"})
         result = json.loads(done.stdout.strip().splitlines()[-1])
-        got[name] = result["losses"], result["eval"]
+        got[name] = result["losses"], result["logged"], result["eval"]
     return got
 
 
@@ -166,8 +168,8 @@ def test_dpo_follows_trls_dpo_trainer(model_dirs, reference_dir, tmp_path, backe
     """Conversational rows, every row in each step (so the order rows come in does not matter), SGD, evaluated
     on every row after step 3; one process for every run. With LoRA, step 1's loss is ln 2 (the adapters start
     at zero, so the policy is its reference); fully fine-tuned against another model, it is not. Either way the
-    losses follow DPOTrainer's, and the evaluation reports TRL's metrics under TRL's names. A run stopped after
-    step 2 resumes exactly, its checkpoint holding the policy and nothing of the reference."""
+    losses follow DPOTrainer's, and each step and the evaluation report TRL's metrics under TRL's names. A run
+    stopped after step 2 resumes exactly, its checkpoint holding the policy and nothing of the reference."""
     sets, nproc = runnable(BACKENDS)[backend]
     ckpt = tmp_path / "ckpt"
     interrupted = {"stopped": [*_run("full", reference_dir), "train.steps=2", f"checkpoint.dir={ckpt}"],
@@ -190,12 +192,15 @@ def test_dpo_follows_trls_dpo_trainer(model_dirs, reference_dir, tmp_path, backe
         records = got[name]
         losses = [r["loss"] for r in records if "loss" in r]
         evaluation = next(r for r in records if "eval_loss" in r)
-        want, want_eval = trl_runs[name]
+        want, want_logged, want_eval = trl_runs[name]
         assert (losses[0] == pytest.approx(math.log(2), abs=1e-6)) == (name == "lora"), (name, losses)
         assert losses == pytest.approx(want, rel=1e-5), (backend, name, losses, want)
         assert want[-1] < want[0]
-        for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-                    "logps/chosen", "logps/rejected"):
+        trained = [r for r in records if "loss" in r]
+        for key in METRICS:  # each step's, as TRL logs them, and the evaluation's
+            assert [r[key] for r in trained] == pytest.approx([w[key] for w in want_logged], rel=1e-4, abs=1e-6), \
+                (name, key)
+        for key in ("loss", *METRICS):
             assert evaluation[f"eval_{key}"] == pytest.approx(want_eval[f"eval_{key}"], rel=1e-4, abs=1e-6), \
                 (name, key)
 
@@ -218,3 +223,18 @@ def test_the_reference_is_the_model_with_its_adapters_off(model_dirs):
         off = model(input_ids=ids).logits
     torch.testing.assert_close(off, base, rtol=0, atol=0)
     assert not torch.allclose(model(input_ids=ids).logits, base)
+
+
+def test_a_reference_that_is_no_model_or_reads_other_tokens_is_refused_before_anything_starts(model_dirs,
+                                                                                               tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from xla_shard.train import preflight
+
+    other = tmp_path / "other"
+    LlamaForCausalLM(LlamaConfig(vocab_size=999, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(other)
+    for reference, words in ((tmp_path / "nowhere", "is neither a preset"), (other, "has 999 token embeddings")):
+        with pytest.raises(ConfigError) as info:
+            preflight(_cfg(model_dirs.llama_chat, PLAIN, 64, f"dpo.reference={reference}"))
+        assert info.value.key == "dpo.reference" and words in str(info.value), str(info.value)

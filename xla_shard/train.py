@@ -64,8 +64,29 @@ def preflight(cfg: ShardConfig, capabilities=None) -> None:
         check_final_export(cfg, source.directory)
     if cfg.train.tensorboard:
         metrics.require_tensorboard()
+    objective = objective_for(cfg)
+    if objective.reference_directory:
+        with torch.device("meta"):
+            reference_model(cfg, objective, model.config, capabilities=capabilities)
     # Reads and tokenizes the files (cached by `datasets`: the training processes then read the cache).
     datalib.build(cfg, model.config, source.directory)
+
+
+def reference_model(cfg: ShardConfig, objective: Objective, policy_config, **build) -> tuple[nn.Module, Any]:
+    """The model at the objective's `reference_directory` (DPO's reference), built as the policy is (`build`:
+    `build_for`'s arguments) but frozen and without the policy's adapter, and its pretrained weights. One line
+    naming the objective's `reference_key` where it is no model, or reads other tokens than the policy."""
+    directory, key = objective.reference_directory, objective.reference_key
+    model_section = cfg.model.model_copy(update={"name": directory, "lora": None, "init": "pretrained"})
+    try:
+        model, weights, _ = build_for(cfg.model_copy(update={"model": model_section}), **build)
+    except ConfigError as exc:
+        raise ConfigError(key, f"{directory}: {exc.message}") from None
+    if model.config.vocab_size != policy_config.vocab_size:
+        raise ConfigError(key, f"{directory} has {model.config.vocab_size} token embeddings, the policy "
+                               f"{policy_config.vocab_size}: the reference must read the same tokens")
+    model.requires_grad_(False)
+    return model, weights
 
 
 def build_data(cfg: ShardConfig) -> datalib.DataSources:
@@ -225,28 +246,20 @@ class Trainer:
                 self.checkpointer.base = weights.identity()
             self._load_pretrained(weights, model_class)
         if self.objective.reference_directory:
-            self.objective.use_reference(self._reference_model(self.objective.reference_directory, model.config))
+            self.objective.use_reference(self._reference_model(model.config))
         return self
 
-    def _reference_model(self, directory: str, policy_config) -> nn.Module:
-        """The model at `directory`, frozen, sharded as the policy is and in eval mode: what the objective
-        compares the policy with (DPO's reference). Never checkpointed: the checkpointer holds the policy only."""
-        cfg, backend = self.cfg, self.backend
-        model_section = cfg.model.model_copy(update={"name": directory, "lora": None, "init": "pretrained"})
-        try:
-            model, weights, _ = build_for(cfg.model_copy(update={"model": model_section}), backend.accelerator,
-                                          backend.capabilities, empty=backend.placeholders)
-        except ConfigError as exc:
-            raise ConfigError("dpo.reference", f"{directory}: {exc.message}") from None
-        if model.config.vocab_size != policy_config.vocab_size:
-            raise ConfigError("dpo.reference", f"{directory} has {model.config.vocab_size} token embeddings, the "
-                                               f"policy {policy_config.vocab_size}: the reference must read the same "
-                                               "tokens")
-        model.requires_grad_(False)
+    def _reference_model(self, policy_config) -> nn.Module:
+        """The objective's reference model, sharded as the policy is and in eval mode. Never checkpointed: the
+        checkpointer holds the policy only."""
+        backend = self.backend
+        model, weights = reference_model(self.cfg, self.objective, policy_config, accelerator=backend.accelerator,
+                                         capabilities=backend.capabilities, empty=backend.placeholders)
         wrapped = backend.wrap(model)
         if weights is not None:
             report = weights.load(backend, wrapped)
-            self._log(f"reference model: {directory}, frozen, sharded as the policy ({report.describe()})")
+            self._log(f"reference model: {self.objective.reference_directory}, frozen, sharded as the policy "
+                      f"({report.describe()})")
         return wrapped.eval()
 
     def _resumed_warmup_rule(self) -> str:
@@ -481,6 +494,7 @@ class Trainer:
         tokens = cfg.train.global_batch_size * cfg.train.seq_len * self.objective.sequences_per_row
         tokens_per_s = tokens / lap.step_time_s
         record = {"step": done, "loss": mean_loss, "step_time_s": lap.step_time_s, "tokens_per_s": tokens_per_s}
+        record.update(self.objective.step_metrics(backend.mean_loss))
         if lap.compile_time_s:
             record["compile_time_s"] = lap.compile_time_s
         mfu = self._mfu(tokens_per_s, logger)

@@ -1,5 +1,5 @@
 """TRL's DPOTrainer over plain transformers on one CPU process, the reference DPO runs are compared with: prints
-each training step's loss and the evaluation after the last step as JSON.
+each training step's loss and logged metrics, and the evaluation after the last step, as JSON.
 
     python trl_dpo.py ROWS.jsonl REFERENCE|- [KEY=VALUE ...]   (the xla_shard run's config overrides)
 
@@ -52,7 +52,8 @@ def main(path: str, reference: str, *overrides: str) -> None:
     trainer = Recording(model=model, ref_model=ref_model, processing_class=AutoTokenizer.from_pretrained(model_dir),
                         train_dataset=rows, eval_dataset=rows, args=args)
     trainer.train()
-    print(json.dumps({"losses": losses, "eval": trainer.evaluate()}))
+    logged = [entry for entry in trainer.state.log_history if "rewards/margins" in entry]
+    print(json.dumps({"losses": losses, "logged": logged, "eval": trainer.evaluate()}))
 
 
 if __name__ == "__main__":

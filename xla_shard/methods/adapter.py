@@ -19,6 +19,7 @@ class Adapter:
 
     freezes_base = False  # frozen parameters exist: checkpoints leave them out, a resume reads them again
     added = "adapter parameters"  # what the parameters it adds are called in the log
+    switches_off = False  # whether `switched_off` gives the model it was changed from
 
     def inject(self, model: nn.Module, task: str, seed: int) -> dict[str, torch.Tensor]:
         """Change `model` in place (on the meta device: nothing allocated); the initial values, by parameter
@@ -27,8 +28,6 @@ class Adapter:
 
     def materialize(self, model: nn.Module, values: dict[str, torch.Tensor]) -> None:
         """Give a model built for real (random init, not on the meta device) the added parameters' values."""
-
-    switches_off = False  # whether `switched_off` gives the model it was changed from
 
     def switched_off(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """A context in which `model` computes as the model it was changed from (a DPO reference with no copy

@@ -21,6 +21,11 @@ from xla_shard.methods.adapter import Adapter
 from xla_shard.methods.objective import Objective
 
 
+# TRL's names for what each step reports beside the loss (evaluation: the same with eval_ before them).
+TRAINING_METRICS = {"chosen": "rewards/chosen", "rejected": "rewards/rejected", "accuracies": "rewards/accuracies",
+                    "margins": "rewards/margins", "logps_chosen": "logps/chosen", "logps_rejected": "logps/rejected"}
+
+
 class Dpo(Objective):
     sequences_per_row = 2  # chosen and rejected
     forwards_without_grad = 1  # the reference's
@@ -30,13 +35,29 @@ class Dpo(Objective):
         self.beta, self.loss_type, self.smoothing = section.beta, section.loss_type, section.label_smoothing
         self.adapter = adapter
         self.reference_directory = section.reference or (None if adapter.switches_off else policy)
+        self.reference_key = "dpo.reference" if section.reference else "model.name"
         self.reference: nn.Module | None = None
+        # Sums of each training micro-batch's means since the last record, and how many: kept on the device (added
+        # inside the step's graph), read only when a record is written.
+        self._sums: dict[str, torch.Tensor] = {}
+        self._micro_batches = 0
 
     def use_reference(self, model: nn.Module) -> None:
         self.reference = model
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        return self._terms(model, batch)["loss"].mean()
+        terms = self._terms(model, batch)
+        means = {key: terms[key].mean() for key in TRAINING_METRICS}
+        self._sums = {key: self._sums[key] + value for key, value in means.items()} if self._sums else means
+        self._micro_batches += 1
+        return terms["loss"].mean()
+
+    def step_metrics(self, mean) -> dict[str, float]:
+        """TRL's training metrics, averaged over the micro-batches since the last record (TRL, too, averages what
+        it logs over the steps since its last log)."""
+        sums, count = self._sums, self._micro_batches
+        self._sums, self._micro_batches = {}, 0
+        return {name: mean(sums[key]) / count for key, name in TRAINING_METRICS.items()} if count else {}
 
     def eval_batch(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
         terms = self._terms(model, batch)
@@ -46,10 +67,8 @@ class Dpo(Objective):
 
     def eval_result(self, sums: dict[str, float]) -> dict[str, float]:
         n = sums["count"]
-        names = {"loss": "eval_loss", "chosen": "eval_rewards/chosen", "rejected": "eval_rewards/rejected",
-                 "accuracies": "eval_rewards/accuracies", "margins": "eval_rewards/margins",
-                 "logps_chosen": "eval_logps/chosen", "logps_rejected": "eval_logps/rejected"}
-        return {name: sums[key] / n for key, name in names.items()}
+        names = {"loss": "loss", **TRAINING_METRICS}
+        return {f"eval_{name}": sums[key] / n for key, name in names.items()}
 
     def log_probs(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's chosen and rejected completion log-probabilities ([rows] each), summed over their tokens."""

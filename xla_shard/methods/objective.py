@@ -22,11 +22,17 @@ class Objective:
     sequences_per_row = 1  # sequences of seq_len tokens a row holds: what tokens_per_s counts
     forwards_without_grad = 0  # extra forward passes per step with no backward (a reference model's): for MFU
     # A model directory the trainer builds frozen beside the policy, sharded like it and never saved, and hands
-    # to `use_reference` (DPO's reference model); None: nothing.
+    # to `use_reference` (DPO's reference model); None: nothing. `reference_key`: the config key that names it.
     reference_directory: str | None = None
+    reference_key: str | None = None
 
     def use_reference(self, model: nn.Module) -> None:
         """The frozen model built from `reference_directory`, on its devices and in eval mode."""
+
+    def step_metrics(self, mean) -> dict[str, float]:
+        """Metrics of the training steps since the last call, for the step's record beside the loss; `mean`
+        (the backend's `mean_loss`) averages a device scalar over the processes. None by default."""
+        return {}
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """The micro-batch's loss (a device scalar): `batch` holds this process's rows, on its device."""
