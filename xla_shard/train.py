@@ -65,7 +65,7 @@ def preflight(cfg: ShardConfig, capabilities=None) -> None:
     if cfg.train.tensorboard:
         metrics.require_tensorboard()
     objective = objective_for(cfg)
-    if objective.reference_directory:
+    if objective.reference_directory not in (None, cfg.model.name):  # the policy's own directory was just built
         with torch.device("meta"):
             reference_model(cfg, objective, model.config, capabilities=capabilities)
     # Reads and tokenizes the files (cached by `datasets`: the training processes then read the cache).

@@ -51,7 +51,12 @@ def check_whole(url: str, hf_config: dict[str, Any], names: list[str]) -> None:
     """Refuse a whole model's export whose config claims layers its tensors lack: transformers would load it
     with those layers freshly initialised, and say so only in a warning."""
     claims: list[tuple[str, int]] = []
-    _with_layers(hf_config, hf_config.get("model_type"), lambda count, key: claims.append((key, count)) or count)
+
+    def claim(count: int, key: str) -> int:
+        claims.append((key, count))
+        return count
+
+    _with_layers(hf_config, hf_config.get("model_type"), claim)
     have = reached(url, names)
     for key, count in claims:
         if count > have and key.rpartition(".")[0] in ("", "text_config"):  # the language model's own layers

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xla_shard.data.sft import Renderer, check_messages, common_prefix, kind_of
+from xla_shard.data.sft import Renderer, common_prefix, padded_example
 from xla_shard.data.tokenize import IGNORE, require_columns
 from xla_shard.errors import ConfigError
 
@@ -39,17 +39,11 @@ def examples(rows, tokenizer, fields: PreferenceFields, seq_len: int, pad: int, 
 
     def tokenize(row, index):
         prompt, chosen, rejected = encode(row, index)
-        if len(prompt) >= seq_len:
+        if len(prompt) >= seq_len:  # no completion token left: an empty row, dropped below
             return {"input_ids": [], "labels": [], "attention_mask": []}
-        out = {"input_ids": [], "labels": [], "attention_mask": []}
-        for completion in (chosen, rejected):
-            ids = (prompt + completion)[:seq_len]
-            labels = ([IGNORE] * len(prompt) + completion)[:seq_len]
-            fill = seq_len - len(ids)
-            out["input_ids"].append(ids + [pad] * fill)
-            out["labels"].append(labels + [IGNORE] * fill)
-            out["attention_mask"].append([1] * len(ids) + [0] * fill)
-        return out
+        pair = [padded_example((prompt + completion)[:seq_len], ([IGNORE] * len(prompt) + completion)[:seq_len],
+                               seq_len, pad) for completion in (chosen, rejected)]
+        return {key: [sequence[key] for sequence in pair] for key in pair[0]}
 
     tokenized = rows.map(tokenize, with_indices=True, remove_columns=rows.column_names, num_proc=num_proc)
     kept = tokenized.filter(lambda row: len(row["input_ids"]) == 2, num_proc=num_proc)
@@ -72,28 +66,8 @@ class _PairEncoder(Renderer):
         if chosen == rejected:
             raise ConfigError("data.rejected_field", f"{where}: {fields.chosen!r} and {fields.rejected!r} are the "
                                                      "same completion, so there is no preference to learn")
-        if all(isinstance(v, str) for v in (prompt, chosen, rejected)):
-            eos = self.tokenizer.eos_token
-            if eos is None:
-                raise ConfigError("data.kind", "preference rows end each completion with EOS, and the tokenizer "
-                                               f"({self.tokenizer.name_or_path}) has no EOS token")
-            chosen, rejected = (c if c.endswith(eos) else c + eos for c in (chosen, rejected))
-            prompt_ids = self.tokenizer(text=prompt)["input_ids"]
-            pairs = [self.tokenizer(text=prompt + c)["input_ids"] for c in (chosen, rejected)]
-        elif all(isinstance(v, list) for v in (prompt, chosen, rejected)):
-            if not self.tokenizer.chat_template:
-                raise ConfigError("data.kind", f"row {index} of {self.path} holds messages, which are rendered with "
-                                               "the tokenizer's chat template, and the tokenizer has none")
-            prompt = check_messages(prompt, "data.prompt_field", fields.prompt, self.path, index)
-            completions = [check_messages(c, key, field, self.path, index) for c, key, field in
-                           ((chosen, "data.chosen_field", fields.chosen),
-                            (rejected, "data.rejected_field", fields.rejected))]
-            prompt_ids = self.render(prompt, index, add_generation_prompt=True)["input_ids"]
-            pairs = [self.render(prompt + c, index)["input_ids"] for c in completions]
-        else:
-            raise ConfigError("data.prompt_field", f"{where}: {fields.prompt!r}, {fields.chosen!r} and "
-                                                   f"{fields.rejected!r} must all be text or all be lists of "
-                                                   f"messages, not {kind_of(prompt)}, {kind_of(chosen)} and "
-                                                   f"{kind_of(rejected)}")
+        prompt_ids, pairs = self.prompted(prompt, [(chosen, "data.chosen_field", fields.chosen),
+                                                   (rejected, "data.rejected_field", fields.rejected)],
+                                          index, "data.kind preference")
         start = min(common_prefix(prompt_ids, ids) for ids in pairs)  # TRL's rule
         return prompt_ids[:start], pairs[0][start:], pairs[1][start:]

@@ -100,12 +100,14 @@ def packed(rows, seq_len: int, pad_id: int, num_proc: int | None):
 
 def padded(rows, seq_len: int, pad_id: int, num_proc: int | None):
     """One example per row, padded to `seq_len`; the padding is masked and unlabelled."""
-    def pad(row):
-        fill = seq_len - len(row["input_ids"])
-        return {"input_ids": row["input_ids"] + [pad_id] * fill, "labels": row["labels"] + [IGNORE] * fill,
-                "attention_mask": [1] * len(row["input_ids"]) + [0] * fill}
+    return rows.map(lambda row: padded_example(row["input_ids"], row["labels"], seq_len, pad_id), num_proc=num_proc)
 
-    return rows.map(pad, num_proc=num_proc)
+
+def padded_example(ids: list[int], labels: list[int], seq_len: int, pad_id: int) -> dict[str, list[int]]:
+    """One example's ids, labels and attention mask padded to `seq_len`; the padding masked and unlabelled."""
+    fill = seq_len - len(ids)
+    return {"input_ids": ids + [pad_id] * fill, "labels": labels + [IGNORE] * fill,
+            "attention_mask": [1] * len(ids) + [0] * fill}
 
 
 def pad_id(tokenizer) -> int:
@@ -154,6 +156,41 @@ class Renderer:
         except Exception as exc:  # noqa: BLE001 - a template's raise_exception, or a jinja error: the user's to fix
             raise ConfigError("data.kind", f"{self.path}: row {index}: the chat template cannot render it: "
                                            f"{type(exc).__name__}: {one_line(exc)[:300]}") from None
+
+    def prompted(self, prompt, completions: list[tuple], index: int, kind: str,
+                 assistant_first: bool = False) -> tuple[list[int], list[list[int]]]:
+        """(the prompt's ids, the ids of prompt + each completion) as TRL tokenizes them: text with EOS added to
+        each completion that lacks it, or messages through the chat template (the prompt with its generation
+        prompt). `completions`: (value, config key, column) each; `assistant_first` refuses a completion whose
+        first message is not the assistant's. Text mixed with messages is one line naming the columns."""
+        fields = [self.fields.prompt, *(field for _, _, field in completions)]
+        values = [prompt, *(value for value, _, _ in completions)]
+        if all(isinstance(v, str) for v in values):
+            eos = self.tokenizer.eos_token
+            if eos is None:
+                raise ConfigError("data.kind", f"{kind} ends each completion with EOS, and the tokenizer "
+                                               f"({self.tokenizer.name_or_path}) has no EOS token")
+            ends = [v if v.endswith(eos) else v + eos for v in values[1:]]
+            return (self.tokenizer(text=prompt)["input_ids"],
+                    [self.tokenizer(text=prompt + end)["input_ids"] for end in ends])
+        if all(isinstance(v, list) for v in values):
+            if not self.tokenizer.chat_template:
+                raise ConfigError("data.kind", f"row {index} of {self.path} holds messages, which are rendered with "
+                                               "the tokenizer's chat template, and the tokenizer has none")
+            prompt = check_messages(prompt, "data.prompt_field", self.fields.prompt, self.path, index)
+            answers = [check_messages(value, key, field, self.path, index) for value, key, field in completions]
+            for answer, (_, key, _) in zip(answers, completions):
+                if assistant_first and answer[0]["role"] != "assistant":  # labels would start inside its header
+                    raise ConfigError(key, f"{self.path}: row {index}: the completion starts with a "
+                                           f"{answer[0]['role']!r} turn; a completion is the assistant's answer to "
+                                           "the prompt")
+            return (self.render(prompt, index, add_generation_prompt=True)["input_ids"],
+                    [self.render(prompt + answer, index)["input_ids"] for answer in answers])
+        each = "both" if len(values) == 2 else "all"
+        names = ", ".join(repr(f) for f in fields[:-1]) + f" and {fields[-1]!r}"
+        kinds = ", ".join(kind_of(v) for v in values[:-1]) + f" and {kind_of(values[-1])}"
+        raise ConfigError("data.prompt_field", f"{self.path}: row {index}: {names} must {each} be text or {each} be "
+                                               f"lists of messages, not {kinds}")
 
 
 class _ChatEncoder(Renderer):
@@ -210,32 +247,10 @@ class _ChatEncoder(Renderer):
 
 class _PromptCompletionEncoder(Renderer):
     def __call__(self, row, index: int) -> tuple[list[int], list[int]]:
-        prompt, completion = row[self.fields.prompt], row[self.fields.completion]
-        if isinstance(prompt, str) and isinstance(completion, str):
-            eos = self.tokenizer.eos_token
-            if eos is None:
-                raise ConfigError("data.kind", "prompt_completion ends each completion with EOS, and the tokenizer "
-                                               f"({self.tokenizer.name_or_path}) has no EOS token")
-            if not completion.endswith(eos):
-                completion += eos
-            prompt_ids = self.tokenizer(text=prompt)["input_ids"]
-            ids = self.tokenizer(text=prompt + completion)["input_ids"]
-        elif isinstance(prompt, list) and isinstance(completion, list):
-            if not self.tokenizer.chat_template:
-                raise ConfigError("data.kind", f"row {index} of {self.path} holds messages, which are rendered with "
-                                               "the tokenizer's chat template, and the tokenizer has none")
-            prompt = check_messages(prompt, "data.prompt_field", self.fields.prompt, self.path, index)
-            completion = check_messages(completion, "data.completion_field", self.fields.completion, self.path, index)
-            if completion[0]["role"] != "assistant":  # its labels would start inside the turn's header
-                raise ConfigError("data.completion_field", f"{self.path}: row {index}: the completion starts with a "
-                                                           f"{completion[0]['role']!r} turn; a completion is the "
-                                                           "assistant's answer to the prompt")
-            prompt_ids = self.render(prompt, index, add_generation_prompt=True)["input_ids"]
-            ids = self.render(prompt + completion, index)["input_ids"]
-        else:
-            raise ConfigError("data.prompt_field", f"{self.path}: row {index}: {self.fields.prompt!r} and "
-                                                   f"{self.fields.completion!r} must both be text or both be lists of "
-                                                   f"messages, not {kind_of(prompt)} and {kind_of(completion)}")
+        fields = self.fields
+        prompt_ids, (ids,) = self.prompted(row[fields.prompt], [(row[fields.completion], "data.completion_field",
+                                                                  fields.completion)], index, "prompt_completion",
+                                           assistant_first=True)
         start = common_prefix(prompt_ids, ids)  # where the completion's tokens start (TRL's rule)
         if not self.fields.completion_only:
             return ids, list(ids)
