@@ -254,10 +254,12 @@ def sgd_losses(model, source, lr: float, steps: int) -> list[float]:
 
 def run_trainings(root: Path, common: list[str], each: dict[str, list[str]], nproc: int = 0) -> dict[str, list[dict]]:
     """tests/workers/train_runs.py: each run of `each` ({name: its overrides, added to `common`}) trained in turn
-    in one fresh process (under torchrun when nproc > 0), into root/NAME; returns each run's metrics records."""
+    in one fresh process (under torchrun when nproc > 0), into root/NAME; returns each run's metrics records. The
+    process's log is left in root/train_runs.log."""
     root.mkdir(parents=True, exist_ok=True)
     runs = [[*overrides, f"output_dir={root / name}"] for name, overrides in each.items()]
-    run_worker("train_runs.py", *common, *runs_args(runs), nproc=nproc, cwd=root, timeout=900)
+    done = run_worker("train_runs.py", *common, *runs_args(runs), nproc=nproc, cwd=root, timeout=900)
+    (root / "train_runs.log").write_text(done.stderr)
     return {name: [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
             for name in each}
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import FIXTURES, backend_params, run_trainings, run_worker, runnable
+from conftest import FIXTURES, backend_params, run_in_process, run_trainings, run_worker, runnable
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from xla_shard import backends, config
@@ -164,15 +164,17 @@ def _run(name, reference_dir):
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", backend_params(list(BACKENDS)))
-def test_dpo_follows_trls_dpo_trainer(model_dirs, reference_dir, tmp_path, backend, trl_runs):
+def test_dpo_follows_trls_dpo_trainer(model_dirs, reference_dir, tmp_path, backend, trl_runs, capsys):
     """Conversational rows, every row in each step (so the order rows come in does not matter), SGD, evaluated
     on every row after step 3; one process for every run. With LoRA, step 1's loss is ln 2 (the adapters start
     at zero, so the policy is its reference); fully fine-tuned against another model, it is not. Either way the
     losses follow DPOTrainer's, and each step and the evaluation report TRL's metrics under TRL's names. A run
-    stopped after step 2 resumes exactly, its checkpoint holding the policy and nothing of the reference."""
+    sent SIGTERM as step 2 ends stops with a checkpoint holding the policy and nothing of the reference, and
+    resumes exactly; its last checkpoint exports as a model transformers loads."""
     sets, nproc = runnable(BACKENDS)[backend]
     ckpt = tmp_path / "ckpt"
-    interrupted = {"stopped": [*_run("full", reference_dir), "train.steps=2", f"checkpoint.dir={ckpt}"],
+    interrupted = {"stopped": [*_run("full", reference_dir), "sigterm_after=2", f"checkpoint.dir={ckpt}",
+                               "checkpoint.every_steps=100"],
                    "resumed": [*_run("full", reference_dir), f"checkpoint.dir={ckpt}"]}
     got = run_trainings(tmp_path, [*_common(model_dirs), *sets],
                         {**{name: _run(name, reference_dir) for name in RUNS}, **interrupted}, nproc=nproc)
@@ -185,9 +187,15 @@ def test_dpo_follows_trls_dpo_trainer(model_dirs, reference_dir, tmp_path, backe
 
     assert losses(got["stopped"] + got["resumed"]) == losses(got["full"])
     assert evaluations(got["resumed"]) == evaluations(got["full"])
-    manifest = json.loads((ckpt / "step-00000003" / "manifest.json").read_text())
+    assert "SIGTERM: stopped after step 2; checkpoint committed" in (tmp_path / "train_runs.log").read_text()
+    manifest = json.loads((ckpt / "step-00000002" / "manifest.json").read_text())
     policy = AutoModelForCausalLM.from_pretrained(model_dirs.llama_chat).state_dict()
     assert {n[len("model/"):] for n in manifest["tensors"] if n.startswith("model/")} == set(policy)
+    # The trained policy exports as a model transformers loads: the starting one's tensors, changed by training.
+    done = run_in_process(capsys, "ckpt", "export", str(ckpt / "step-00000003"), "--to", str(tmp_path / "export"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
+    assert set(exported) == set(policy) and not torch.equal(exported["lm_head.weight"], policy["lm_head.weight"])
     for name in RUNS:
         records = got[name]
         losses = [r["loss"] for r in records if "loss" in r]

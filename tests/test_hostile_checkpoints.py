@@ -177,13 +177,15 @@ def test_a_checkpoint_dir_named_like_a_glob_saves_resumes_and_exports(tmp_path, 
 
 
 # ---- the manifest's LoRA section is untrusted ----------------------------------------------------------
-def _lora_checkpoint(tmp_path: Path) -> Path:
+def _lora_checkpoint(tmp_path: Path, *sets: str) -> Path:
     from xla_shard.methods import adapter_for
 
-    adapter = adapter_for(config.load(None, ["model.lora.r=2", "model.lora.target_modules=[q_proj]"]))
+    sets = ("model.lora.r=2", "model.lora.target_modules=[q_proj]", *sets)
+    adapter = adapter_for(config.load(None, list(sets)))
     model = _model()
     adapter.materialize(model, adapter.inject(model, "causal_lm", seed=0))
-    ckpt = _checkpointer(tmp_path / "ckpt", "model.lora.r=2", "model.lora.target_modules=[q_proj]")
+    adapter.derive(model)
+    ckpt = _checkpointer(tmp_path / "ckpt", *sets)
     ckpt.trained_only = True
     ckpt.restore(model, None)
     ckpt.save(1, model, None)
@@ -214,6 +216,31 @@ def test_a_tampered_lora_section_is_refused_in_one_line(tmp_path, change, proble
         export(str(step), str(tmp_path / "out"), merge=merge)
     assert problem in str(refused.value) and "\n" not in str(refused.value)
     assert not (tmp_path / "out").exists()
+
+
+DORA = "model.lora.use_dora=true"
+MAGNITUDE = "model/model.layers.0.self_attn.q_proj.lora_magnitude_vector.default.weight"
+
+
+def _first_rows(tensor: dict, rows: int) -> None:
+    """A one-chunk float32 vector's manifest entry cut to its first `rows` entries, consistently."""
+    (chunk,) = tensor["chunks"]
+    tensor.update(shape=[rows], chunks=[{**chunk, "sizes": [rows], "end": chunk["start"] + 4 * rows}])
+
+
+@pytest.mark.parametrize("sets, change, problem", [
+    ([DORA], lambda m: m["config"]["model"]["lora"].update(use_dora=False), "holds DoRA magnitudes"),
+    ([], lambda m: m["config"]["model"]["lora"].update(use_dora=True), "has no magnitude"),
+    ([DORA], lambda m: _first_rows(m["tensors"][MAGNITUDE], 8), "not one magnitude per row of its lora_B"),
+])
+def test_dora_magnitudes_where_the_manifest_does_not_say_are_refused(tmp_path, sets, change, problem):
+    step = _lora_checkpoint(tmp_path, *sets)
+    _tamper(step, change)
+    for merge in (False, True):
+        with pytest.raises(UserError) as refused:
+            export(str(step), str(tmp_path / "out"), merge=merge)
+        assert problem in str(refused.value) and "\n" not in str(refused.value)
+        assert not (tmp_path / "out").exists()
 
 
 def test_a_full_fine_tune_relabelled_as_lora_is_refused(tmp_path):

@@ -6,7 +6,8 @@ import json
 
 import pytest
 import torch
-from conftest import FIXTURES, backend_params, run_cli, run_in_process, run_probe, runnable, sgd_losses
+from conftest import (FIXTURES, backend_params, run_cli, run_in_process, run_probe, run_trainings, runnable,
+                      sgd_losses)
 from transformers import AutoModelForCausalLM
 
 from xla_shard import backends, config
@@ -45,8 +46,10 @@ def peft_reference(model_dirs, args, steps: int, dtype=torch.float32) -> list[fl
     _, weights, _ = build_for(cfg)  # the adapters' initial values, as the run draws them from train.seed
     base = AutoModelForCausalLM.from_pretrained(model_dirs.llama, attn_implementation="eager", use_cache=False,
                                                 dtype=dtype)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    adapters = {f"base_model.model.{k}": v for k, v in weights.fresh.items()}
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                            use_dora=cfg.model.lora.use_dora))
+    # DoRA's magnitudes are peft's own, computed from the base it holds: the run derives its own on the device.
+    adapters = {f"base_model.model.{k}": v for k, v in weights.fresh.items() if ".lora_magnitude_vector." not in k}
     assert not model.load_state_dict(adapters, strict=False).unexpected_keys
     return sgd_losses(model, build(cfg, base.config, str(model_dirs.llama)).train, cfg.train.lr, steps)
 
@@ -72,6 +75,32 @@ def test_adapters_are_all_that_trains_and_the_base_is_read_under_its_stored_name
     assert all(torch.equal(v, again.fresh[n]) for n, v in weights.fresh.items())  # from train.seed
 
 
+def test_dora_adds_a_magnitude_per_row_derived_from_the_base_after_it_is_loaded(model_dirs):
+    """DoRA trains LoRA's matrices plus a magnitude per output row; until the base is in place it has no value
+    (NaN, so a path that forgot to derive it cannot train quietly), then each is its row's norm in the base."""
+    from xla_shard.methods import adapter_for
+
+    sets = [f"model.name={model_dirs.llama}", *LORA, "model.lora.target_modules=[q_proj, down_proj]",
+            "model.lora.use_dora=true"]
+    cfg = config.load(None, sets)
+    model, weights, _ = build_for(cfg)
+    trained = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
+    magnitudes = {n: s for n, s in trained.items() if ".lora_magnitude_vector.default." in n}
+    assert set(trained) == set(weights.fresh) and len(magnitudes) == 2 * 2  # 2 layers x (q, down)
+    base = dict(AutoModelForCausalLM.from_pretrained(model_dirs.llama).named_parameters())
+    for name, shape in magnitudes.items():
+        layer = name.split(".lora_magnitude_vector.")[0]
+        assert shape == (base[f"{layer}.weight"].shape[0],) and torch.isnan(weights.fresh[name]).all()
+    real, _, _ = build_for(config.load(None, [*sets, "model.init=random"]))
+    adapter_for(cfg).derive(real)
+    held = dict(real.named_parameters())
+    for name in magnitudes:
+        layer = name.split(".lora_magnitude_vector.")[0]
+        torch.testing.assert_close(held[name], held[f"{layer}.base_layer.weight"].norm(dim=1), rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="model.lora.use_dora with fsdp.scan_layers"):
+        config.load(None, [*sets, "fsdp.scan_layers=true"])
+
+
 def test_a_target_the_model_lacks_is_refused_naming_the_key(model_dirs):
     cfg = config.load(None, [f"model.name={model_dirs.llama}", *LORA, "model.lora.target_modules=[qkv_proj]"])
     with pytest.raises(ConfigError) as raised:
@@ -79,17 +108,26 @@ def test_a_target_the_model_lacks_is_refused_naming_the_key(model_dirs):
     assert raised.value.key == "model.lora.target_modules" and "qkv_proj" in str(raised.value)
 
 
+METHODS = {"lora": [], "dora": ["model.lora.use_dora=true"]}  # DoRA: LoRA plus a trained magnitude per row
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", backend_params(list(BACKENDS)))
-def test_lora_training_follows_peft_and_plain_transformers(model_dirs, tmp_path, backend):
+def test_lora_and_dora_training_follow_peft_and_plain_transformers(model_dirs, tmp_path, backend):
+    """Both in one process. DoRA's magnitudes start from the sharded base's row norms, derived on the device
+    after the load; peft computes its own from the base it holds."""
     sets, nproc = runnable(BACKENDS)[backend]
-    args = _common(model_dirs, *sets)
-    log, records = _train(args, tmp_path / "run", nproc, 3)
+    args = _common(model_dirs, *sets, "train.steps=3")
+    got = run_trainings(tmp_path, args, METHODS, nproc=nproc)
+    log = (tmp_path / "train_runs.log").read_text()
     assert "LoRA matrices initialised from train.seed" in log and "the rest frozen" in log
-    want = peft_reference(model_dirs, args, 3)
-    assert [r["loss"] for r in records] == pytest.approx(want, rel=1e-5), (backend, records, want)
-    assert want[-1] < want[0]
+    assert "DoRA matrices initialised from train.seed, each magnitude then from its row's norm in the base" in log
+    for method, sets in METHODS.items():
+        want = peft_reference(model_dirs, [*args, *sets], 3)
+        assert [r["loss"] for r in got[method]] == pytest.approx(want, rel=1e-5), (backend, method, got, want)
+        assert want[-1] < want[0]
+    assert [r["loss"] for r in got["dora"]] != [r["loss"] for r in got["lora"]]
 
 
 @pytest.mark.e2e
@@ -125,41 +163,53 @@ def test_optimizer_state_and_gradients_are_the_adapters_only(model_dirs, tmp_pat
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_checkpoints_hold_the_adapters_resume_exactly_and_export_for_peft(model_dirs, tmp_path, capsys):
+    """For LoRA and DoRA, in one process: checkpoints hold only what trains (DoRA's magnitudes too, which a
+    resume reads back instead of deriving them again), resume exactly, and export an adapter directory peft
+    loads, or with --merge a model whose logits are the adapted model's."""
+    sets, nproc = BACKENDS["torch_fsdp"]
+    runs = {}
+    for method, extra in METHODS.items():
+        ckpt = f"checkpoint.dir={tmp_path / method / 'ckpt'}"
+        runs[method] = [*extra, "train.steps=4", f"checkpoint.dir={tmp_path / 'straight' / method}"]
+        runs[f"{method}-stopped"] = [*extra, "train.steps=2", ckpt]
+        runs[f"{method}-resumed"] = [*extra, "train.steps=4", ckpt]
+    got = run_trainings(tmp_path, _common(model_dirs, *sets, "checkpoint.every_steps=2"), runs, nproc=nproc)
+    assert "resumed the trained parameters" in (tmp_path / "train_runs.log").read_text()
+    for method in METHODS:
+        straight = [(r["step"], r["loss"]) for r in got[method]]
+        assert [(r["step"], r["loss"]) for r in got[f"{method}-stopped"] + got[f"{method}-resumed"]] == straight
+        _exports_load_in_peft(model_dirs, tmp_path / "straight" / method / "step-00000004", tmp_path / method,
+                              capsys)
+
+
+def _exports_load_in_peft(model_dirs, checkpoint, out, capsys):
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    sets, nproc = BACKENDS["torch_fsdp"]
-    args = _common(model_dirs, *sets, "checkpoint.every_steps=2")
-    _, straight = _train(args, tmp_path / "a", nproc, 4, f"checkpoint.dir={tmp_path / 'a' / 'ckpt'}")
-    _train(args, tmp_path / "b", nproc, 2, f"checkpoint.dir={tmp_path / 'b' / 'ckpt'}")
-    log, resumed = _train(args, tmp_path / "b", nproc, 4, f"checkpoint.dir={tmp_path / 'b' / 'ckpt'}")
-    assert "resumed the trained parameters" in log
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]  # metrics.jsonl keeps steps 1-2
-
-    checkpoint = tmp_path / "a" / "ckpt" / "step-00000004"
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     model_tensors = sorted(n for n in manifest["tensors"] if n.startswith("model/"))
     assert model_tensors and all(".lora_" in n for n in model_tensors)
 
-    out = tmp_path / "adapter"
-    done = run_in_process(capsys, "ckpt", "export", str(checkpoint), "--to", str(out))
+    done = run_in_process(capsys, "ckpt", "export", str(checkpoint), "--to", str(out / "adapter"))
     assert done.returncode == 0, done.stderr[-2000:]
-    assert sorted(p.name for p in out.iterdir()) >= ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in (out / "adapter").iterdir()) >= ["adapter_config.json", "adapter_model.safetensors"]
     base = AutoModelForCausalLM.from_pretrained(model_dirs.llama, attn_implementation="eager")
     ids = torch.randint(3, 300, (2, 16))
     with torch.no_grad():
         plain = base(input_ids=ids).logits
-    loaded = PeftModel.from_pretrained(base, out).eval()
-    stored = load_file(out / "adapter_model.safetensors")
+    loaded = PeftModel.from_pretrained(base, out / "adapter").eval()
+    stored = load_file(out / "adapter" / "adapter_model.safetensors")
     state = loaded.state_dict()
+    assert len(stored) == len(model_tensors)
     for key, value in stored.items():
         name = key.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")
+        name = name.replace(".lora_magnitude_vector", ".lora_magnitude_vector.default.weight")
         assert torch.equal(state[name], value), key
     with torch.no_grad():
         adapted = loaded(input_ids=ids).logits
     assert not torch.allclose(adapted, plain)  # trained adapters change the outputs
 
-    merged_dir = tmp_path / "merged"
+    merged_dir = out / "merged"
     done = run_in_process(capsys, "ckpt", "export", str(checkpoint), "--to", str(merged_dir), "--merge")
     assert done.returncode == 0, done.stderr[-2000:]
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, attn_implementation="eager").eval()

@@ -273,6 +273,7 @@ def load_model(cfg, backend) -> nn.Module:
     wrapped = backend.wrap(model)
     if weights is not None:
         weights.load(backend, wrapped)
+    adapter_for(cfg).derive(wrapped)
     return wrapped
 
 

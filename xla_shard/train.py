@@ -245,6 +245,8 @@ class Trainer:
             if self.adapter.freezes_base and backend.processes.is_main:  # the base the adapters will be trained on
                 self.checkpointer.base = weights.identity()
             self._load_pretrained(weights, model_class)
+        if not self.start_step and not backend.placeholders:  # a resume read them from its checkpoint
+            self.adapter.derive(self.model)
         if self.objective.reference_directory:
             self.objective.use_reference(self._reference_model(model.config))
         return self
@@ -312,7 +314,7 @@ class Trainer:
         adapters = len(report.fresh) - len(head)
         self._log(f"model: {model_class}, pretrained weights from {weights.source.directory}"
                   + (f"; new head {', '.join(head)} initialised from train.seed" if head else "")
-                  + (f"; {adapters} {self.adapter.added} initialised from train.seed" if adapters else "")
+                  + (f"; {adapters} {self.adapter.added}" if adapters else "")
                   + (f"; {len(report.skipped)} stored tensor(s) not used ({', '.join(report.skipped[:4])}"
                      f"{', ...' if len(report.skipped) > 4 else ''})" if report.skipped else ""))
         # Every process reports its own reads: the point is that each reads only its part.

@@ -2,12 +2,13 @@
 
 peft's `save_pretrained` writes `adapter_config.json` (the LoraConfig, with the base model and task) and
 `adapter_model.safetensors`, whose keys are the parameter names under `base_model.model.` with the adapter name
-dropped (`...q_proj.lora_A.weight`; a module trained whole: `score.weight`). Written here from the manifest
-alone, tensor by tensor, as full exports are.
+dropped (`...q_proj.lora_A.weight`; DoRA's magnitudes: `...q_proj.lora_magnitude_vector`; a module trained whole:
+`score.weight`). Written here from the manifest alone, tensor by tensor, as full exports are.
 
 `Merge` is the other export, peft's `merge_and_unload` done tensor by tensor: every weight of the base model
-directory, with `alpha / r * B @ A` added where an adapter sits and the trained copy of a module trained whole
-in place of the stored one, in the stored dtype.
+directory, with `alpha / r * B @ A` added where an adapter sits (under DoRA, each row of the sum then scaled to
+its trained magnitude) and the trained copy of a module trained whole in place of the stored one, in the stored
+dtype.
 """
 
 from __future__ import annotations
@@ -28,22 +29,25 @@ WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
 _TASKS = {"causal_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS"}
 _RECORDED = ("r", "alpha", "dropout", "target_modules")  # written since model.lora exists; newer keys may be absent
+MAGNITUDE = ".lora_magnitude_vector."  # DoRA's per-row magnitude, beside a layer's lora_A and lora_B
 
 
 def key(name: str) -> str:
     """`model/<param>` -> the key peft stores it under."""
     param = name[len("model/"):].replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
-    param = param.replace(".modules_to_save.default.", ".")
+    param = param.replace(".modules_to_save.default.", ".").replace(f"{MAGNITUDE}default.weight", MAGNITUDE[:-1])
     return f"base_model.model.{param}"
 
 
 def recorded_adapter(manifest, names: list[str]) -> LoraSection | None:
     """The run's `model.lora` as its manifest records it, None for a full fine-tune; checked as untrusted input:
     by the config schema, and against the tensors the checkpoint holds (adapters exactly where it says: every
-    `lora_A` with its `lora_B` of rank `r`, nothing but adapters and modules trained whole)."""
+    `lora_A` with its `lora_B` of rank `r`, under DoRA a magnitude per row of B, nothing but adapters and modules
+    trained whole)."""
     model = (manifest.data.get("config") or {}).get("model")
     raw = model.get("lora") if isinstance(model, dict) else None
     adapters = [n for n in names if ".lora_A." in n or ".lora_B." in n]
+    magnitudes = [n for n in names if MAGNITUDE in n]
     where = f"{manifest.url}: the manifest's config.model.lora"
     if raw is None:
         if adapters:
@@ -60,7 +64,7 @@ def recorded_adapter(manifest, names: list[str]) -> LoraSection | None:
         field = ".".join(str(p) for p in error["loc"])
         raise CheckpointError(f"{where}{'.' + field if field else ''}: {error['msg']} (the manifest was "
                               "altered or is not xla_shard's)") from None
-    others = [n for n in names if n not in adapters and ".modules_to_save.default." not in n]
+    others = [n for n in names if n not in adapters and n not in magnitudes and ".modules_to_save.default." not in n]
     if others:
         raise CheckpointError(f"{where} says LoRA, but the checkpoint holds full model weights ({others[0]}): "
                               "it is a full fine-tune's checkpoint with an altered manifest")
@@ -76,7 +80,28 @@ def recorded_adapter(manifest, names: list[str]) -> LoraSection | None:
         if len(shape) != 2 or rank != section.r:
             raise CheckpointError(f"{manifest.url}: {name} is {shape}, not a rank-{section.r} adapter as "
                                   "config.model.lora.r says")
+    _check_magnitudes(manifest, section, adapters, magnitudes)
     return section
+
+
+def _check_magnitudes(manifest, section: LoraSection, adapters: list[str], magnitudes: list[str]) -> None:
+    """DoRA's magnitudes exactly where the manifest's use_dora says: one per adapted layer, one per row of B."""
+    rows = {n.split(".lora_B.")[0]: manifest.tensors[n]["shape"][0] for n in adapters if ".lora_B." in n}
+    held = {n.split(MAGNITUDE)[0]: manifest.tensors[n]["shape"] for n in magnitudes}
+    where = f"{manifest.url}: the manifest's config.model.lora.use_dora is {str(section.use_dora).lower()}"
+    if not section.use_dora and held:
+        raise CheckpointError(f"{where}, yet the checkpoint holds DoRA magnitudes ({magnitudes[0]}): the manifest "
+                              "was altered")
+    if not section.use_dora:
+        return
+    for layer, out in rows.items():
+        if layer not in held:
+            raise CheckpointError(f"{where}, yet {layer} has no magnitude ({layer}{MAGNITUDE}default.weight)")
+        if held[layer] != [out]:
+            raise CheckpointError(f"{manifest.url}: {layer}{MAGNITUDE}default.weight is {held[layer]}, not one "
+                                  f"magnitude per row of its lora_B ([{out}])")
+    for layer in sorted(set(held) - set(rows)):
+        raise CheckpointError(f"{manifest.url}: {layer}{MAGNITUDE}default.weight is a magnitude with no adapter")
 
 
 def config_json(lora: LoraSection, model: dict[str, Any], names: list[str], base: str) -> bytes:
@@ -88,7 +113,8 @@ def config_json(lora: LoraSection, model: dict[str, Any], names: list[str], base
     try:
         config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                             target_modules=lora.target_modules, modules_to_save=whole or None,
-                            task_type=_TASKS.get(model.get("task")), base_model_name_or_path=base)
+                            task_type=_TASKS.get(model.get("task")), base_model_name_or_path=base,
+                            use_dora=lora.use_dora)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"the manifest's model.lora section is not a LoRA config peft accepts: {exc}") from None
     fields = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.to_dict().items()}  # JSON has no sets
@@ -108,11 +134,14 @@ class Merge:
         self.checkpoint, self.checkpoint_manifest = checkpoint, manifest
         self.scaling = lora.alpha / lora.r
         self.adapters: dict[str, tuple[str, str]] = {}  # "model/<layer>.weight" -> (A, B) checkpoint names
+        self.magnitudes: dict[str, str] = {}  # "model/<layer>.weight" -> its DoRA magnitude's checkpoint name
         self.whole: dict[str, str] = {}  # "model/<module>.<param>" -> the trained copy's checkpoint name
         for name in names:
             if ".lora_A.default." in name:
                 layer = name.split(".lora_A.default.")[0]
                 self.adapters[f"{layer}.weight"] = (name, name.replace(".lora_A.", ".lora_B."))
+                if lora.use_dora:
+                    self.magnitudes[f"{layer}.weight"] = f"{layer}{MAGNITUDE}default.weight"
             elif ".modules_to_save.default." in name:
                 self.whole[name.replace(".modules_to_save.default.", ".")] = name
         absent = sorted(set(self.adapters) - set(self.names)) + sorted(set(self.whole) - set(self.names))
@@ -132,13 +161,16 @@ class Merge:
         if name not in self.adapters:
             return tensor
         a, b = (self._read(n).float() for n in self.adapters[name])
-        delta = self.scaling * (b @ a)
-        if name in self.transposed:  # GPT-2's Conv1D stores [in, out]
-            delta = delta.T
-        if delta.shape != tensor.shape:
-            raise CheckpointError(f"the adapter of {name[len('model/'):]} is {list(delta.shape)}, the stored weight "
-                                  f"{list(tensor.shape)}: not the model this run adapted")
-        return (tensor.float() + delta).to(tensor.dtype)
+        transposed = name in self.transposed  # GPT-2's Conv1D stores [in, out]
+        weight = tensor.float().T if transposed else tensor.float()
+        if (b.shape[0], a.shape[1]) != weight.shape:
+            raise CheckpointError(f"the adapter of {name[len('model/'):]} is {[b.shape[0], a.shape[1]]}, the stored "
+                                  f"weight {list(tensor.shape)}: not the model this run adapted")
+        merged = weight + self.scaling * (b @ a)
+        if name in self.magnitudes:  # DoRA: each row of the sum scaled to its magnitude, as peft merges it
+            magnitude = self._read(self.magnitudes[name]).float()
+            merged = merged * (magnitude / torch.linalg.vector_norm(merged, dim=1)).unsqueeze(1)
+        return (merged.T if transposed else merged).to(tensor.dtype)
 
 
 def _conv1d_layers(manifest, weights: list[str]) -> set[str]:

@@ -113,6 +113,7 @@ FOREIGN_NAMES = {  # name: (our key, whose name it is, what differs)
     "lora_alpha": ("model.lora.alpha", _PEFT, ""),
     "lora_dropout": ("model.lora.dropout", _PEFT, ""),
     "lora_r": ("model.lora.r", _PEFT, ""),
+    "use_dora": ("model.lora.use_dora", _PEFT, ""),
 }
 
 

@@ -198,6 +198,9 @@ class LoraSection(_Section):
     # The frozen weights' dtype: bfloat16 halves their memory and runs the base in bf16, while the adapters
     # (and modules_to_save) stay float32, computed in float32 (peft casts their input).
     base_dtype: Literal["float32", "bfloat16"] = "float32"
+    # DoRA (peft's use_dora): each adapted layer also trains one magnitude per output row, which starts as that
+    # row's norm in the base weight; the adapters then set each row's direction.
+    use_dora: bool = False
 
     @field_validator("target_modules")
     @classmethod
@@ -584,6 +587,9 @@ class ShardConfig(_Section):
         changed = [key for key, value in self.dpo if value != DpoSection.model_fields[key].default]
         if self.data.kind != "preference" and changed:
             raise ValueError(f"dpo.{changed[0]} applies to data.kind preference; data.kind is {self.data.kind}")
+        if self.model.lora is not None and self.model.lora.use_dora and self.fsdp.scan_layers:
+            raise ValueError("model.lora.use_dora with fsdp.scan_layers: DoRA's magnitudes start from each "
+                             "layer's weights, which a scanned model holds stacked; drop one of them")
         if self.data.kind != "text" and self.model.task != "causal_lm":
             raise ValueError(f"data.kind {self.data.kind} trains a causal LM on answers; model.task is "
                              f"{self.model.task} (its rows are data.text_fields and data.label_field)")

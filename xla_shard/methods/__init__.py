@@ -1,4 +1,4 @@
-"""The room for fine-tuning methods: how the model is changed (`Adapter`: full fine-tuning, LoRA) and what a
+"""The room for fine-tuning methods: how the model is changed (`Adapter`: full fine-tuning, LoRA, DoRA) and what a
 step computes and evaluation reports (`Objective`: the model's own loss, one of yours, DPO).
 
 The trainer, the pretrained loader, the planner, the backends and a loop of your own ask `adapter_for(cfg)`
@@ -13,7 +13,12 @@ from xla_shard.methods.objective import Objective
 
 
 def adapter_for(cfg) -> Adapter:
-    """The adapter `cfg` fine-tunes with: LoRA (`model.lora`), or none (every parameter trains)."""
+    """The adapter `cfg` fine-tunes with: DoRA (`model.lora.use_dora`), LoRA (`model.lora`), or none (every
+    parameter trains)."""
+    if cfg.model.lora is not None and cfg.model.lora.use_dora:
+        from xla_shard.methods.dora import Dora
+
+        return Dora(cfg.model.lora)
     if cfg.model.lora is not None:
         from xla_shard.methods.lora import Lora
 

@@ -18,7 +18,7 @@ class Adapter:
     """Full fine-tuning: every parameter trains, under the name the model directory stores it by."""
 
     freezes_base = False  # frozen parameters exist: checkpoints leave them out, a resume reads them again
-    added = "adapter parameters"  # what the parameters it adds are called in the log
+    added = "adapter parameters initialised from train.seed"  # what the log says of the parameters it adds
     switches_off = False  # whether `switched_off` gives the model it was changed from
 
     def inject(self, model: nn.Module, task: str, seed: int) -> dict[str, torch.Tensor]:
@@ -28,6 +28,10 @@ class Adapter:
 
     def materialize(self, model: nn.Module, values: dict[str, torch.Tensor]) -> None:
         """Give a model built for real (random init, not on the meta device) the added parameters' values."""
+
+    def derive(self, model: nn.Module) -> None:
+        """Set the added parameters whose first values come from the base weights, once those are in place in
+        `model` (wrapped and loaded, or randomly initialised): never on a resume, whose checkpoint holds them."""
 
     def switched_off(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """A context in which `model` computes as the model it was changed from (a DPO reference with no copy

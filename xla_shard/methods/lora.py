@@ -39,7 +39,8 @@ def peft_config(section: LoraSection, modules_to_save: list[str]):
     from peft import LoraConfig
 
     return LoraConfig(r=section.r, lora_alpha=section.alpha, lora_dropout=section.dropout,
-                      target_modules=section.target_modules, modules_to_save=modules_to_save or None)
+                      target_modules=section.target_modules, modules_to_save=modules_to_save or None,
+                      use_dora=section.use_dora)
 
 
 def head_modules(model: nn.Module) -> list[str]:
@@ -208,7 +209,7 @@ class Lora(Adapter):
 
     freezes_base = True
     switches_off = True
-    added = "LoRA matrices"
+    added = "LoRA matrices initialised from train.seed"
 
     def __init__(self, section: LoraSection):
         self.section = section
