@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli, run_worker, runs_args
+from conftest import FIXTURES, REPO, run_cli, run_worker, runs_args
 from model_dirs import moe_dir
 
 from xla_shard.aot import target
@@ -171,6 +171,26 @@ def test_the_planner_is_held_to_the_tpu_compiler(tmp_path):
             assert abs(got[kind] - want) <= 0.05 * max(want, got[kind]) or (kind == "all-reduce" and want == 0
                                                                                and got[kind] < 0.01 * held), \
                 (triple, kind, got[kind], want)
+
+
+@pytest.mark.e2e
+def test_a_dpo_step_compiles_with_its_reference_model_sharded_as_the_policy(model_dirs, tmp_path):
+    """DPO on a v5p-8, fully fine-tuned (its reference: a second copy of the starting weights, built beside the
+    policy and never read in a trace: reading it into placeholders crashed the process) and with LoRA (its
+    reference: the policy with its adapters off, nothing held). The trace shards the reference as it shards the
+    policy, and the compiled program takes those shards as arguments. (The planner's 2% is held on lane-aligned
+    shapes, as the tests above hold it: this fixture's 64-wide tensors take twice their bytes in the TPU's
+    128-lane tiles.)"""
+    pytest.importorskip("jax")
+    runs = [[], ["model.lora.r=4"]]
+    results = _traces("v5p-8", f"model.name={model_dirs.llama_chat}", "data.kind=preference",
+                      f"data.path={FIXTURES / 'preference_chat.jsonl'}", "train.global_batch_size=4",
+                      "train.seq_len=64", runs=runs, cwd=tmp_path)
+    for run, result in zip(runs, results):
+        compiled = result["placeholders"]
+        parameters, optimizer, batch, reference = compiled["traced"]
+        assert reference == (0 if run else parameters), run
+        assert compiled["memory"][0] >= parameters + optimizer + batch + reference, run
 
 
 @pytest.mark.e2e

@@ -5,9 +5,10 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
-from conftest import REPO, _env, run_in_process, run_worker, runs_args
+from conftest import FIXTURES, REPO, _env, run_in_process, run_worker, runs_args
 
 from xla_shard import config, plan
 from xla_shard.backends.torch_fsdp import TorchFsdpBackend
@@ -188,6 +189,35 @@ def test_rows_the_cost_model_cannot_tell_apart_are_ranked_by_memory_and_compute_
     memory = [float(row[5]) for row in rows if row[1].strip() == "1"]
     assert len(memory) > 1 and memory == sorted(memory)
     assert f"the pick for xla_spmd, {ranked.best.triple}" in done.stdout
+
+
+def test_dpo_plans_both_completions_the_reference_forward_and_the_reference_model_it_holds(model_dirs):
+    """A preference row is two sequences in one forward; the reference adds a forward without gradient that
+    gathers its parameters again, and, unless it is the policy with its adapters off, a frozen model held
+    sharded beside the policy: the policy's own size when it is the starting weights, the size of
+    dpo.reference's model when that names one."""
+    from xla_shard.planner import collectives
+
+    base = [f"model.name={model_dirs.llama_chat}", "train.seq_len=64", "train.global_batch_size=8",
+            f"data.path={FIXTURES / 'preference_chat.jsonl'}"]
+    dpo = [*base, "data.kind=preference"]
+    caps, triple = TorchFsdpBackend.capabilities, Triple(4, 4, 4, 4)
+    sft, full = (workload(config.load(None, sets), 4, caps) for sets in (base, dpo))
+    lora = workload(config.load(None, [*dpo, "model.lora.r=4"]), 4, caps)
+    other = workload(config.load(None, [*dpo, "dpo.reference=tiny-llama"]), 4, caps)
+    assert full.tokens_per_device == 2 * sft.tokens_per_device
+    assert full.flops_per_token == pytest.approx(sft.flops_per_token * 4 / 3)
+    assert (full.reference_params, lora.reference_params) == (sft.params, 0)
+    assert other.reference_params == workload(config.load(None, ["model=tiny-llama"]), 4, caps).params
+    sft_memory, full_memory, lora_memory = (planner_memory(w, triple) for w in (sft, full, lora))
+    assert full_memory["params"] == 2 * sft_memory["params"]  # fp32 policy + fp32 reference, each sharded 4-way
+    assert lora_memory["params"] == planner_memory(replace(lora, reference_forwards=0), triple)["params"]
+    for kind in ("activations", "logits"):
+        assert full_memory[kind] == 2 * sft_memory[kind]
+    for work, held in ((full, full.params), (lora, lora.params), (other, other.reference_params)):
+        (gather,) = [x for x in collectives(work, triple, 4) if x.name == "reference"]
+        assert (gather.op, gather.size, gather.tensor_bytes) == ("all-gather", 4, 4 * held)
+    assert not [x for x in collectives(sft, triple, 4) if x.name == "reference"]
 
 
 def test_on_a_multi_slice_pod_the_slices_take_the_outermost_mesh_axes():

@@ -258,7 +258,7 @@ class Trainer:
         model, weights = reference_model(self.cfg, self.objective, policy_config, accelerator=backend.accelerator,
                                          capabilities=backend.capabilities, empty=backend.placeholders)
         wrapped = backend.wrap(model)
-        if weights is not None:
+        if weights is not None and not backend.placeholders:  # a trace reads no value: nothing to load
             report = weights.load(backend, wrapped)
             self._log(f"reference model: {self.objective.reference_directory}, frozen, sharded as the policy "
                       f"({report.describe()})")

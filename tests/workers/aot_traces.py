@@ -21,7 +21,7 @@ from xla_shard.planner.settle import settle
 def compiled(cfg, tpu, placeholders: bool) -> dict:
     traced = trace.trace(cfg, tpu, placeholders=placeholders)
     program = tpu.compile(traced.proto)
-    return {"traced": [traced.parameters, traced.optimizer_state, traced.batch],
+    return {"traced": [traced.parameters, traced.optimizer_state, traced.batch, traced.reference],
             "memory": [program.argument_bytes, program.output_bytes, program.temp_bytes],
             "flops": program.flops, "collectives": hlo.collective_totals(program.hlo_text, traced.loop_trips),
             "kernels": traced.kernels}

@@ -36,8 +36,9 @@ class Report:
     def consumers(self) -> dict[str, int]:
         """Bytes per device by what holds them, largest first."""
         t, c = self.trace, self.compiled
-        other_args = max(0, c.argument_bytes - t.parameters - t.optimizer_state - t.batch)
+        other_args = max(0, c.argument_bytes - t.parameters - t.optimizer_state - t.batch - t.reference)
         parts = {"parameters": t.parameters, "optimizer state": t.optimizer_state, "batch": t.batch + other_args,
+                 **({"reference model (frozen parameters)": t.reference} if t.reference else {}),
                  "temporaries (activations, gradients, gathered parameters)": c.temp_bytes,
                  "outputs not written in place": max(0, c.output_bytes - t.updated), "code": c.code_bytes}
         return dict(sorted(parts.items(), key=lambda kv: -kv[1]))
@@ -137,7 +138,8 @@ class Refused:
     @property
     def consumers(self) -> dict[str, int]:
         t = self.trace
-        parts = {"parameters": t.parameters, "optimizer state": t.optimizer_state, "batch": t.batch}
+        parts = {"parameters": t.parameters, "optimizer state": t.optimizer_state, "batch": t.batch,
+                 **({"reference model (frozen parameters)": t.reference} if t.reference else {})}
         if self.verdict.temporaries is not None:
             parts["temporaries (activations, gradients, gathered parameters)"] = self.verdict.temporaries
         if self.verdict.allocation:

@@ -37,6 +37,7 @@ class Trace:
     updated: int  # of those, what the step writes back in place (trained parameters, optimizer state)
     model_flops: float  # per step, all devices: PaLM's count, as the trainer's MFU
     loop_trips: int = 1  # iterations of the program's loops: the scanned layers (1: no loop)
+    reference: int = 0  # bytes per device of a frozen reference model's parameters (DPO's), an argument too
 
     @property
     def kernels(self) -> int:
@@ -81,14 +82,15 @@ def trace(cfg: ShardConfig, tpu: compiler.Slice, placeholders: bool = True) -> T
         states = [v for s in trainer.optimizer.state.values() for v in s.values()
                   if isinstance(v, torch.Tensor) and v.device.type == "xla"]
         # Measured before tracing, from the shardings (no data read: that would run the pending step).
-        sizes = [sum(_device_bytes(t) for t in tensors) for tensors in (params, states, trained)]
+        frozen = [] if trainer.objective.reference is None else list(trainer.objective.reference.parameters())
+        sizes = [sum(_device_bytes(t) for t in tensors) for tensors in (params, states, trained, frozen)]
         stacked = xla_scan.stacked_parameters(trainer.model)
         trips = next(iter(stacked)).shape[0] if stacked else 1
         with compiler.kernels_lowered_for(tpu):
             proto = backend.traced_program(lambda: trainer.step(1), lambda: [*trained, *states])
         tokens = cfg.train.global_batch_size * cfg.train.seq_len * trainer.objective.sequences_per_row
         return Trace(proto, backend.num_devices, str(backend.plan), sizes[0], sizes[1], batch // backend.num_devices,
-                     sizes[2] + sizes[1], trainer.flops_per_token * tokens, trips)
+                     sizes[2] + sizes[1], trainer.flops_per_token * tokens, trips, sizes[3])
 
 
 def _device_bytes(tensor: torch.Tensor) -> int:

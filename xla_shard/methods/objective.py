@@ -25,6 +25,7 @@ class Objective:
     # to `use_reference` (DPO's reference model); None: nothing. `reference_key`: the config key that names it.
     reference_directory: str | None = None
     reference_key: str | None = None
+    reference: nn.Module | None = None  # that model, once `use_reference` gave it
 
     def use_reference(self, model: nn.Module) -> None:
         """The frozen model built from `reference_directory`, on its devices and in eval mode."""

@@ -80,13 +80,30 @@ def embedding_params(model) -> int:
                if isinstance(m, nn.Embedding) and id(m.weight) not in elsewhere)
 
 
+def _reference_params(cfg, objective, policy_params: int) -> int:
+    """The parameters of the objective's reference model held beside the policy (built on the meta device), 0
+    when it holds none (the policy with its adapters switched off)."""
+    import torch
+
+    from xla_shard.models import build_model
+
+    directory = objective.reference_directory
+    if directory is None:
+        return 0
+    if directory == cfg.model.name:  # the policy's starting weights: a second copy of the same model
+        return policy_params
+    with torch.device("meta"):
+        model = build_model(cfg.model.model_copy(update={"name": directory, "lora": None}), cfg.train.seed)
+    return sum(p.numel() for p in model.parameters())
+
+
 def workload(cfg, devices: int, capabilities: Capabilities) -> Workload:
     """The step of a config, from its model built on the meta device (no memory, nothing downloaded), as the
     backend with `capabilities` runs it (per-tensor gathers skip the embedding in backward and reduce gradients
     at every micro-batch; FSDP wrappers gather whole units and reduce once)."""
     import torch
 
-    from xla_shard.methods import adapter_for
+    from xla_shard.methods import adapter_for, objective_for
     from xla_shard.metrics import train_flops_per_token
     from xla_shard.models import build_model
     from xla_shard.wrap import wrap_targets
@@ -94,7 +111,8 @@ def workload(cfg, devices: int, capabilities: Capabilities) -> Workload:
     with torch.device("meta"):
         model = build_model(cfg.model, cfg.train.seed)
     config = model.config
-    tokens = cfg.train.global_batch_size * cfg.train.seq_len // devices
+    objective = objective_for(cfg)
+    tokens = cfg.train.global_batch_size * cfg.train.seq_len * objective.sequences_per_row // devices
     params = sum(p.numel() for p in model.parameters())
     units = len(wrap_targets(model, cfg.fsdp)) + 1
     flops = train_flops_per_token(model, cfg.train.seq_len)
@@ -103,7 +121,11 @@ def workload(cfg, devices: int, capabilities: Capabilities) -> Workload:
     trained, frozen_bytes = adapter.trained_parameters(model, cfg.model.task), adapter.frozen_bytes
     if trained is not None:  # counted on the meta device: nothing allocated
         flops -= 2 * max(0, params - trained)  # backward computes no weight gradient for the frozen base
+    # A forward without backward is a third of a training step's FLOPs (as the trainer counts them for MFU).
+    flops *= 1 + objective.forwards_without_grad / 3
     return Workload(params=params, units=units, trained_params=trained, frozen_bytes=frozen_bytes,
+                    reference_params=_reference_params(cfg, objective, params),
+                    reference_forwards=objective.forwards_without_grad,
                     embedding_params=embedding,
                     grad_reductions=cfg.train.grad_accum_steps if capabilities.reduces_every_micro_batch else 1,
                     flops_per_token=flops, tokens_per_device=max(1, tokens),

@@ -56,6 +56,12 @@ class Workload:
     trained_params: int | None = None
     frozen_bytes: int = 4
     vocab: int = 0  # a causal LM's logits per token (0: a classifier's few labels, left out)
+    # A frozen reference model (DPO's): the parameters of one held beside the policy, sharded as its parameters
+    # are (0: none held, as when it is the policy with its adapters off), and the forwards per micro-batch it
+    # runs without gradient, each gathering its parameters (the policy's when none is held). Its FLOPs are in
+    # flops_per_token; its activations and logits live only inside its forward and are left out.
+    reference_params: int = 0
+    reference_forwards: int = 0
 
     @property
     def trained(self) -> int:
@@ -81,7 +87,7 @@ class Collective:
     """One kind of collective in a step: over groups of `size` devices `stride` apart, on `tensor_bytes` in
     all (the gathered or reduced tensor, summed over the step's calls)."""
 
-    name: str  # "params", "params_backward", "grads", "replicas", "update"
+    name: str  # "params", "params_backward", "grads", "replicas", "update", "reference"
     op: str  # all-gather | reduce-scatter | all-reduce
     size: int
     stride: int
@@ -105,12 +111,13 @@ def memory(work: Workload, triple: Triple) -> dict[str, float]:
     """Bytes per device: params, grads, optimizer, activations, logits, gathered, kept, total."""
     psi, c, trained = work.params, work.compute_bytes, work.trained
     p, g, os_, k = triple.params, triple.grads, triple.optimizer, triple.kept
-    stored = 4 * trained + work.frozen_bytes * (psi - trained)
+    stored = 4 * trained + work.frozen_bytes * (psi - trained) + 4 * work.reference_params
     found = {"params": stored / p, "grads": 4 * trained / g,
              "optimizer": OPTIMIZER_BYTES[work.optimizer] * trained / os_,
              "activations": work.activation_bytes(),
              "logits": work.logits_bytes(),
-             "gathered": 2 * c * psi / max(1, work.units - 1) if p > 1 else 0.0,  # a unit in use + one prefetched
+             # a unit in use + one prefetched (the reference's units run apart from the policy's)
+             "gathered": 2 * c * max(psi, work.reference_params) / max(1, work.units - 1) if p > 1 else 0.0,
              "kept": c * psi / k if k < p else 0.0}  # every unit's parameters, held from forward for backward
     found["total"] = sum(found.values())
     return found
@@ -129,7 +136,9 @@ def collectives(work: Workload, triple: Triple, devices: int) -> list[Collective
                         units * work.grad_reductions),
              Collective("replicas", "all-reduce", devices // g, g, trained * 4 / g * work.grad_reductions,
                         units * work.grad_reductions),
-             Collective("update", "all-gather", update // p, p, trained * 4 / p, units)]
+             Collective("update", "all-gather", update // p, p, trained * 4 / p, units),
+             Collective("reference", "all-gather", p, 1, (work.reference_params or psi) * c * micro
+                        * work.reference_forwards, units * micro * work.reference_forwards)]
     return [x for x in found if x.size > 1 and x.tensor_bytes > 0]
 
 
