@@ -150,11 +150,11 @@ def pytest_sessionfinish(session, exitstatus):
 # tier does not end on one long file while the other worker idles. Only the order matters; a file not listed
 # goes last, in its usual place.
 E2E_SECONDS = {
-    "test_planner.py": 484, "test_checkpoint.py": 467, "test_trainer.py": 367, "test_pretrained.py": 246,
-    "test_lora.py": 207, "test_backends.py": 197, "test_aot.py": 214, "test_moe.py": 110, "test_untrusted.py": 96,
-    "test_api.py": 89, "test_compile.py": 83, "test_hostile_checkpoints.py": 68, "test_importers.py": 68,
-    "test_deploy.py": 59, "test_sft.py": 58, "test_models.py": 57, "test_config.py": 55, "test_hardening.py": 42,
-    "test_families.py": 28,
+    "test_planner.py": 484, "test_checkpoint.py": 467, "test_aot.py": 420, "test_trainer.py": 367,
+    "test_pretrained.py": 246, "test_backends.py": 197, "test_moe.py": 110, "test_untrusted.py": 96,
+    "test_lora.py": 90, "test_api.py": 89, "test_compile.py": 83, "test_hostile_checkpoints.py": 68,
+    "test_importers.py": 68, "test_dpo.py": 60, "test_deploy.py": 59, "test_sft.py": 58, "test_models.py": 57,
+    "test_config.py": 55, "test_hardening.py": 42, "test_families.py": 28,
 }
 
 
