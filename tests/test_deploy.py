@@ -33,6 +33,13 @@ RENDERINGS = {
                                      "deploy.accelerator_type=v5p-32", "deploy.num_slices=2",
                                      "deploy.zone=us-east5-a"]),
     "gke-gpu-2node": (GPU, "gke", ["deploy.cluster=gpu-cluster", "deploy.image=us-docker.pkg.dev/p1/xla-shard:1"]),
+    # A shared regional cluster: Workload Identity, a Kueue queue and priority, CPU and memory requests.
+    "gke-v6e-shared": (TPU, "gke", ["deploy.cluster=shared", "deploy.image=us-docker.pkg.dev/p1/xla-shard:1",
+                                    "deploy.accelerator_type=v6e-16", "deploy.zone=us-east5-b",
+                                    "deploy.region=us-east5", "deploy.namespace=team-a",
+                                    "deploy.service_account=trainer@acme-train-1.iam.gserviceaccount.com",
+                                    "deploy.queue=team-a-tpu", "deploy.priority_class=high", "deploy.cpu=200",
+                                    "deploy.memory=700Gi"]),
 }
 OWN = ["deploy.project=acme-train-1", "checkpoint.dir=gs://acme-ckpts/run"]  # a user's own, not the placeholders
 SHELLCHECK = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
@@ -196,7 +203,7 @@ PAYLOADS = ["a$(xcanary)b", "a`xcanary`b", "a';xcanary;'b", 'a";xcanary;"b', "a;
             "a|xcanary", "a\nxcanary", "a$IFS$(xcanary)"]
 DEPLOY_KEYS = ["name", "project", "zone", "accelerator_type", "network", "subnetwork", "service_account",
                "gpu_machine_type", "gpu_image_family", "gpu_image_project", "remote_user", "remote_dir", "cluster",
-               "image", "namespace"]
+               "image", "namespace", "region", "queue", "priority_class", "cpu", "memory"]
 
 
 @pytest.mark.e2e

@@ -3,7 +3,6 @@
 the xpk command is accepted by xpk's own parser (in its own environment: xpk pins its dependencies exactly)
 and xpk's table agrees with ours on each slice's topology and hosts; values never execute."""
 
-import base64
 import json
 import os
 import re
@@ -25,6 +24,9 @@ TPU = str(REPO / "scripts/configs/tpu_v4_spmd.yaml")
 GPU = str(REPO / "scripts/configs/gpu_a3_fsdp2.yaml")
 OWN = ["deploy.project=acme-train-1", "checkpoint.dir=gs://acme-ckpts/run", "deploy.cluster=train-cluster",
        "deploy.image=us-docker.pkg.dev/acme-train-1/train/xla-shard:1.0"]
+# What a shared cluster's platform team asks of a job: who it runs as, where, under which queue, what it requests.
+SHARED_CLUSTER = ["deploy.service_account=trainer@acme-train-1.iam.gserviceaccount.com", "deploy.region=us-east5",
+                  "deploy.queue=team-a", "deploy.priority_class=high", "deploy.cpu=200", "deploy.memory=700Gi"]
 # name -> (config, sets): single- and multi-host slices of every generation GKE runs, several slices, GPUs.
 GKE = {
     "gke-v6e-single": (TPU, ["deploy.accelerator_type=v6e-4", "deploy.provisioning=on-demand",
@@ -32,7 +34,7 @@ GKE = {
     "gke-v5p-multislice": (TPU, ["deploy.accelerator_type=v5p-32", "deploy.num_slices=2", "deploy.zone=us-east5-a"]),
     "gke-v5e-multihost": (TPU, ["deploy.accelerator_type=v5litepod-16", "deploy.zone=us-west4-a"]),
     "gke-v6e-multihost": (TPU, ["deploy.accelerator_type=v6e-16", "deploy.namespace=research",
-                                "deploy.zone=us-east5-b"]),
+                                "deploy.zone=us-east5-b", *SHARED_CLUSTER]),
     "gke-tpu7x": (TPU, ["deploy.accelerator_type=tpu7x-16"]),
     "gke-gpu-2node": (GPU, []),
 }
@@ -56,8 +58,9 @@ def test_every_built_in_kind_passes_kubernetes_schema_validation(name):
     import kubernetes_validate
 
     docs = _documents(_render(name))
-    assert set(docs) == {"ConfigMap", "JobSet"}
-    kubernetes_validate.validate(docs["ConfigMap"], K8S_VERSION, strict=True)
+    assert set(docs) == {"ConfigMap", "JobSet"} | ({"ServiceAccount"} if name == "gke-v6e-multihost" else set())
+    for kind in set(docs) - {"JobSet"}:
+        kubernetes_validate.validate(docs[kind], K8S_VERSION, strict=True)
     for replicated in docs["JobSet"]["spec"]["replicatedJobs"]:
         job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": replicated["name"]},
                **replicated["template"]}
@@ -182,14 +185,38 @@ def test_slices_and_node_pools_are_scheduled_as_declared(name):
     assert container["command"] == ["xla-shard", "train", "/etc/xla-shard/config.yaml"]
 
 
-def test_the_config_travels_whole_in_the_configmap_and_in_the_xpk_command():
+def _xpk_pod_runs(rendering, tmp_path) -> str:
+    """What an xpk pod does with the rendered command: its environment as xpk's --env sets it, its bash running
+    --command with an `xla-shard` that prints the config file it was given."""
+    env = dict(a.removeprefix("--env=").split("=", 1) for a in rendering.xpk[0] if a.startswith("--env="))
+    command = next(a for a in rendering.xpk[0] if a.startswith("--command=")).removeprefix("--command=")
+    shim = tmp_path / "bin"
+    shim.mkdir(exist_ok=True)
+    (shim / "xla-shard").write_text('#!/bin/bash\ncat "$2"\n')
+    (shim / "xla-shard").chmod(0o755)
+    done = subprocess.run(["/bin/bash", "-c", command], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **env, "PATH": f"{shim}:{os.environ['PATH']}"})
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_the_config_travels_whole_in_the_configmap_and_in_the_xpk_command(tmp_path):
     rendering = _render("gke-v5p-multislice")
     cfg_text = rendering.files["config.yaml"]
     assert _documents(rendering)["ConfigMap"]["data"]["config.yaml"] == cfg_text
-    command = next(a for a in rendering.xpk[0] if a.startswith("--command="))
-    encoded = re.search(r"echo (\S+) \| base64 -d", command).group(1)
-    assert base64.b64decode(encoded).decode() == cfg_text
+    assert _xpk_pod_runs(rendering, tmp_path) == cfg_text
     assert config.validate(yaml.safe_load(cfg_text)).deploy.num_slices == 2
+
+
+def test_a_large_config_reaches_xpk_pods_with_every_word_under_linuxs_argument_limit(tmp_path):
+    """A 300 KiB config (a classifier's 12,000 label names): no word of xpk.sh's command line, and no variable of
+    the pods' environment, reaches Linux's 128 KiB per-argument limit, and the pod still gets the config whole."""
+    labels = {i: f"category-{i:05d}-of-the-taxonomy" for i in range(12000)}
+    rendering = _render("gke-v5p-multislice", f"model.overrides={json.dumps({'id2label': labels})}")
+    cfg_text = rendering.files["config.yaml"]
+    assert len(cfg_text) > 300 * 2**10
+    assert max(len(word.encode()) for word in rendering.xpk[0]) < 128 * 2**10
+    assert _xpk_pod_runs(rendering, tmp_path) == cfg_text
 
 
 def test_what_each_pod_runs_is_a_valid_run_of_the_rendered_config(tmp_path):
@@ -264,7 +291,8 @@ def test_every_xpk_command_is_accepted_by_xpks_parser_and_agrees_with_its_tables
         d = cfg.deploy
         assert (args["workload"], args["cluster"], args["docker_image"]) == (d.name, d.cluster, d.image)
         assert args["max_restarts"] == str(d.max_restarts) or args["max_restarts"] == d.max_restarts
-        assert args["command"].startswith("echo ") and "xla-shard train /tmp/config.yaml" in args["command"]
+        assert "xla-shard train /tmp/config.yaml" in args["command"] and args["namespace"] == d.namespace
+        assert all(e.startswith(gke.CONFIG_VARIABLE) for e in args["env"])
         system = args["system"]
         assert isinstance(system, dict), (name, system)  # xpk knows the device type
         if name.startswith("gke-gpu"):
@@ -316,7 +344,8 @@ def test_values_forced_past_validation_never_execute(tmp_path, payload):
     command xpk would hand the pod's bash runs too: nothing executes, and the manifest carries each value
     exactly."""
     cfg = config.load(GPU, OWN)
-    for key in ("name", "project", "zone", "cluster", "image", "namespace"):
+    for key in ("name", "project", "zone", "cluster", "image", "namespace", "service_account", "queue",
+                "priority_class", "cpu", "memory"):
         cfg.deploy.__dict__[key] = payload  # bypasses the schema on purpose
     rendering = render(cfg, "gke")
     out, bin_dir, canary, calls = tmp_path / "out", tmp_path / "bin", tmp_path / "canary", tmp_path / "calls"
@@ -332,7 +361,7 @@ def test_values_forced_past_validation_never_execute(tmp_path, payload):
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / name).chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", GCLOUD=str(bin_dir / "gcloud"))
-    for script in ("deploy.sh", "xpk.sh", "teardown.sh"):
+    for script in ("deploy.sh", "xpk.sh", "teardown.sh", "bind_service_account.sh"):
         done = subprocess.run(["/bin/bash", str(out / script)], capture_output=True, text=True, env=env,
                               cwd=tmp_path, timeout=60)
         assert done.returncode == 0, (script, done.stderr)
@@ -371,3 +400,63 @@ def test_the_cli_renders_gke_and_says_which_scripts_to_run(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "deploy.sh", "jobset.yaml", "teardown.sh",
                                                           "xpk.sh"]
     assert "xpk.sh" in done.stdout
+
+
+LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")  # Kubernetes' label values, up to 63
+
+
+def test_a_shared_cluster_gets_what_its_platform_team_asks_for():
+    """Workload Identity (a Kubernetes service account bound to the Google one, and the one-time binding to
+    run), a regional cluster's credentials, Kueue's queue and priority labels on the JobSet, CPU and memory
+    requests beside the chips; and the rendering says where the pods may run and as whom."""
+    rendering = _render("gke-v6e-multihost")
+    docs = _documents(rendering)
+    d = config.validate(yaml.safe_load(rendering.files["config.yaml"])).deploy
+    account = docs["ServiceAccount"]["metadata"]
+    assert account["annotations"] == {"iam.gke.io/gcp-service-account": d.service_account}
+    assert (account["name"], account["namespace"]) == (d.name, "research")
+    pod = docs["JobSet"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == d.name
+    labels = docs["JobSet"]["metadata"]["labels"]
+    assert (labels["kueue.x-k8s.io/queue-name"], labels["kueue.x-k8s.io/priority-class"]) == ("team-a", "high")
+    assert all(LABEL_VALUE.fullmatch(v) and len(v) <= 63 for v in labels.values())
+    requests = pod["containers"][0]["resources"]["requests"]
+    assert requests == {"google.com/tpu": 4, "cpu": "200", "memory": "700Gi"}
+    assert "get-credentials train-cluster --region=us-east5 --project=acme-train-1" in rendering.files["deploy.sh"]
+    assert rendering.commands[-1][:5] == ["gcloud", "iam", "service-accounts", "add-iam-policy-binding",
+                                          d.service_account]
+    assert f"--member=serviceAccount:acme-train-1.svc.id.goog[research/{d.name}]" in rendering.commands[-1]
+    assert "add-iam-policy-binding" in rendering.files["bind_service_account.sh"]
+    for said in (rendering.files["deploy.sh"], rendering.files["jobset.yaml"]):
+        assert "wait for a spot node pool" in said and f"run as Kubernetes service account {d.name}" in said
+    assert "xpk runs the pods as namespace research" in rendering.files["xpk.sh"]
+    assert "--priority=high" in rendering.xpk[0]
+
+
+def test_default_names_let_runs_share_a_namespace_and_a_rerun_replace_its_own():
+    """deploy.name left at its default: each run (its checkpoint directory) gets a name of its own, the same
+    on every render; deploy.sh deletes that run's JobSet (its spec is immutable) before applying the new one."""
+    names = [_render("gke-v6e-single", "deploy.name=xla-shard", f"checkpoint.dir=gs://acme-ckpts/{run}")
+             .files["config.yaml"]
+             for run in ("a", "b", "a")]
+    a, b, again = (config.validate(yaml.safe_load(text)).deploy.name for text in names)
+    assert a == again != b and a.startswith("xla-shard-") and len(a) <= 40
+    script = _render("gke-v6e-single", "deploy.name=my-run").files["deploy.sh"]
+    delete = script.index('"$KUBECTL" delete jobset my-run --namespace=default --ignore-not-found --wait=true')
+    assert delete < script.index('"$KUBECTL" apply')
+
+
+def test_every_problem_of_a_config_is_reported_at_once_each_in_one_line(capsys):
+    from conftest import run_in_process
+
+    bad = ["deploy.image=null", "deploy.cluster=null", "checkpoint.dir=/home/me/ckpt", "deploy.region=us-west1",
+           "deploy.provisioning=reserved"]
+    with pytest.raises(Exception) as raised:
+        _render("gke-v6e-single", *bad)
+    assert sorted(e.key for e in raised.value.errors) == sorted(
+        ["deploy.image", "deploy.cluster", "checkpoint.dir", "deploy.zone", "deploy.provisioning"])
+    path, sets = GKE["gke-v6e-single"]
+    done = run_in_process(capsys, "gcp", "render", path, "--target", "gke",
+                          *[f"--set={s}" for s in [*OWN, *sets, *bad]])
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 5 and all(line.startswith("xla-shard: error: ") for line in lines)

@@ -44,3 +44,14 @@ class ConfigError(UserError):
 
     def __reduce__(self):  # raised in a spawned worker, it is pickled back to the launcher intact
         return type(self), (self.key, self.message, self.backend)
+
+
+class Problems(UserError):
+    """Several mistakes found at once (a rendering checks everything before it stops): one line each."""
+
+    def __init__(self, errors: list[UserError]):
+        self.errors = list(errors)
+        super().__init__(" | ".join(one_line(e) for e in self.errors))
+
+    def lines(self) -> list[str]:
+        return [one_line(e) for e in self.errors]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from xla_shard.errors import ConfigError, UserError
+from xla_shard.errors import ConfigError, Problems, UserError
 
 Entry = Callable[[], int]  # runs the job in this process; the exit status
 
@@ -261,6 +261,10 @@ def exit_status(entry: Entry) -> int:
 
     try:
         return entry() or 0
+    except Problems as exc:  # each on a line of its own
+        for line in exc.lines():
+            print(f"xla-shard: error: {redact(line)}", file=sys.stderr)
+        return USER_ERROR_EXIT
     except UserError as exc:
         line = redact(one_line(exc))
         if not report_worker_error(line):

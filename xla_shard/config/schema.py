@@ -492,6 +492,13 @@ DEPLOY_PATTERNS = {
               "a container image reference such as us-docker.pkg.dev/my-project/train/xla-shard:1.0"),
     "namespace": (r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?", "a Kubernetes namespace: lowercase letters, digits "
                                                           "and hyphens, at most 63 characters"),
+    "region": (r"[a-z]+-[a-z]+[0-9]+", "a region such as us-east5"),
+    "queue": (r"[a-z0-9](?:[-a-z0-9.]{0,61}[a-z0-9])?", "a Kueue LocalQueue name: lowercase letters, digits, '-' "
+                                                        "and '.', at most 63 characters"),
+    "priority_class": (r"[a-z0-9](?:[-a-z0-9.]{0,61}[a-z0-9])?", "a Kueue WorkloadPriorityClass name: lowercase "
+                                                                 "letters, digits, '-' and '.', at most 63 characters"),
+    "cpu": (r"[0-9]+(?:\.[0-9]+)?m?", "a Kubernetes CPU quantity such as 8, 7.5 or 500m"),
+    "memory": (r"[0-9]+(?:\.[0-9]+)?(?:[KMGTPE]i|[kMGTPE])?", "a Kubernetes memory quantity such as 64Gi or 200G"),
 }
 
 
@@ -530,6 +537,22 @@ class DeploySection(_Section):
     num_slices: int = Field(default=1, ge=1, le=64)
     # Times the JobSet recreates every pod after one failed (preemption, a lost node) before it gives up.
     max_restarts: int = Field(default=5, ge=0, le=1000)
+    # A regional cluster's region: its credentials are fetched there; deploy.zone, inside it, still names where
+    # the node pools with the accelerators are.
+    region: str | None = None
+    # A shared cluster's admission: the Kueue LocalQueue the JobSet is submitted to, and its
+    # WorkloadPriorityClass (the kueue.x-k8s.io/queue-name and priority-class labels).
+    queue: str | None = None
+    priority_class: str | None = None
+    # CPU and memory each pod requests beside its accelerators (clusters with quotas require requests).
+    cpu: str | None = None
+    memory: str | None = None
+
+    @field_validator("cpu", "memory", mode="before")
+    @classmethod
+    def _quantity(cls, value: Any) -> Any:
+        """A bare number (cpu: 8) is a quantity as Kubernetes writes it."""
+        return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
     @field_validator(*DEPLOY_PATTERNS, mode="after")
     @classmethod

@@ -20,22 +20,32 @@ is base64 (letters, digits, + / =).
 from __future__ import annotations
 
 import base64
+import hashlib
 import shlex
+from collections.abc import Callable
 
 import yaml
 
 from xla_shard.config import dump
-from xla_shard.config.schema import ShardConfig
+from xla_shard.config.schema import DeploySection, ShardConfig
 from xla_shard.deploy import tpu
 from xla_shard.deploy.scripts import (GPU_MACHINES, HERE, Rendering, check_backend, check_common, common_header,
                                      messages, shell_line, template)
-from xla_shard.errors import ConfigError
+from xla_shard.errors import ConfigError, Problems, one_line
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 CONTAINER = "train"
 CONFIG_DIR = "/etc/xla-shard"
 RDZV_PORT = 29500
 USER_ERROR = 2  # xla-shard's exit status for a user error: no restart mends it
+CONFIGMAP_BYTES = 2**20  # what one ConfigMap holds
+# Kueue's labels on a workload it admits (kueue.x-k8s.io/queue-name, kueue.x-k8s.io/priority-class).
+KUEUE_QUEUE, KUEUE_PRIORITY = "kueue.x-k8s.io/queue-name", "kueue.x-k8s.io/priority-class"
+XPK_PRIORITIES = ("very-low", "low", "medium", "high", "very-high")  # xpk workload create --priority
+# A per-argument limit of Linux (MAX_ARG_STRLEN, 128 KiB) bounds each word of the xpk command, and each variable
+# of its pods' environment: the config travels in variables of at most this many base64 characters.
+XPK_CHUNK = 96 * 2**10
+CONFIG_VARIABLE = "XLA_SHARD_CONFIG_"
 COORDINATOR = "metadata.annotations['jobset.sigs.k8s.io/coordinator']"
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 # GPU machine types GKE node pools run: their accelerator node label and xpk's device type.
@@ -57,30 +67,88 @@ def _grace(cfg: ShardConfig) -> int:
     return int(cfg.checkpoint.preemption_grace_s) + 30
 
 
-def render(cfg: ShardConfig, config_name: str) -> Rendering:
+def _requirements(cfg: ShardConfig) -> list[Callable[[], None]]:
+    """The checks of a config's GKE facts that do not depend on one another: each raises one ConfigError."""
     d = cfg.deploy
-    for key in ("cluster", "image"):
-        if getattr(d, key) is None:
-            raise ConfigError(f"deploy.{key}", f"--target gke needs deploy.{key}: "
-                                               + ("the GKE cluster to run in" if key == "cluster" else
-                                                  "a container image holding xla_shard and its runtime"))
-    if len(d.name) > 40:
-        raise ConfigError("deploy.name", f"{d.name!r}: a GKE workload name is at most 40 characters (its pods "
-                                         "are named after it, and xpk allows no more)")
-    if d.provisioning in ("preemptible", "reserved"):
-        raise ConfigError("deploy.provisioning", f"{d.provisioning}: on GKE the node pool decides reserved capacity; "
-                                                 "use spot (spot node pools only) or on-demand (any node pool)")
-    if cfg.checkpoint.dir and "://" not in cfg.checkpoint.dir:
-        raise ConfigError("checkpoint.dir", f"{cfg.checkpoint.dir!r} is a local path, which a restarted pod does "
-                                            "not have: use a gs:// URL, so that resume: auto continues there")
+
+    def needs(key: str, what: str) -> Callable[[], None]:
+        def check() -> None:
+            if getattr(d, key) is None:
+                raise ConfigError(f"deploy.{key}", f"--target gke needs deploy.{key}: {what}")
+        return check
+
+    def name() -> None:
+        if len(d.name) > 40:
+            raise ConfigError("deploy.name", f"{d.name!r}: a GKE workload name is at most 40 characters (its pods "
+                                             "are named after it, and xpk allows no more)")
+
+    def provisioning() -> None:
+        if d.provisioning in ("preemptible", "reserved"):
+            raise ConfigError("deploy.provisioning", f"{d.provisioning}: on GKE the node pool decides reserved "
+                                                     "capacity; use spot (spot node pools only) or on-demand (any "
+                                                     "node pool)")
+
+    def storage() -> None:
+        if cfg.checkpoint.dir and "://" not in cfg.checkpoint.dir:
+            raise ConfigError("checkpoint.dir", f"{cfg.checkpoint.dir!r} is a local path, which a restarted pod "
+                                                "does not have: use a gs:// URL, so that resume: auto continues "
+                                                "there")
+
+    def region() -> None:
+        if d.region and not d.zone.startswith(f"{d.region}-"):
+            raise ConfigError("deploy.zone", f"{d.zone} is not in deploy.region {d.region}: the node pools of a "
+                                             "regional cluster are in its zones")
+
+    def size() -> None:
+        size = len(dump(cfg).encode())
+        if size > CONFIGMAP_BYTES:
+            raise ConfigError("config", f"{size / 2**10:.0f} KiB of config is more than a ConfigMap holds "
+                                        f"({CONFIGMAP_BYTES // 2**10} KiB): move large values (a chat template) "
+                                        "to files beside the model")
+
+    return [needs("cluster", "the GKE cluster to run in"),
+            needs("image", "a container image holding xla_shard and its runtime"), name, provisioning, storage,
+            region, size]
+
+
+def default_name(cfg: ShardConfig) -> str:
+    """A workload name for a config that left deploy.name at its default: the default and 8 hex digits of the
+    run's checkpoint directory (else its output_dir). Two runs sharing a namespace get names of their own,
+    and re-deploying a run (changed or not) replaces its own JobSet."""
+    if cfg.deploy.name != DeploySection.model_fields["name"].default:
+        return cfg.deploy.name
+    run = cfg.checkpoint.dir or cfg.output_dir
+    return f"{cfg.deploy.name}-{hashlib.sha256(run.encode()).hexdigest()[:8]}"
+
+
+def render(cfg: ShardConfig, config_name: str) -> Rendering:
+    """The rendering, or every problem of the config at once (one ConfigError, or `Problems` of several)."""
+    cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update={"name": default_name(cfg)})})
+    d = cfg.deploy
+    problems: list[ConfigError] = []
+    for check in _requirements(cfg):
+        try:
+            check()
+        except ConfigError as exc:
+            problems.append(exc)
     from xla_shard import backends
 
     # A backend that runs on TPUs (auto: xla_spmd) gets a TPU slice; torch_fsdp gets GPU node pools.
     on_tpu = "tpu" in backends.capabilities(backends.resolve_name(cfg, on="tpu")).platforms
-    manifest, xpk = _tpu(cfg, config_name) if on_tpu else _gpu(cfg, config_name)
+    try:
+        manifest, xpk = _tpu(cfg, config_name) if on_tpu else _gpu(cfg, config_name)
+    except ConfigError as exc:
+        problems.append(exc)
+    problems = list({p.key: p for p in reversed(problems)}.values())[::-1]  # one per key: the first said
+    if problems:
+        raise problems[0] if len(problems) == 1 else Problems(problems)
     rendering = Rendering("gke")
-    where = [f"--zone={d.zone}", f"--project={d.project}"]
+    where = [f"--region={d.region}" if d.region else f"--zone={d.zone}", f"--project={d.project}"]
     credentials = ["gcloud", "container", "clusters", "get-credentials", d.cluster, *where]
+    # A JobSet's spec cannot change in place: a re-deploy deletes the old one first (its pods take their
+    # preemption grace to checkpoint), then applies the new.
+    replace = ["kubectl", "delete", "jobset", d.name, f"--namespace={d.namespace}", "--ignore-not-found",
+               "--wait=true"]
     apply = ["kubectl", "apply", f"--filename={HERE}/jobset.yaml"]
     delete = ["kubectl", "delete", "--ignore-not-found", f"--filename={HERE}/jobset.yaml"]
     follow = ["kubectl", "logs", "--follow", f"--namespace={d.namespace}", "--max-log-requests=64",
@@ -88,18 +156,69 @@ def render(cfg: ShardConfig, config_name: str) -> Rendering:
     rendering.commands = [credentials]
     rendering.xpk = [xpk] if xpk else []
     common = common_header(cfg, "gke", config_name)
+    notes = _notes(cfg)
     rendering.files["deploy.sh"] = template("gke.sh.tmpl").substitute(
-        common=common, credentials=shell_line(credentials), apply=shell_line(apply, "KUBECTL"),
+        common=common, credentials=shell_line(credentials), replace=shell_line(replace, "KUBECTL"),
+        apply=shell_line(apply, "KUBECTL"), notes="\n".join(f"echo {shlex.quote(n)} >&2" for n in notes),
         **messages(d.name, follow))
     rendering.files["teardown.sh"] = template("gke_teardown.sh.tmpl").substitute(
         common=common, delete=shell_line(delete, "KUBECTL"))
     create = shell_line(xpk, "XPK") if xpk else (
         f"echo {shlex.quote(f'xpk.sh: xpk has no {d.accelerator_type} device type; run deploy.sh instead')} >&2\n"
         "exit 2")
-    rendering.files["xpk.sh"] = template("xpk.sh.tmpl").substitute(common=common, create=create)
-    rendering.files["jobset.yaml"] = yaml.dump_all(manifest, Dumper=_ManifestDumper, sort_keys=False)
+    xpk_notes = [f"xpk.sh: {note}" for note in _xpk_notes(cfg)]
+    rendering.files["xpk.sh"] = template("xpk.sh.tmpl").substitute(
+        common=common, create=create, notes="\n".join(f"echo {shlex.quote(n)} >&2" for n in xpk_notes))
+    if d.service_account:
+        bind = _binding(cfg)
+        rendering.commands.append(bind)
+        rendering.files["bind_service_account.sh"] = template("gke_bind.sh.tmpl").substitute(
+            common=common, bind=shell_line(bind))
+    rendering.files["jobset.yaml"] = "".join(f"# {one_line(n)}\n" for n in notes) + yaml.dump_all(
+        manifest, Dumper=_ManifestDumper, sort_keys=False)
     rendering.files[config_name] = dump(cfg)
     return rendering
+
+
+def _notes(cfg: ShardConfig) -> list[str]:
+    """What the rendering chose that a platform team would want said: where the pods may run, as whom, and
+    under which queue."""
+    d = cfg.deploy
+    notes = [f"{d.name}: deploy.provisioning {d.provisioning}: "
+             + ("the pods wait for a spot node pool (cloud.google.com/gke-spot=true); set on-demand for others"
+                if d.provisioning == "spot" else "the pods run on any node pool with the accelerators")]
+    notes.append(f"{d.name}: pods run as Kubernetes service account {d.name}, bound to {d.service_account} "
+                 "through Workload Identity (bind_service_account.sh, once)" if d.service_account else
+                 f"{d.name}: pods run as namespace {d.namespace}'s default Kubernetes service account: on a "
+                 "Workload Identity cluster set deploy.service_account for gs:// access")
+    if d.queue:
+        notes.append(f"{d.name}: submitted to Kueue queue {d.queue}"
+                     + (f" at priority {d.priority_class}" if d.priority_class else ""))
+    return notes
+
+
+def _xpk_notes(cfg: ShardConfig) -> list[str]:
+    """What xpk's workload does not carry of the config (xpk has no flags for them)."""
+    d = cfg.deploy
+    notes = []
+    if d.service_account:
+        notes.append(f"xpk runs the pods as namespace {d.namespace}'s default Kubernetes service account, not "
+                     f"{d.name}: bind that one to {d.service_account}, or use deploy.sh")
+    if d.queue:
+        notes.append(f"xpk submits to its own Kueue queue, not {d.queue}")
+    if d.priority_class and d.priority_class not in XPK_PRIORITIES:
+        notes.append(f"xpk takes only the priorities {', '.join(XPK_PRIORITIES)}; {d.priority_class} is not passed")
+    if d.cpu or d.memory:
+        notes.append("xpk sets the pods' CPU and memory requests itself; deploy.cpu and deploy.memory are not passed")
+    return notes
+
+
+def _binding(cfg: ShardConfig) -> list[str]:
+    """The one-time Workload Identity binding: the job's Kubernetes service account may act as the Google one."""
+    d = cfg.deploy
+    return ["gcloud", "iam", "service-accounts", "add-iam-policy-binding", d.service_account,
+            "--role=roles/iam.workloadIdentityUser",
+            f"--member=serviceAccount:{d.project}.svc.id.goog[{d.namespace}/{d.name}]", f"--project={d.project}"]
 
 
 class _ManifestDumper(yaml.SafeDumper):
@@ -181,32 +300,40 @@ def _container(cfg: ShardConfig, config_name: str, sets: list[str], env: list[di
     return {"name": CONTAINER, "image": cfg.deploy.image,
             "command": ["xla-shard", "train", f"{CONFIG_DIR}/{config_name}", *sets],
             "env": env, "ports": [{"containerPort": port} for port in ports],
-            "resources": {"limits": chips, "requests": chips},
+            "resources": {"limits": chips, "requests": chips | {key: value for key, value in (
+                ("cpu", cfg.deploy.cpu), ("memory", cfg.deploy.memory)) if value}},
             "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]}
 
 
 def _pod(cfg: ShardConfig, container: dict, selector: dict) -> dict:
     if cfg.deploy.provisioning == "spot":
         selector = selector | {"cloud.google.com/gke-spot": "true"}
+    account = {"serviceAccountName": cfg.deploy.name} if cfg.deploy.service_account else {}
     return {"restartPolicy": "Never", "nodeSelector": selector, "terminationGracePeriodSeconds": _grace(cfg),
-            "containers": [container],
+            **account, "containers": [container],
             "volumes": [{"name": "config", "configMap": {"name": f"{cfg.deploy.name}-config"}}]}
 
 
 def _manifest(cfg: ShardConfig, config_name: str, job: str, replicas: int, pods: int, pod: dict,
               annotations: dict | None = None) -> list[dict]:
-    """The ConfigMap holding the config, and the JobSet."""
+    """The ConfigMap holding the config, the Kubernetes service account Workload Identity binds (with
+    deploy.service_account), and the JobSet."""
     d = cfg.deploy
     labels = {"app.kubernetes.io/name": "xla-shard", "app.kubernetes.io/instance": d.name}
     config_map = {"apiVersion": "v1", "kind": "ConfigMap",
                   "metadata": {"name": f"{d.name}-config", "namespace": d.namespace, "labels": labels},
                   "data": {config_name: dump(cfg)}}
+    accounts = [{"apiVersion": "v1", "kind": "ServiceAccount",
+                 "metadata": {"name": d.name, "namespace": d.namespace, "labels": labels,
+                              "annotations": {"iam.gke.io/gcp-service-account": d.service_account}}}
+                ] if d.service_account else []
+    admission = {key: value for key, value in ((KUEUE_QUEUE, d.queue), (KUEUE_PRIORITY, d.priority_class)) if value}
     job_spec = {"parallelism": pods, "completions": pods, "completionMode": "Indexed", "backoffLimit": 0,
                 "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": {
                     "containerName": CONTAINER, "operator": "In", "values": [USER_ERROR]}}]},
                 "template": {"metadata": {"labels": labels}, "spec": pod}}
     jobset = {"apiVersion": JOBSET_API, "kind": "JobSet",
-              "metadata": {"name": d.name, "namespace": d.namespace, "labels": labels,
+              "metadata": {"name": d.name, "namespace": d.namespace, "labels": labels | admission,
                            **({"annotations": annotations} if annotations else {})},
               "spec": {"failurePolicy": {"maxRestarts": d.max_restarts, "rules": [
                            # the podFailurePolicy above fails a Job only for a user error
@@ -214,22 +341,29 @@ def _manifest(cfg: ShardConfig, config_name: str, job: str, replicas: int, pods:
                        "network": {"enableDNSHostnames": True},
                        "coordinator": {"replicatedJob": job, "jobIndex": 0, "podIndex": 0},
                        "replicatedJobs": [{"name": job, "replicas": replicas, "template": {"spec": job_spec}}]}}
-    return [config_map, jobset]
+    return [config_map, *accounts, jobset]
 
 
 def _xpk(cfg: ShardConfig, config_name: str, accelerator: list[str], env: dict[str, str], sets: list[str],
          expanded: str = "") -> list[str]:
     """`xpk workload create`: xpk runs --command with bash in the image on every VM of the workload. Every
-    word of it is quoted for that bash; `expanded` is the one fixed text it expands."""
+    word of it is quoted for that bash; `expanded` is the one fixed text it expands. The config travels
+    base64-encoded in the pods' environment, split over variables (`XPK_CHUNK` characters each) that the
+    command joins with bash's own printf: no word of any command line grows with the config."""
     d = cfg.deploy
     encoded = base64.b64encode(dump(cfg).encode()).decode()
+    chunks = [encoded[i:i + XPK_CHUNK] for i in range(0, len(encoded), XPK_CHUNK)]
+    parts = " ".join(f'"${CONFIG_VARIABLE}{i}"' for i in range(len(chunks)))
     path = shlex.quote(f"/tmp/{config_name}")
     words = [f"{key}={shlex.quote(value)}" for key, value in env.items()]
     words += ["xla-shard", "train", path, *map(shlex.quote, sets), *([expanded] if expanded else [])]
-    command = f"echo {encoded} | base64 -d > {path} && {' '.join(words)}"
-    capacity = {"spot": ["--spot"], "on-demand": ["--on-demand"]}[d.provisioning]
+    command = f"printf %s {parts} | base64 -d > {path} && {' '.join(words)}"
+    capacity = ["--spot"] if d.provisioning == "spot" else ["--on-demand"]  # the others are refused
+    priority = [f"--priority={d.priority_class}"] if d.priority_class in XPK_PRIORITIES else []
     return ["xpk", "workload", "create", f"--workload={d.name}", f"--cluster={d.cluster}", f"--project={d.project}",
-            f"--zone={d.zone}", *accelerator, f"--docker-image={d.image}", f"--max-restarts={d.max_restarts}",
+            f"--zone={d.zone}", f"--namespace={d.namespace}", *accelerator, f"--docker-image={d.image}",
+            f"--max-restarts={d.max_restarts}", *priority,
+            *[f"--env={CONFIG_VARIABLE}{i}={chunk}" for i, chunk in enumerate(chunks)],
             # xpk restarts on 42 and 127-255 only; 1 is a lost peer or a crash, which a restart may mend
             "--restart-on-exit-codes=1",
             f"--termination-grace-period-seconds={_grace(cfg)}", *capacity,

@@ -29,7 +29,10 @@ KUBECTL="${KUBECTL:-kubectl}"
 
 # The image jobset.yaml names (deploy.image) must hold xla_shard and its runtime; the config travels in
 # jobset.yaml too, as a ConfigMap.
+echo 'xla-shard-a3: deploy.provisioning spot: the pods wait for a spot node pool (cloud.google.com/gke-spot=true); set on-demand for others' >&2
+echo 'xla-shard-a3: pods run as namespace default'"'"'s default Kubernetes service account: on a Workload Identity cluster set deploy.service_account for gs:// access' >&2
 run "$GCLOUD" container clusters get-credentials gpu-cluster --zone=us-central1-a --project=my-project
+run "$KUBECTL" delete jobset xla-shard-a3 --namespace=default --ignore-not-found --wait=true
 run "$KUBECTL" apply --filename="$HERE"/jobset.yaml
 if [[ "$DRY_RUN" == 1 ]]; then
   echo 'DRY_RUN=1: the commands above were printed, not run; nothing was created or started for xla-shard-a3' >&2

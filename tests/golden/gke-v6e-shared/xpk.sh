@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Rendered by `xla-shard gcp render --target gke` from config.yaml. Re-render rather than edit.
+# DRY_RUN=1 prints every command instead of running it; GCLOUD picks the gcloud binary.
+set -euo pipefail
+GCLOUD="${GCLOUD:-gcloud}"
+DRY_RUN="${DRY_RUN:-0}"
+
+# Prints each command as a shell would re-read it (%q), then runs it unless DRY_RUN=1. Never evaluates text.
+run() {
+  printf '+' >&2
+  printf ' %q' "$@" >&2
+  printf '\n' >&2
+  if [[ "$DRY_RUN" != 1 ]]; then "$@"; fi
+}
+
+# Values still set to the example configs' placeholders: a dry run flags them, a real run refuses to start.
+PLACEHOLDERS='deploy.project=my-project, checkpoint.dir=gs://my-bucket/xla-shard/small-llama still hold the example'"'"'s placeholders'
+if [[ -n "$PLACEHOLDERS" ]]; then
+  if [[ "$DRY_RUN" == 1 ]]; then
+    echo "deploy: WARNING: $PLACEHOLDERS; the real run will refuse to start" >&2
+  else
+    echo "deploy: $PLACEHOLDERS: set your own and render again" >&2
+    exit 2
+  fi
+fi
+
+XPK="${XPK:-xpk}"
+
+echo 'xpk.sh: xpk runs the pods as namespace team-a'"'"'s default Kubernetes service account, not xla-shard-v4: bind that one to trainer@acme-train-1.iam.gserviceaccount.com, or use deploy.sh' >&2
+echo 'xpk.sh: xpk submits to its own Kueue queue, not team-a-tpu' >&2
+echo 'xpk.sh: xpk sets the pods'"'"' CPU and memory requests itself; deploy.cpu and deploy.memory are not passed' >&2
+# The same workload as jobset.yaml, created by xpk (its cluster set up by `xpk cluster create`); the config
+# travels in the pods' environment, base64-encoded. A $NAME in --command is the pod's to expand, not this
+# script's:
+# shellcheck disable=SC2016
+run "$XPK" workload create --workload=xla-shard-v4 --cluster=shared --project=my-project --zone=us-east5-b --namespace=team-a --tpu-type=v6e-16 --num-slices=1 --docker-image=us-docker.pkg.dev/p1/xla-shard:1 --max-restarts=5 --priority=high --env=XLA_SHARD_CONFIG_0=YmFja2VuZDogeGxhX3NwbWQKY3B1X2RldmljZXM6IDQKbW9kZWw6CiAgbmFtZTogc21hbGwtbGxhbWEKICBpbml0OiBhdXRvCiAgdGFzazogY2F1c2FsX2xtCiAgbnVtX2xhYmVsczogbnVsbAogIG92ZXJyaWRlczoge30KICBhdHRuX2ltcGxlbWVudGF0aW9uOiBhdXRvCiAgbG9yYTogbnVsbApmc2RwOgogIHNoYXJkaW5nX3N0cmF0ZWd5OiBGVUxMX1NIQVJECiAgc2hhcmRpbmc6IG51bGwKICBhdXRvX3dyYXBfcG9saWN5OiBUUkFOU0ZPUk1FUl9CQVNFRF9XUkFQCiAgdHJhbnNmb3JtZXJfbGF5ZXJfY2xzX3RvX3dyYXA6IFtdCiAgbWluX251bV9wYXJhbXM6IDEwMDAwMDAwMAogIGFjdGl2YXRpb25fY2hlY2twb2ludGluZzogdHJ1ZQogIHNjYW5fbGF5ZXJzOiBmYWxzZQogIG9mZmxvYWRfcGFyYW1zOiBmYWxzZQogIG1peGVkX3ByZWNpc2lvbjogJ25vJwogIHN0YXRlX2RpY3RfdHlwZTogU0hBUkRFRF9TVEFURV9ESUNUCiAgYnVja2V0X2NhcF9tYjogMjUuMAogIHhsYV9zZXR0aW5nczoge30KbWVzaDoKICBmc2RwOiAtMQogIHJlcGxpY2E6IDEKdHJhaW46CiAgc3RlcHM6IDIwMAogIGVwb2NoczogbnVsbAogIGdsb2JhbF9iYXRjaF9zaXplOiAzMgogIHNlcV9sZW46IDI1NgogIG9wdGltaXplcjogYWRhbXcKICBscjogMC4wMDEKICBscl9zY2hlZHVsZTogY29uc3RhbnQKICBscl93YXJtdXBfc3RlcHM6IDAKICBscl9taW5fcmF0aW86IDAuMAogIHdlaWdodF9kZWNheTogMC4wCiAgbWF4X2dyYWRfbm9ybTogbnVsbAogIGdyYWRfYWNjdW1fc3RlcHM6IDEKICBjb21waWxlOiBmYWxzZQogIHNlZWQ6IDAKICBsb2dfZXZlcnk6IDEKICBldmFsX2V2ZXJ5OiBudWxsCiAgZXZhbF9zdGVwczogbnVsbAogIHRlbnNvcmJvYXJkOiBmYWxzZQogIHBlYWtfZmxvcHNfcGVyX2RldmljZTogbnVsbAogIHJlY29tcGlsZV93YXJtdXBfc3RlcHM6IDIKZGF0YToKICBwYXRoOiBzeW50aGV0aWMKICBmb3JtYXQ6IG51bGwKICB0b2tlbml6ZXI6IG51bGwKICBraW5kOiB0ZXh0CiAgdGV4dF9maWVsZDogdGV4dAogIG1lc3NhZ2VzX2ZpZWxkOiBtZXNzYWdlcwogIHByb21wdF9maWVsZDogcHJvbXB0CiAgY29tcGxldGlvbl9maWVsZDogY29tcGxldGlvbgogIGNob3Nlbl9maWVsZDogY2hvc2VuCiAgcmVqZWN0ZWRfZmllbGQ6IHJlamVjdGVkCiAgY29tcGxldGlvbl9vbmx5X2xvc3M6IG51bGwKICB0ZXh0X2ZpZWxkczoKICAtIHRleHQKICBsYWJlbF9maWVsZDogbGFiZWwKICBwYWNraW5nOiB0cnVlCiAgZXZhbF9wYXRoOiBudWxsCiAgZXZhbF9mcmFjdGlvbjogMC4wCiAgbnVtX3Byb2M6IG51bGwKICBzdHJlYW1pbmc6IGZhbHNlCiAgc2h1ZmZsZV9idWZmZXI6IDEwMDAwCmRwbzoKICBiZXRhOiAwLjEKICBsb3NzX3R5cGU6IHNpZ21vaWQKICBsYWJlbF9zbW9vdGhpbmc6IDAuMAogIHJlZmVyZW5jZTogbnVsbApsYXVuY2g6CiAgbnByb2NfcGVyX25vZGU6IG51bGwKICBubm9kZXM6IDEKICBub2RlX3Jhbms6IG51bGwKICByZHp2X2VuZHBvaW50OiBudWxsCiAgcmR6dl9pZDogeGxhX3NoYXJkCiAgdGltZW91dF9zOiA2MDAuMApjaGVja3BvaW50OgogIGRpcjogZ3M6Ly9teS1idWNrZXQveGxhLXNoYXJkL3NtYWxsLWxsYW1hCiAgZXZlcnlfc3RlcHM6IDUwCiAga2VlcF9sYXN0OiAyCiAga2VlcF9ldmVyeTogbnVsbAogIGFzeW5jOiB0cnVlCiAgcmVzdW1lOiBhdXRvCiAgcHJlZW1wdGlvbl9ncmFjZV9zOiAxMjAuMAogIHJldHJ5X2RlYWRsaW5lX3M6IDEyMC4wCiAgY29tbWl0X3RpbWVvdXRfczogNjAwLjAKZGVwbG95OgogIHByb2plY3Q6IG15LXByb2plY3QKICB6b25lOiB1cy1lYXN0NS1iCiAgbmFtZTogeGxhLXNoYXJkLXY0CiAgYWNjZWxlcmF0b3JfdHlwZTogdjZlLTE2CiAgcHJvdmlzaW9uaW5nOiBzcG90CiAgbmV0d29yazogbnVsbAogIHN1Ym5ldHdvcms6IG51bGwKICBzZXJ2aWNlX2FjY291bnQ6IHRyYWluZXJAYWNtZS10cmFpbi0xLmlhbS5nc2VydmljZWFjY291bnQuY29tCiAgdmFsaWRfdW50aWw6IDZoCiAgYWxsb3dfdW5saXN0ZWRfem9uZTogZmFsc2UKICBncHVfbWFjaGluZV90eXBlOiBhMy1oaWdoZ3B1LThnCiAgZ3B1X25vZGVzOiAxCiAgZ3B1X2ltYWdlX2ZhbWlseTogY29tbW9uLWN1MTI4LXVidW50dS0yMjA0LW52aWRpYS01NzAKICBncHVfaW1hZ2VfcHJvamVjdDogZGVlcGxlYXJuaW5nLXBsYXRmb3JtLXJlbGVhc2UKICByZW1vdGVfdXNlcjogeGxhc2hhcmQKICByZW1vdGVfZGlyOiB4bGFfc2hhcmQKICBjbHVzdGVyOiBzaGFyZWQKICBpbWFnZTogdXMtZG9ja2VyLnBrZy5kZXYvcDEveGxhLXNoYXJkOjEKICBuYW1lc3BhY2U6IHRlYW0tYQogIG51bV9zbGljZXM6IDEKICBtYXhfcmVzdGFydHM6IDUKICByZWdpb246IHVzLWVhc3Q1CiAgcXVldWU6IHRlYW0tYS10cHUKICBwcmlvcml0eV9jbGFzczogaGlnaAogIGNwdTogJzIwMCcKICBtZW1vcnk6IDcwMEdpCm91dHB1dF9kaXI6IHJ1bnMvdHB1X3Y0Cg== --restart-on-exit-codes=1 --termination-grace-period-seconds=150 --spot '--command=printf %s "$XLA_SHARD_CONFIG_0" | base64 -d > /tmp/config.yaml && PJRT_DEVICE=TPU MASTER_ADDR=xla-shard-v4-slice-job-0-0.xla-shard-v4 xla-shard train /tmp/config.yaml'
