@@ -170,6 +170,23 @@ def test_sigkill_at_random_points_loses_nothing_and_resumes_bitwise(cli, capsys,
     assert verified.returncode == 0 and f"step {STEPS}" in verified.stdout, verified.stderr
 
 
+@pytest.mark.e2e
+def test_an_output_dir_on_a_bucket_holds_every_steps_metrics_across_a_resume(cli, tmp_path, gcs, reference):
+    """output_dir and checkpoint.dir on gs:// (as a GKE pod, whose disk goes with it, must have them): a run
+    stopped after step 3 and its restart leave one metrics.jsonl in the bucket, every step's loss equal to the
+    uninterrupted run's."""
+    from xla_shard.io.storage import Storage
+
+    _, expected = reference
+    out, ckpt = gcs.url("out"), gcs.url("ckpt")
+    train(cli, out, f"checkpoint.dir={ckpt}", "checkpoint.every_steps=1", steps=3)
+    done = train(cli, out, f"checkpoint.dir={ckpt}", "checkpoint.every_steps=1")
+    assert "at step 3" in done.stderr
+    records = [json.loads(line) for line in Storage(out).read_bytes("metrics.jsonl").decode().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert {r["step"]: r["loss"] for r in records} == expected
+
+
 @pytest.mark.torch_version
 @pytest.mark.e2e
 def test_sigterm_saves_and_exits_then_the_restart_resumes(cli, tmp_path, reference):

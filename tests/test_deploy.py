@@ -29,12 +29,15 @@ RENDERINGS = {
     "gpu-1node": (GPU, "gpu-vm", ["deploy.gpu_nodes=1"]),
     "gpu-2node": (GPU, "gpu-vm", []),
     # GKE (tests/test_gke.py validates the manifests and xpk commands): several slices, and GPU node pools.
-    "gke-v5p-2slices": (TPU, "gke", ["deploy.cluster=train-cluster", "deploy.image=us-docker.pkg.dev/p1/xla-shard:1",
+    "gke-v5p-2slices": (TPU, "gke", ["output_dir=gs://my-bucket/out", "deploy.cluster=train-cluster",
+                                     "deploy.image=us-docker.pkg.dev/p1/xla-shard:1",
                                      "deploy.accelerator_type=v5p-32", "deploy.num_slices=2",
                                      "deploy.zone=us-east5-a"]),
-    "gke-gpu-2node": (GPU, "gke", ["deploy.cluster=gpu-cluster", "deploy.image=us-docker.pkg.dev/p1/xla-shard:1"]),
+    "gke-gpu-2node": (GPU, "gke", ["output_dir=gs://my-bucket/out", "deploy.cluster=gpu-cluster",
+                                   "deploy.image=us-docker.pkg.dev/p1/xla-shard:1"]),
     # A shared regional cluster: Workload Identity, a Kueue queue and priority, CPU and memory requests.
-    "gke-v6e-shared": (TPU, "gke", ["deploy.cluster=shared", "deploy.image=us-docker.pkg.dev/p1/xla-shard:1",
+    "gke-v6e-shared": (TPU, "gke", ["output_dir=gs://my-bucket/out", "deploy.cluster=shared",
+                                    "deploy.image=us-docker.pkg.dev/p1/xla-shard:1",
                                     "deploy.accelerator_type=v6e-16", "deploy.zone=us-east5-b",
                                     "deploy.region=us-east5", "deploy.namespace=team-a",
                                     "deploy.service_account=trainer@acme-train-1.iam.gserviceaccount.com",

@@ -22,7 +22,8 @@ from xla_shard.errors import ConfigError
 REPO = Path(__file__).resolve().parent.parent
 TPU = str(REPO / "scripts/configs/tpu_v4_spmd.yaml")
 GPU = str(REPO / "scripts/configs/gpu_a3_fsdp2.yaml")
-OWN = ["deploy.project=acme-train-1", "checkpoint.dir=gs://acme-ckpts/run", "deploy.cluster=train-cluster",
+OWN = ["deploy.project=acme-train-1", "checkpoint.dir=gs://acme-ckpts/run", "output_dir=gs://acme-ckpts/out",
+       "deploy.cluster=train-cluster",
        "deploy.image=us-docker.pkg.dev/acme-train-1/train/xla-shard:1.0"]
 # What a shared cluster's platform team asks of a job: who it runs as, where, under which queue, what it requests.
 SHARED_CLUSTER = ["deploy.service_account=trainer@acme-train-1.iam.gserviceaccount.com", "deploy.region=us-east5",
@@ -244,6 +245,7 @@ def test_what_each_pod_runs_is_a_valid_run_of_the_rendered_config(tmp_path):
     (["deploy.image=null"], "deploy.image", "container image"),
     (["deploy.cluster=null"], "deploy.cluster", "GKE cluster"),
     (["checkpoint.dir=/home/me/ckpt"], "checkpoint.dir", "restarted pod"),
+    (["output_dir=runs/mine"], "output_dir", "vanish with it"),
     (["deploy.provisioning=reserved"], "deploy.provisioning", "node pool"),
     (["deploy.accelerator_type=v5p-24"], "deploy.accelerator_type", "topology"),
     (["deploy.name=a-workload-name-longer-than-forty-characters"], "deploy.name", "40"),

@@ -55,3 +55,27 @@ def test_what_gcsfs_used_to_retry_itself_is_transient_and_a_refusal_is_not():
     assert is_transient(HttpError({"code": 401, "message": "Invalid Credentials"}))
     assert not is_transient(HttpError({"code": 403, "message": "forbidden"}))
     assert not is_transient(HttpError({"code": 401, "message": "Anonymous caller does not have access"}))
+
+
+@pytest.mark.e2e
+def test_a_staged_output_dir_goes_up_whole_and_an_outage_loses_nothing(gcs):
+    """Files staged locally go up whole, at most every `every_s` unless forced; in an outage the sync says so
+    once and fails, the run goes on, and closing keeps the staging folder when the last upload fails too."""
+    from xla_shard.io.staged import StagedDir
+
+    said = []
+    staged = StagedDir(gcs.url("out"), retry_deadline_s=1, every_s=3600, warn=said.append)
+    (staged.local / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert staged.sync(force=True) and Storage(gcs.url("out")).read_bytes("metrics.jsonl") == b'{"step": 1}\n'
+    (staged.local / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    assert staged.sync()  # within every_s: nothing sent
+    assert Storage(gcs.url("out")).read_bytes("metrics.jsonl") == b'{"step": 1}\n'
+    gcs.outage()
+    assert not staged.sync(force=True) and not staged.sync(force=True)
+    assert len(said) == 1 and "uploading to" in said[0] and "trying again at the next record" in said[0]
+    staged.close()
+    assert "stay in" in said[-1] and (staged.local / "metrics.jsonl").read_text().count("step") == 2
+    gcs.restore()
+    again = StagedDir(gcs.url("out"), warn=said.append)
+    assert again.fetch("metrics.jsonl").read_text() == '{"step": 1}\n'  # what the bucket holds
+    again.close()

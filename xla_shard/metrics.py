@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from xla_shard.errors import ConfigError
+from xla_shard.io.staged import StagedDir, is_url
 
 # Dense bf16 peak FLOP/s per chip (TPU) or per GPU, from the vendors' spec sheets.
 PEAK_FLOPS: dict[str, float] = {
@@ -123,25 +124,33 @@ class StepLogger:
     if asked, and drives a progress bar on a terminal (main process only).
 
     metrics.jsonl holds one run's series: a new run (from step 0) moves an earlier run's file aside, and a
-    resumed run drops the records past its resume point, which it is about to redo."""
+    resumed run drops the records past its resume point, which it is about to redo. An output_dir on a bucket
+    (gs://) is written through a local staging folder whose files go up whole (`xla_shard.io.staged`)."""
 
     def __init__(self, output_dir: str, total_steps: int, enabled: bool, start_step: int = 0,
-                 tensorboard: bool = False, log=print):
+                 tensorboard: bool = False, log=print, retry_deadline_s: float = 120.0):
         self.enabled = enabled
         self.total_steps = total_steps
         self.file = None
         self.bar = None
         self.board = None
+        self.staged = None
         if not enabled:
             return
-        out = Path(output_dir)
-        out.mkdir(parents=True, exist_ok=True)
+        if is_url(output_dir):
+            self.staged = StagedDir(output_dir, retry_deadline_s, warn=self.warn)
+            out = self.staged.local
+            self.staged.fetch("metrics.jsonl")
+        else:
+            out = Path(output_dir)
+            out.mkdir(parents=True, exist_ok=True)
         path = out / "metrics.jsonl"
         if path.exists() and path.stat().st_size:
             if start_step == 0:
                 aside = out / f"metrics-{time.strftime('%Y%m%d-%H%M%S', time.localtime(path.stat().st_mtime))}.jsonl"
                 path.rename(aside)
-                log(f"{path} held an earlier run's metrics (this run starts at step 0): moved to {aside.name}")
+                log(f"{output_dir}/metrics.jsonl held an earlier run's metrics (this run starts at step 0): moved "
+                    f"to {aside.name}")
             else:
                 kept = [line for line in path.read_text().splitlines() if _step_of(line) <= start_step]
                 path.write_text("".join(line + "\n" for line in kept))
@@ -163,6 +172,10 @@ class StepLogger:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":
                     self.board.add_scalar(key if key.startswith("eval_") else f"train/{key}", value, record["step"])
+            if self.staged is not None:
+                self.board.flush()
+        if self.staged is not None:
+            self.staged.sync()
         if "eval_loss" in record and not self.bar.disable:
             self.bar.write(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()), file=sys.stderr)
         if self.bar.disable:  # no terminal (a log file): one line per record, with the time left
@@ -191,6 +204,8 @@ class StepLogger:
             self.file.close()
             if self.board is not None:
                 self.board.close()
+            if self.staged is not None:
+                self.staged.close()
 
 
 def _step_of(line: str) -> float:

@@ -27,6 +27,7 @@ from xla_shard.data import Batch, micro_rows
 from xla_shard.errors import ConfigError, UserError, file_in_the_way, redact
 from xla_shard.hostmem import mib
 from xla_shard.io.overlap import Protected, refuse_overlap
+from xla_shard.io.staged import is_url
 from xla_shard.methods import Objective, adapter_for, objective_for
 from xla_shard.metrics import StepClock, StepLogger, peak_for, train_flops_per_token
 from xla_shard.models import check_sequence_length, model_config, resolve_source
@@ -97,6 +98,8 @@ def build_data(cfg: ShardConfig) -> datalib.DataSources:
 
 
 def check_output_dir(path: str) -> None:
+    if is_url(path):  # written through a staging folder (xla_shard.io.staged)
+        return
     blocker = file_in_the_way(Path(path))
     if blocker:
         raise ConfigError("output_dir", f"{path!r}: {blocker} is a file, not a directory")
@@ -395,7 +398,8 @@ class Trainer:
     def run(self) -> list[dict[str, Any]]:
         cfg, ckpt, train = self.cfg, self.checkpointer, self.cfg.train
         logger = StepLogger(cfg.output_dir, self.total_steps, enabled=self.backend.processes.is_main,
-                            start_step=self.start_step, tensorboard=train.tensorboard, log=self._log)
+                            start_step=self.start_step, tensorboard=train.tensorboard, log=self._log,
+                            retry_deadline_s=cfg.checkpoint.retry_deadline_s)
         for advisory in self.backend.advisories():
             logger.warn(advisory)
         self._start_clock()

@@ -32,6 +32,7 @@ from xla_shard.deploy import tpu
 from xla_shard.deploy.scripts import (GPU_MACHINES, HERE, Rendering, check_backend, check_common, common_header,
                                      messages, shell_line, template)
 from xla_shard.errors import ConfigError, Problems, one_line
+from xla_shard.io.staged import is_url
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 CONTAINER = "train"
@@ -94,6 +95,12 @@ def _requirements(cfg: ShardConfig) -> list[Callable[[], None]]:
                                                 "does not have: use a gs:// URL, so that resume: auto continues "
                                                 "there")
 
+    def outputs() -> None:
+        if not is_url(cfg.output_dir):
+            raise ConfigError("output_dir", f"{cfg.output_dir!r} is a local path: a pod's metrics (and a "
+                                            "FULL_STATE_DICT export) vanish with it at every restart; use a gs:// "
+                                            "URL")
+
     def region() -> None:
         if d.region and not d.zone.startswith(f"{d.region}-"):
             raise ConfigError("deploy.zone", f"{d.zone} is not in deploy.region {d.region}: the node pools of a "
@@ -108,7 +115,7 @@ def _requirements(cfg: ShardConfig) -> list[Callable[[], None]]:
 
     return [needs("cluster", "the GKE cluster to run in"),
             needs("image", "a container image holding xla_shard and its runtime"), name, provisioning, storage,
-            region, size]
+            outputs, region, size]
 
 
 def default_name(cfg: ShardConfig) -> str:

@@ -56,7 +56,8 @@ PLACEHOLDER_PROJECT, PLACEHOLDER_BUCKET = "my-project", "my-bucket"
 def placeholders(cfg: ShardConfig) -> list[str]:
     """The config keys that still hold an example's placeholder project or bucket."""
     found = [f"deploy.project={cfg.deploy.project}"] if cfg.deploy.project == PLACEHOLDER_PROJECT else []
-    for key, value in (("checkpoint.dir", cfg.checkpoint.dir), ("model.name", cfg.model.name),
+    for key, value in (("checkpoint.dir", cfg.checkpoint.dir), ("output_dir", cfg.output_dir),
+                       ("model.name", cfg.model.name),
                        ("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path),
                        ("data.tokenizer", cfg.data.tokenizer)):
         if value and value.split("://", 1)[-1].split("/", 1)[0] == PLACEHOLDER_BUCKET and "://" in value:

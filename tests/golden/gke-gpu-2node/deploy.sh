@@ -14,7 +14,7 @@ run() {
 }
 
 # Values still set to the example configs' placeholders: a dry run flags them, a real run refuses to start.
-PLACEHOLDERS='deploy.project=my-project, checkpoint.dir=gs://my-bucket/xla-shard/small-llama-gpu still hold the example'"'"'s placeholders'
+PLACEHOLDERS='deploy.project=my-project, checkpoint.dir=gs://my-bucket/xla-shard/small-llama-gpu, output_dir=gs://my-bucket/out still hold the example'"'"'s placeholders'
 if [[ -n "$PLACEHOLDERS" ]]; then
   if [[ "$DRY_RUN" == 1 ]]; then
     echo "deploy: WARNING: $PLACEHOLDERS; the real run will refuse to start" >&2
