@@ -42,7 +42,7 @@ venv .venv-xpk "xpk==$XPK_VERSION"
 python3 -m compileall -q xla_shard tests bench
 
 if [[ " $TIERS " == *" old "* ]]; then
-  venv .venv -e '.[xla,scan,aot,test]'
+  venv .venv -e '.[xla,scan,aot,test,ray]'
   venv .venv-tpu-compiler "${TPU_COMPILER[@]}"
   .venv/bin/ruff check
   tier 3 .venv/bin/python -m "not e2e"
