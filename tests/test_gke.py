@@ -462,3 +462,32 @@ def test_every_problem_of_a_config_is_reported_at_once_each_in_one_line(capsys):
                           *[f"--set={s}" for s in [*OWN, *sets, *bad]])
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 5 and all(line.startswith("xla-shard: error: ") for line in lines)
+
+
+def test_torch_tpu_runs_on_a_multi_host_slice_as_torchtpus_launch_contract_has_it(monkeypatch):
+    """GKE gives each TPU pod the hosts' names and its index (TPU_WORKER_HOSTNAMES, JOB_COMPLETION_INDEX): a
+    4-host v5p-32 renders for torch_tpu, each pod running `xla-shard train` with no torch_xla variable, and what
+    a pod does with its environment is rank = its index, world = the hosts, rendezvous at pod 0 (the
+    coordinator the JobSet names). The TPU VM targets, which give no such environment, still refuse it."""
+    from xla_shard import backends
+    from xla_shard.backends import torchtpu
+
+    rendering = _render("gke-v5p-multislice", "backend=torch_tpu", "deploy.num_slices=1")
+    pod = _documents(rendering)["JobSet"]["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert pod["parallelism"] == 4
+    container = pod["template"]["spec"]["containers"][0]
+    assert container["command"] == ["xla-shard", "train", "/etc/xla-shard/config.yaml"]
+    assert not any(e["name"] == "PJRT_DEVICE" for e in container["env"])
+    cfg = config.validate(yaml.safe_load(rendering.files["config.yaml"]))
+    hosts = [f"{cfg.deploy.name}-slice-0-{i}.{cfg.deploy.name}" for i in range(4)]
+    for key in ("TPU_WORKER_ID", "MASTER_PORT", "NNODES", "NODE_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in {"TPU_WORKER_HOSTNAMES": ",".join(hosts), "JOB_COMPLETION_INDEX": "1",
+                       "MASTER_ADDR": hosts[0]}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(torchtpu, "_set_tpu_launch_env", lambda: None)
+    launch = backends.launch_from_environment(cfg)[0].launch
+    assert (launch.nnodes, launch.node_rank, launch.rdzv_endpoint) == (4, 1, f"{hosts[0]}:29500")
+    with pytest.raises(ConfigError, match="--target gke"):
+        render(config.load(TPU, [*OWN, "backend=torch_tpu", "deploy.accelerator_type=v5p-32",
+                                 "deploy.zone=us-east5-a"]), "tpu-vm")

@@ -18,7 +18,6 @@ CONFIG = ["model=tiny-llama", "backend=torch_fsdp", "cpu_devices=2", "train.seq_
 
 
 @pytest.mark.e2e
-@pytest.mark.serial
 @pytest.mark.slow
 def test_ray_trains_as_torchrun_does_and_a_killed_worker_resumes_exactly(tmp_path):
     """Two Ray workers train as two torchrun processes do (the same losses); every step's checkpoint is committed

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from xla_shard import backends, config
-from xla_shard.backends import fsdp2_devices
+from xla_shard.backends import fsdp2_devices, torchtpu
 from xla_shard.errors import ConfigError
 from xla_shard.io.device import on_tpu
 
@@ -84,3 +84,64 @@ def test_on_a_tpu_vm_torch_tpu_trains_and_its_checkpoint_resumes_on_torch_fsdp(c
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):
         assert resumed[step] == pytest.approx(on_tpu_losses[step], rel=1e-3), step
+
+
+# What a host of a 4-host TPU slice is given: a GKE TPU pod of an indexed Job (JobSet), and a TPU VM worker.
+JOBSET_POD = {"TPU_WORKER_HOSTNAMES": ",".join(f"run-slice-0-{i}.run" for i in range(4)), "TPU_WORKER_ID": "2",
+              "JOB_COMPLETION_INDEX": "2", "MASTER_ADDR": "run-slice-0-0.run"}
+TPU_VM_WORKER = {"TPU_WORKER_HOSTNAMES": "10.130.0.2,10.130.0.3,10.130.0.4,10.130.0.5", "TPU_WORKER_ID": "3"}
+
+
+@pytest.mark.parametrize("environ, rank, endpoint", [
+    (JOBSET_POD, 2, "run-slice-0-0.run:29500"), (TPU_VM_WORKER, 3, "10.130.0.2:29500"),
+])
+def test_each_host_of_a_pod_slice_takes_its_rank_and_world_from_torchtpus_launch_environment(
+        monkeypatch, environ, rank, endpoint):
+    """Without TorchTPU here its contract is derived the same way (the hosts from TPU_WORKER_HOSTNAMES, the rank
+    from JOB_COMPLETION_INDEX or TPU_WORKER_ID, the rendezvous at the first host): the launch section each host
+    runs with, and the torchrun it starts, one process per chip."""
+    from xla_shard import launch
+
+    for key in ("TPU_WORKER_HOSTNAMES", "TPU_WORKER_ID", "JOB_COMPLETION_INDEX", "MASTER_ADDR", "MASTER_PORT",
+                "NNODES", "NODE_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(torchtpu, "_set_tpu_launch_env", lambda: None)  # TorchTPU's own asks the TPU: TPU-only
+    cfg, said = backends.launch_from_environment(config.load(None, ["backend=torch_tpu"]))
+    nodes = cfg.launch
+    assert (nodes.nnodes, nodes.node_rank, nodes.rdzv_endpoint) == (4, rank, endpoint)
+    assert f"host {rank} of 4" in said
+    argv = launch.Nodes(nodes.nnodes, nodes.node_rank, nodes.rdzv_endpoint).torchrun_args()
+    assert {"--nnodes=4", f"--node-rank={rank}", "--rdzv-backend=static", f"--rdzv-endpoint={endpoint}"} <= set(argv)
+    # A config that names its nodes keeps them; one host, or another backend, is left as it is.
+    named = config.load(None, ["backend=torch_tpu", "launch.nnodes=2", "launch.node_rank=1",
+                               "launch.rdzv_endpoint=h:1"])
+    assert backends.launch_from_environment(named) == (named, None)
+    assert backends.launch_from_environment(config.load(None, ["backend=xla_spmd"]))[1] is None
+
+
+def test_a_pod_host_that_cannot_tell_its_rank_is_one_line(monkeypatch):
+    for key in ("JOB_COMPLETION_INDEX", "MASTER_ADDR", "NNODES", "NODE_RANK", "TPU_WORKER_ID"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "a,b")
+    monkeypatch.setattr(torchtpu, "_set_tpu_launch_env", lambda: None)
+    with pytest.raises(ConfigError) as raised:
+        backends.launch_from_environment(config.load(None, ["backend=torch_tpu"]))
+    assert raised.value.key == "launch" and "TPU_WORKER_ID" in str(raised.value)
+
+
+@pytest.mark.skipif(not on_tpu() or not fsdp2_devices.TPU.installed(), reason="needs a Cloud TPU VM with TorchTPU")
+def test_torchtpus_own_launch_environment_is_what_we_derive():
+    """On a TPU VM, TorchTPU's `set_tpu_launch_env` given a JobSet pod's variables sets what `pod_launch`
+    derives without it."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import json, os, torch, torch_tpu\ntorch.tpu.distributed.set_tpu_launch_env()\n"
+              "print(json.dumps({k: os.environ[k] for k in ('NNODES', 'NODE_RANK', 'MASTER_ADDR', 'MASTER_PORT')}))")
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, **JOBSET_POD}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == torchtpu.pod_launch(JOBSET_POD)

@@ -381,6 +381,10 @@ def _train(args) -> int:
     if finished:  # before any backend, process or model: a rerun of a finished run
         print(f"xla-shard: {finished}", file=sys.stderr)
         return 0
+    if not launch.torchrun_worker():
+        cfg, said = backends.launch_from_environment(cfg)
+        if said:
+            print(f"xla-shard: {said}", file=sys.stderr)
     backend = _backend(cfg)  # refuses what this backend cannot honour, before anything starts
     from xla_shard import train
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+from pydantic import ValidationError
 
 from xla_shard.backends import fsdp2_devices
 from xla_shard.backends.base import Backend
@@ -14,7 +15,8 @@ from xla_shard.backends.xla_fsdp import XlaFsdpBackend
 from xla_shard.backends.xla_spmd import XlaSpmdBackend
 from xla_shard.capabilities import Capabilities
 from xla_shard.config.schema import Backend as BackendName
-from xla_shard.config.schema import ShardConfig
+from xla_shard.config.schema import LaunchSection, ShardConfig
+from xla_shard.errors import ConfigError
 from xla_shard.io.device import on_tpu
 from xla_shard.plan import Triple
 from xla_shard.planner.settle import settle
@@ -56,6 +58,30 @@ def running(triple: Triple, devices: int, cfg: ShardConfig | None = None) -> lis
     the config, what it trains (a backend that refuses its LoRA, scan or compile does not run it)."""
     return [name for name, cls in BACKENDS.items()
             if cls.capabilities.runs(triple, devices) and (cfg is None or cls.capabilities.trains(cfg))]
+
+
+def launch_from_environment(cfg: ShardConfig) -> tuple[ShardConfig, str | None]:
+    """The config with its launch section taken from the slice's environment where the backend has a launch
+    contract that reads one (TorchTPU on a multi-host slice: `torchtpu.pod_launch`) and the config names no
+    nodes itself; and a line saying so (None: unchanged)."""
+    from xla_shard.backends import torchtpu
+
+    launch = cfg.launch
+    if capabilities(resolve_name(cfg)).tpu_setup != "torchtpu" or launch.nnodes > 1 or launch.node_rank is not None:
+        return cfg, None
+    pod = torchtpu.pod_launch()
+    if pod is None:
+        return cfg, None
+    nodes = launch.model_copy(update={"nnodes": int(pod["NNODES"]), "node_rank": int(pod["NODE_RANK"]),
+                                      "rdzv_endpoint": f"{pod['MASTER_ADDR']}:{pod['MASTER_PORT']}"})
+    said = (f"torch_tpu: host {nodes.node_rank} of {nodes.nnodes} of this TPU slice (TorchTPU's launch environment), "
+            f"meeting at {nodes.rdzv_endpoint}")
+    try:
+        nodes = LaunchSection.model_validate(nodes.model_dump())
+    except ValidationError as exc:
+        raise ConfigError("launch", f"TorchTPU's launch environment ({pod}) does not make a launch: "
+                                    f"{exc.errors()[0]['msg']}", backend="torch_tpu") from None
+    return cfg.model_copy(update={"launch": nodes}), said
 
 
 def create(cfg: ShardConfig) -> Backend:

@@ -62,6 +62,17 @@ class DeviceProfile:
         name = module.get_device_name(local_rank) if hasattr(module, "get_device_name") else self.device_type
         return device, name
 
+    def mesh(self, shape: tuple[int, ...], names: tuple[str, ...]):
+        """The device mesh of `shape`: on TPUs laid out over the slice's torus (TorchTPU's
+        `topology_aware_mesh`, where it has it), elsewhere in rank order."""
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        layout = getattr(torch.get_device_module(self.device_type), "topology_aware_mesh", None) \
+            if self.package else None
+        if layout is None:
+            return init_device_mesh(self.device_type, shape, mesh_dim_names=names)
+        return DeviceMesh(self.device_type, layout(self.device_type, shape), mesh_dim_names=names)
+
     def get_rng_state(self, device: torch.device) -> torch.Tensor | None:
         if self.device_type == "cpu":
             return None

@@ -12,7 +12,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -199,9 +198,8 @@ class TorchFsdpBackend(Backend):
     def _mesh(self):
         with forming_a_group():  # a hybrid mesh forms a group per dimension
             if self.plan.hybrid:
-                return init_device_mesh(self.device.type, (self.plan.replicas, self.plan.shard),
-                                        mesh_dim_names=("replicate", "shard"))
-            return init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("shard",))
+                return self.profile.mesh((self.plan.replicas, self.plan.shard), ("replicate", "shard"))
+            return self.profile.mesh((self.world,), ("shard",))
 
     def forward_context(self):
         # FSDP2's MixedPrecisionPolicy casts parameters; DDP (NO_SHARD) needs autocast for bf16.

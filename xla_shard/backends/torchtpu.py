@@ -4,11 +4,17 @@ only where it may run and what TorchTPU does not offer."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 from xla_shard.backends import fsdp2_devices
 from xla_shard.backends.fsdp2_devices import DeviceProfile
 from xla_shard.backends.torch_fsdp import TorchFsdpBackend
 from xla_shard.capabilities import Capabilities
+from xla_shard.errors import ConfigError
 from xla_shard.io.device import tpu_chips
+
+MASTER_PORT = "29500"  # TorchTPU's default, as its set_tpu_launch_env sets it
 
 
 class TorchTpuBackend(TorchFsdpBackend):
@@ -32,3 +38,45 @@ class TorchTpuBackend(TorchFsdpBackend):
 
     def local_device_count(self) -> int | None:
         return tpu_chips() or None  # no TPU here: only a run on one can tell
+
+
+def pod_launch(environ: Mapping[str, str] | None = None) -> dict[str, str] | None:
+    """TorchTPU's launch contract on a multi-host slice: NNODES, NODE_RANK, MASTER_ADDR and MASTER_PORT, as
+    `torch.tpu.distributed.set_tpu_launch_env` sets them from what the slice's hosts are given (called where
+    TorchTPU is importable and `environ` is this process's), else derived here the same way: the hosts from
+    TPU_WORKER_HOSTNAMES (a TPU VM worker's and a GKE TPU pod's), this host's rank from JOB_COMPLETION_INDEX
+    (an indexed Job's pod) or TPU_WORKER_ID, the rendezvous at the first host. A variable already set wins.
+    None on one host."""
+    if environ is None:
+        environ = os.environ
+        set_env = _set_tpu_launch_env()
+        if set_env is not None:
+            set_env()
+    hosts = [h for h in environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
+    index = environ.get("JOB_COMPLETION_INDEX")
+    if len(hosts) < 2 and index is None and "NNODES" not in environ:
+        return None
+    if not hosts and not {"NNODES", "MASTER_ADDR"} <= set(environ):
+        raise ConfigError("launch", "this is one host of a multi-host TPU slice (JOB_COMPLETION_INDEX is set), but "
+                                    "TPU_WORKER_HOSTNAMES, which names the hosts, is not", backend="torch_tpu")
+    rank = environ.get("NODE_RANK", index if index is not None else environ.get("TPU_WORKER_ID"))
+    if rank is None:
+        raise ConfigError("launch", f"this host is one of {len(hosts)} (TPU_WORKER_HOSTNAMES), but neither "
+                                    "NODE_RANK, JOB_COMPLETION_INDEX nor TPU_WORKER_ID says which; set "
+                                    "launch.node_rank", backend="torch_tpu")
+    return {"NNODES": environ.get("NNODES", str(len(hosts))), "NODE_RANK": rank,
+            "MASTER_ADDR": environ.get("MASTER_ADDR", hosts[0] if hosts else ""),
+            "MASTER_PORT": environ.get("MASTER_PORT", MASTER_PORT)}
+
+
+def _set_tpu_launch_env():
+    """TorchTPU's own `set_tpu_launch_env`, where this TorchTPU has it."""
+    if not fsdp2_devices.TPU.installed():
+        return None
+    try:
+        fsdp2_devices.TPU.import_runtime()
+        import torch
+
+        return torch.tpu.distributed.set_tpu_launch_env
+    except (ImportError, AttributeError):
+        return None
