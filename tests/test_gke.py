@@ -209,6 +209,7 @@ def test_the_config_travels_whole_in_the_configmap_and_in_the_xpk_command(tmp_pa
     assert config.validate(yaml.safe_load(cfg_text)).deploy.num_slices == 2
 
 
+@pytest.mark.e2e  # YAML of 300 KiB, read and written several times
 def test_a_large_config_reaches_xpk_pods_with_every_word_under_linuxs_argument_limit(tmp_path):
     """A 300 KiB config (a classifier's 12,000 label names): no word of xpk.sh's command line, and no variable of
     the pods' environment, reaches Linux's 128 KiB per-argument limit, and the pod still gets the config whole."""

@@ -84,3 +84,15 @@ def test_tpu_backends_that_start_processes_of_their_own_are_refused(backend):
     with pytest.raises(ConfigError) as raised:
         scaling_config(config.load(None, [f"backend={backend}", "deploy.accelerator_type=v5p-8"]))
     assert raised.value.key == "backend" and "xla_spmd" in str(raised.value)
+
+
+def test_on_gpus_ray_asks_for_the_gpus_the_config_names():
+    pytest.importorskip("ray")
+    from xla_shard.ray_train import scaling_config
+
+    gpus = config.load(None, ["backend=torch_fsdp", "launch.nnodes=2", "launch.nproc_per_node=8"])
+    scaling = scaling_config(gpus, cuda=True)
+    assert (scaling.num_workers, scaling.use_gpu) == (16, True)
+    with pytest.raises(ConfigError) as raised:
+        scaling_config(config.load(None, ["backend=torch_fsdp"]), cuda=True)
+    assert raised.value.key == "launch.nproc_per_node"

@@ -63,8 +63,10 @@ def scaling_config(cfg: ShardConfig, cuda: bool | None = None):
 
             cuda = torch.cuda.is_available()
         if cuda:
-            per_node = cfg.launch.nproc_per_node or 8
-            return ScalingConfig(num_workers=cfg.launch.nnodes * per_node, use_gpu=True)
+            if cfg.launch.nproc_per_node is None:  # the driver need not be on a GPU node: it cannot count them
+                raise ConfigError("launch.nproc_per_node", "Ray starts one worker per GPU: set the GPUs per node "
+                                                           "(and launch.nnodes)")
+            return ScalingConfig(num_workers=cfg.launch.nnodes * cfg.launch.nproc_per_node, use_gpu=True)
         return ScalingConfig(num_workers=cfg.cpu_devices, resources_per_worker={"CPU": 1})
     if capabilities.launcher != "in_process":
         raise ConfigError("backend", f"{capabilities.name} starts its own processes on each TPU VM "

@@ -146,7 +146,7 @@ def render(cfg: ShardConfig, config_name: str) -> Rendering:
         manifest, xpk = _tpu(cfg, config_name) if on_tpu else _gpu(cfg, config_name)
     except ConfigError as exc:
         problems.append(exc)
-    problems = list({p.key: p for p in reversed(problems)}.values())[::-1]  # one per key: the first said
+    problems = _first_per_key(problems)
     if problems:
         raise problems[0] if len(problems) == 1 else Problems(problems)
     rendering = Rendering("gke")
@@ -185,6 +185,17 @@ def render(cfg: ShardConfig, config_name: str) -> Rendering:
         manifest, Dumper=_ManifestDumper, sort_keys=False)
     rendering.files[config_name] = dump(cfg)
     return rendering
+
+
+def _first_per_key(problems: list[ConfigError]) -> list[ConfigError]:
+    """A key's first problem only: a later check of the same key (check_common's, say) would repeat it."""
+    keys: set[str | None] = set()
+    kept = []
+    for problem in problems:
+        if problem.key not in keys:
+            keys.add(problem.key)
+            kept.append(problem)
+    return kept
 
 
 def _notes(cfg: ShardConfig) -> list[str]:
