@@ -154,7 +154,7 @@ E2E_SECONDS = {
     "test_pretrained.py": 246, "test_backends.py": 197, "test_moe.py": 110, "test_untrusted.py": 96,
     "test_lora.py": 90, "test_api.py": 89, "test_compile.py": 83, "test_hostile_checkpoints.py": 68,
     "test_importers.py": 68, "test_dpo.py": 60, "test_deploy.py": 59, "test_sft.py": 58, "test_models.py": 57,
-    "test_config.py": 55, "test_hardening.py": 42, "test_families.py": 28,
+    "test_config.py": 55, "test_hardening.py": 42, "test_families.py": 28, "test_ray.py": 75,
 }
 
 
