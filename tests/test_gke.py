@@ -469,7 +469,7 @@ def test_torch_tpu_runs_on_a_multi_host_slice_as_torchtpus_launch_contract_has_i
     """GKE gives each TPU pod the hosts' names and its index (TPU_WORKER_HOSTNAMES, JOB_COMPLETION_INDEX): a
     4-host v5p-32 renders for torch_tpu, each pod running `xla-shard train` with no torch_xla variable, and what
     a pod does with its environment is rank = its index, world = the hosts, rendezvous at pod 0 (the
-    coordinator the JobSet names). The TPU VM targets, which give no such environment, still refuse it."""
+    coordinator the JobSet names)."""
     from xla_shard import backends
     from xla_shard.backends import torchtpu
 
@@ -489,6 +489,3 @@ def test_torch_tpu_runs_on_a_multi_host_slice_as_torchtpus_launch_contract_has_i
     monkeypatch.setattr(torchtpu, "_set_tpu_launch_env", lambda: None)
     launch = backends.launch_from_environment(cfg)[0].launch
     assert (launch.nnodes, launch.node_rank, launch.rdzv_endpoint) == (4, 1, f"{hosts[0]}:29500")
-    with pytest.raises(ConfigError, match="--target gke"):
-        render(config.load(TPU, [*OWN, "backend=torch_tpu", "deploy.accelerator_type=v5p-32",
-                                 "deploy.zone=us-east5-a"]), "tpu-vm")

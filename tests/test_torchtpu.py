@@ -145,3 +145,21 @@ def test_torchtpus_own_launch_environment_is_what_we_derive():
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.splitlines()[-1]) == torchtpu.pod_launch(JOBSET_POD)
+
+
+def test_a_tpu_vm_worker_learns_the_slice_from_its_metadata_as_torch_xla_reads_it():
+    """A Cloud TPU VM's environment names no hosts: its metadata does (`worker-network-endpoints`, `tpu-env`),
+    and that becomes the contract's variables; one host, or metadata without them, gives none."""
+    metadata = {"worker-network-endpoints": "t1v-n-0:0:10.130.0.2,t1v-n-1:1:10.130.0.3,t1v-n-2:2:10.130.0.4,"
+                                            "t1v-n-3:3:10.130.0.5",
+                "tpu-env": "ACCELERATOR_TYPE: 'v5p-32'\nWORKER_ID: '3'\nZONE: 'us-east5-a'\n"}
+    assert torchtpu.tpu_vm_workers(metadata.__getitem__) == TPU_VM_WORKER
+    assert torchtpu.pod_launch(torchtpu.tpu_vm_workers(metadata.__getitem__)) == {
+        "NNODES": "4", "NODE_RANK": "3", "MASTER_ADDR": "10.130.0.2", "MASTER_PORT": "29500"}
+    single = {**metadata, "worker-network-endpoints": "t1v-n-0:0:10.130.0.2"}
+    assert torchtpu.tpu_vm_workers(single.__getitem__) == {}
+
+    def unreachable(attribute):
+        raise OSError("no metadata server")
+
+    assert torchtpu.tpu_vm_workers(unreachable) == {}

@@ -5,16 +5,21 @@ only where it may run and what TorchTPU does not offer."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import urllib.request
+from collections.abc import Callable, Mapping
+
+import yaml
 
 from xla_shard.backends import fsdp2_devices
 from xla_shard.backends.fsdp2_devices import DeviceProfile
 from xla_shard.backends.torch_fsdp import TorchFsdpBackend
 from xla_shard.capabilities import Capabilities
 from xla_shard.errors import ConfigError
-from xla_shard.io.device import tpu_chips
+from xla_shard.io.device import on_tpu, tpu_chips
 
 MASTER_PORT = "29500"  # TorchTPU's default, as its set_tpu_launch_env sets it
+# A Cloud TPU VM's own description of its slice (what torch_xla reads there too).
+METADATA = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/"
 
 
 class TorchTpuBackend(TorchFsdpBackend):
@@ -49,6 +54,9 @@ def pod_launch(environ: Mapping[str, str] | None = None) -> dict[str, str] | Non
     None on one host."""
     if environ is None:
         environ = os.environ
+        if "TPU_WORKER_HOSTNAMES" not in environ and on_tpu():  # a TPU VM: its metadata names the workers
+            for key, value in tpu_vm_workers().items():
+                os.environ.setdefault(key, value)
         set_env = _set_tpu_launch_env()
         if set_env is not None:
             set_env()
@@ -67,6 +75,28 @@ def pod_launch(environ: Mapping[str, str] | None = None) -> dict[str, str] | Non
     return {"NNODES": environ.get("NNODES", str(len(hosts))), "NODE_RANK": rank,
             "MASTER_ADDR": environ.get("MASTER_ADDR", hosts[0] if hosts else ""),
             "MASTER_PORT": environ.get("MASTER_PORT", MASTER_PORT)}
+
+
+def tpu_vm_workers(read: Callable[[str], str] | None = None) -> dict[str, str]:
+    """A Cloud TPU VM worker's place in its slice, as TorchTPU's launch contract reads it (TPU_WORKER_HOSTNAMES,
+    TPU_WORKER_ID), from the VM's metadata as torch_xla reads it there: the workers' addresses from
+    `worker-network-endpoints` ("hostname:uid:ip,..."), this worker's index from `tpu-env` (WORKER_ID). `read`:
+    a metadata attribute's text (default: the metadata server). Empty off a multi-host TPU VM."""
+    read = read or _metadata
+    try:
+        endpoints = [e for e in read("worker-network-endpoints").split(",") if e]
+        worker = (yaml.safe_load(read("tpu-env")) or {}).get("WORKER_ID")
+    except OSError:
+        return {}
+    if len(endpoints) < 2 or worker is None:
+        return {}
+    return {"TPU_WORKER_HOSTNAMES": ",".join(e.split(":")[2] for e in endpoints), "TPU_WORKER_ID": str(worker)}
+
+
+def _metadata(attribute: str) -> str:
+    request = urllib.request.Request(METADATA + attribute, headers={"Metadata-Flavor": "Google"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return response.read().decode()
 
 
 def _set_tpu_launch_env():

@@ -257,7 +257,7 @@ def _tpu(cfg: ShardConfig, config_name: str) -> tuple[list[dict], list[str] | No
     tpu.check_zone(tpu_slice.generation, d.zone, d.allow_unlisted_zone)  # the cluster's zone holds its node pools
     hosts = tpu_slice.hosts * d.num_slices
     check_common(cfg, hosts)
-    capabilities = check_backend(cfg, "tpu", hosts, pods=True)
+    capabilities = check_backend(cfg, "tpu")
     kind = capabilities.tpu_setup
     if d.num_slices > 1 and capabilities.launcher != "in_process":
         raise ConfigError("deploy.num_slices", f"{d.num_slices} slices run as one SPMD program over DCN, one "

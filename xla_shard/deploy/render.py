@@ -97,7 +97,7 @@ def _render_tpu(cfg: ShardConfig, target: str, config_name: str) -> Rendering:
     copy = ["gcloud", "compute", "tpus", "tpu-vm", "scp", f"{HERE}/xla_shard.tar.gz", f"{HERE}/{config_name}",
             f"{node}:~/", *where, "--worker=all"]
     # torch_xla reads PJRT_DEVICE; TorchTPU needs no variable, and its setup installs torch_tpu instead.
-    kind = check_backend(cfg, "tpu", tpu_slice.hosts).tpu_setup
+    kind = check_backend(cfg, "tpu").tpu_setup
     launch_env = {"PJRT_DEVICE": "TPU"} if kind == "tpu" else {}
     setup = ssh + [f"--command={_setup(d.remote_dir, kind)}"]
     launch = ssh + [f"--command={_remote(d.remote_dir, _launch(launch_env, config_name, '> ~/train.log'))}"]

@@ -101,10 +101,10 @@ PLATFORM_NAMES = {"tpu": "a TPU", "cuda": "GPUs"}
 OTHER_TARGET = {"tpu": "--target gpu-vm", "cuda": "--target tpu-vm"}
 
 
-def check_backend(cfg: ShardConfig, platform: str, hosts: int = 1, pods: bool = False) -> Capabilities:
-    """What the backend can do on `platform` ("tpu": a slice of `hosts` hosts; "cuda": GPU VMs), `auto` resolved
-    as it would be there, refused if it cannot run there. `pods`: GKE's TPU pods, which get the hosts' names and
-    their index in the environment (TPU_WORKER_HOSTNAMES, JOB_COMPLETION_INDEX): TorchTPU's launch contract."""
+def check_backend(cfg: ShardConfig, platform: str) -> Capabilities:
+    """What the backend can do on `platform` ("tpu": a slice; "cuda": GPU VMs), `auto` resolved as it would be
+    there, refused if it cannot run there. (torch_tpu on a multi-host slice: each host learns the others and its
+    own index from its GKE pod's environment or its TPU VM's metadata, as TorchTPU's launch contract reads them.)"""
     from xla_shard import backends
 
     name = backends.resolve_name(cfg, on=platform)
@@ -113,9 +113,4 @@ def check_backend(cfg: ShardConfig, platform: str, hosts: int = 1, pods: bool = 
         there = [n for n, cls in backends.BACKENDS.items() if platform in cls.capabilities.platforms]
         raise ConfigError("backend", f"{name} does not run on {PLATFORM_NAMES[platform]}; use {' or '.join(there)} "
                                      f"(or {OTHER_TARGET[platform]})")
-    if platform == "tpu" and capabilities.launcher == "torchrun" and hosts > 1 and not pods:
-        raise ConfigError("backend", f"{name} on a {hosts}-host slice needs torchrun's rendezvous across the "
-                                     "hosts, which the TPU VM deployments do not render yet; deploy it on GKE "
-                                     "(--target gke, whose pods get TorchTPU's launch environment), or use a "
-                                     "single-host slice or xla_spmd")
     return capabilities
