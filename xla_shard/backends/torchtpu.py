@@ -14,7 +14,7 @@ from xla_shard.backends import fsdp2_devices
 from xla_shard.backends.fsdp2_devices import DeviceProfile
 from xla_shard.backends.torch_fsdp import TorchFsdpBackend
 from xla_shard.capabilities import Capabilities
-from xla_shard.errors import ConfigError
+from xla_shard.errors import ConfigError, one_line
 from xla_shard.io.device import on_tpu, tpu_chips
 
 MASTER_PORT = "29500"  # TorchTPU's default, as its set_tpu_launch_env sets it
@@ -54,12 +54,16 @@ def pod_launch(environ: Mapping[str, str] | None = None) -> dict[str, str] | Non
     None on one host."""
     if environ is None:
         environ = os.environ
-        if "TPU_WORKER_HOSTNAMES" not in environ and on_tpu():  # a TPU VM: its metadata names the workers
-            for key, value in tpu_vm_workers().items():
-                os.environ.setdefault(key, value)
-        set_env = _set_tpu_launch_env()
-        if set_env is not None:
-            set_env()
+        if on_tpu():  # TorchTPU's own function asks the TPU; off one, the variables alone say it
+            if "TPU_WORKER_HOSTNAMES" not in environ:  # a TPU VM: its metadata names the workers
+                for key, value in tpu_vm_workers().items():
+                    os.environ.setdefault(key, value)
+            set_env = _set_tpu_launch_env()
+            if set_env is not None:
+                try:
+                    set_env()
+                except ValueError as exc:  # what it cannot derive, said as TorchTPU says it
+                    raise ConfigError("launch", one_line(exc), backend="torch_tpu") from None
     hosts = [h for h in environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
     index = environ.get("JOB_COMPLETION_INDEX")
     if len(hosts) < 2 and index is None and "NNODES" not in environ:
