@@ -72,15 +72,15 @@ def launch_from_environment(cfg: ShardConfig) -> tuple[ShardConfig, str | None]:
     pod = torchtpu.pod_launch()
     if pod is None:
         return cfg, None
-    nodes = launch.model_copy(update={"nnodes": int(pod["NNODES"]), "node_rank": int(pod["NODE_RANK"]),
-                                      "rdzv_endpoint": f"{pod['MASTER_ADDR']}:{pod['MASTER_PORT']}"})
-    said = (f"torch_tpu: host {nodes.node_rank} of {nodes.nnodes} of this TPU slice (TorchTPU's launch environment), "
-            f"meeting at {nodes.rdzv_endpoint}")
     try:
-        nodes = LaunchSection.model_validate(nodes.model_dump())
+        nodes = LaunchSection.model_validate({**launch.model_dump(), "nnodes": pod["NNODES"],
+                                              "node_rank": pod["NODE_RANK"],
+                                              "rdzv_endpoint": f"{pod['MASTER_ADDR']}:{pod['MASTER_PORT']}"})
     except ValidationError as exc:
         raise ConfigError("launch", f"TorchTPU's launch environment ({pod}) does not make a launch: "
                                     f"{exc.errors()[0]['msg']}", backend="torch_tpu") from None
+    said = (f"torch_tpu: host {nodes.node_rank} of {nodes.nnodes} of this TPU slice (TorchTPU's launch environment), "
+            f"meeting at {nodes.rdzv_endpoint}")
     return cfg.model_copy(update={"launch": nodes}), said
 
 

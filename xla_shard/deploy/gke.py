@@ -90,7 +90,7 @@ def _requirements(cfg: ShardConfig) -> list[Callable[[], None]]:
                                                      "node pool)")
 
     def storage() -> None:
-        if cfg.checkpoint.dir and "://" not in cfg.checkpoint.dir:
+        if cfg.checkpoint.dir and not is_url(cfg.checkpoint.dir):
             raise ConfigError("checkpoint.dir", f"{cfg.checkpoint.dir!r} is a local path, which a restarted pod "
                                                 "does not have: use a gs:// URL, so that resume: auto continues "
                                                 "there")
@@ -166,16 +166,15 @@ def render(cfg: ShardConfig, config_name: str) -> Rendering:
     notes = _notes(cfg)
     rendering.files["deploy.sh"] = template("gke.sh.tmpl").substitute(
         common=common, credentials=shell_line(credentials), replace=shell_line(replace, "KUBECTL"),
-        apply=shell_line(apply, "KUBECTL"), notes="\n".join(f"echo {shlex.quote(n)} >&2" for n in notes),
+        apply=shell_line(apply, "KUBECTL"), notes=_said(notes),
         **messages(d.name, follow))
     rendering.files["teardown.sh"] = template("gke_teardown.sh.tmpl").substitute(
         common=common, delete=shell_line(delete, "KUBECTL"))
     create = shell_line(xpk, "XPK") if xpk else (
         f"echo {shlex.quote(f'xpk.sh: xpk has no {d.accelerator_type} device type; run deploy.sh instead')} >&2\n"
         "exit 2")
-    xpk_notes = [f"xpk.sh: {note}" for note in _xpk_notes(cfg)]
     rendering.files["xpk.sh"] = template("xpk.sh.tmpl").substitute(
-        common=common, create=create, notes="\n".join(f"echo {shlex.quote(n)} >&2" for n in xpk_notes))
+        common=common, create=create, notes=_said([f"xpk.sh: {note}" for note in _xpk_notes(cfg)]))
     if d.service_account:
         bind = _binding(cfg)
         rendering.commands.append(bind)
@@ -185,6 +184,11 @@ def render(cfg: ShardConfig, config_name: str) -> Rendering:
         manifest, Dumper=_ManifestDumper, sort_keys=False)
     rendering.files[config_name] = dump(cfg)
     return rendering
+
+
+def _said(notes: list[str]) -> str:
+    """Shell lines printing each note to stderr, each a single quoted word."""
+    return "\n".join(f"echo {shlex.quote(note)} >&2" for note in notes)
 
 
 def _first_per_key(problems: list[ConfigError]) -> list[ConfigError]:
