@@ -63,7 +63,8 @@ def row(name: str) -> dict:
     traced = trace.trace(cfg, tpu)
     compiled = tpu.compile(traced.proto)
     got = hlo.collective_totals(compiled.hlo_text, traced.loop_trips)
-    work = planner.workload(cfg, tpu.count, XlaSpmdBackend.capabilities)
+    chosen = target.parse(slice_name)
+    work = planner.workload(cfg, tpu.count, XlaSpmdBackend.capabilities, chosen.chip)
     triple = settle(cfg, tpu.count, XlaSpmdBackend.capabilities, "tpu").degrees
     held = cost.memory(work, triple)
     predicted = cost.result_bytes(cost.collectives(work, triple, tpu.count))

@@ -45,7 +45,7 @@ def main() -> None:
                                          "fsdp.activation_checkpointing=true",
                                          "train.seq_len=2048", f"train.global_batch_size={per_device * n}",
                                          f"train.grad_accum_steps={micro}"])
-                work = planner.workload(cfg, n, backends.capabilities(backend))
+                work = planner.workload(cfg, n, backends.capabilities(backend), acc)
                 ranked = planner.plan(work, n, acc, efficiency=args.efficiency, **layout(n))
                 base, best = ranked.baseline, ranked.best
                 runnable = ranked.best_where(lambda t: backend in backends.running(t, n))

@@ -122,7 +122,7 @@ def test_auto_picks_the_fastest_triple_the_backend_runs_and_says_why():
     from xla_shard import backends, planner
 
     cfg, caps, chosen = _auto("torch_tpu", 1024)
-    ranked = planner.plan(workload(cfg, 1024, caps), 1024, accelerator("v6e"))
+    ranked = planner.plan(workload(cfg, 1024, caps, accelerator("v6e")), 1024, accelerator("v6e"))
     runnable = [e for e in ranked.ranked if e.fits and "torch_tpu" in backends.running(e.triple, 1024)]
     assert runnable[0].triple != ranked.best.triple  # the model's best shards the three apart: not FSDP2's
     assert chosen.triple == str(runnable[0].triple) and chosen.uniform
@@ -137,7 +137,7 @@ def test_auto_on_xla_spmd_takes_a_triple_whose_degrees_differ():
     from xla_shard import backends, planner
 
     cfg, caps, chosen = _auto("xla_spmd", 1024)
-    ranked = planner.plan(workload(cfg, 1024, caps), 1024, accelerator("v6e"))
+    ranked = planner.plan(workload(cfg, 1024, caps, accelerator("v6e")), 1024, accelerator("v6e"))
     best = ranked.best_where(lambda t: "xla_spmd" in backends.running(t, 1024))
     assert chosen.triple == str(best.triple) and not chosen.uniform, chosen
 
@@ -285,6 +285,86 @@ def test_compiled_collectives_are_counted_wherever_they_run_as_often_as_they_run
     condition = "ROOT %lt = pred[] compare(%i, %n)"
     bounded = text.replace(condition, "%n = s32[] constant(5)\n  " + condition)
     assert collective_totals(bounded, loop_trips=3)["reduce-scatter"] == {"count": 5, "bytes": 5 * 16}
+    # Each branch of a conditional is read, the second as the first (counted as if each ran: an upper bound).
+    entry = "ENTRY %main (a: f32[4]) -> f32[8] {"
+    branches = text.replace(entry, "%other (y: f32[8]) -> f32[8] {\n  ROOT %o = f32[8]{0} "
+                            "all-reduce(f32[8]{0} %y), replica_groups={{0,1}}, to_apply=%add\n}\n"
+                            "ENTRY %main (a: f32[4]) -> f32[8] {\n  %c = f32[8]{0} conditional(%p, %a, %a), "
+                            "branch_computations={%gather, %other}")
+    assert collective_totals(branches)["all-reduce"] == {"count": 2, "bytes": 16 + 32}  # bf16[8] and f32[8]
+    assert collective_totals(branches)["all-gather"]["count"] == 2 + 1
+
+
+def test_a_collective_the_tpu_compiler_splits_into_pieces_is_counted_once():
+    """libtpu overlaps a collective with the compute around it by splitting it over several fusions (a start and
+    its continuations), each spelling the whole op with the collective's `channel_id`: one all-gather, as often as
+    it runs (here in a loop of 4). An op without a channel, or with another, is its own."""
+    from xla_shard.planner.hlo import collective_totals
+
+    def gather(name: str, channel: int) -> list[str]:
+        return [f"%{name} (x: bf16[1,64]) -> bf16[4,64] {{",
+                f"  ROOT %g = bf16[4,64]{{1,0}} all-gather(%x), channel_id={channel}, replica_groups={{{{0,1,2,3}}}}, "
+                'dimensions={0}, backend_config={"async_collective_fusion_config":{"flag_start":"2"}}',
+                "}"]
+
+    text = "\n".join([
+        "HloModule step",
+        *gather("start.1", 7), *gather("continuation.2", 7), *gather("continuation.3", 7), *gather("other", 8),
+        "%body (p: (s32[], bf16[1,64])) -> (s32[], bf16[1,64]) {",
+        "  %a = bf16[4,64]{1,0} fusion(%x), kind=kCustom, calls=%start.1",
+        "  %b = bf16[4,64]{1,0} fusion(%x, %a), kind=kOutput, calls=%continuation.2",
+        "  %c = bf16[4,64]{1,0} fusion(%x, %b), kind=kOutput, calls=%continuation.3",
+        "  ROOT %t = (s32[], bf16[1,64]) tuple(%i, %x)",
+        "}",
+        "%cond (p: (s32[], bf16[1,64])) -> pred[] {",
+        "  %n = s32[] constant(4)",
+        "  ROOT %lt = pred[] compare(%i, %n), direction=LT",
+        "}",
+        "ENTRY %main (a: bf16[1,64]) -> bf16[4,64] {",
+        "  %w = (s32[], bf16[1,64]) while(%t0), condition=%cond, body=%body",
+        "  %o = bf16[4,64]{1,0} fusion(%a), kind=kCustom, calls=%other",
+        "  ROOT %r = bf16[4,64]{1,0} all-gather(%a), replica_groups={{0,1,2,3}}, dimensions={0}",
+        "}",
+    ])
+    assert collective_totals(text)["all-gather"] == {"count": 4 + 1 + 1, "bytes": (4 + 1 + 1) * 4 * 64 * 2}
+
+
+def test_on_a_tpu_xla_spmd_gathers_as_the_tpu_compiler_does():
+    """xla_spmd on a TPU (the TPU compiler's program): fp32 weights gathered in bf16 but the embedding as stored,
+    backward skipping what forward gathered last (the root's head, the last layer), checkpointing's recompute
+    gathering the layers again (the last one's shared with its backward), and gradients reduced as computed.
+    Elsewhere (a GPU, or FSDP's wrappers) unchanged: the compute dtype, forward and backward."""
+    from xla_shard.planner.cost import collectives
+
+    embedding, head, layer, layers = 1000, 1000, 24_000, 4
+    psi = embedding + head + layer * layers
+    shape = dict(params=psi, embedding_params=embedding, root_params=head, last_unit_params=layer, compute_bytes=4)
+
+    def gathered(**changes) -> float:
+        found = collectives(_work(**{**shape, **changes}), Triple(4, 4, 4), 4)
+        return sum(x.tensor_bytes for x in found if x.op == "all-gather")
+
+    def reduced(**changes) -> float:
+        return next(x.tensor_bytes for x in collectives(_work(**{**shape, **changes}), Triple(4, 4, 4), 4)
+                    if x.op == "reduce-scatter")
+
+    assert gathered() == 4 * psi + 4 * (psi - embedding)  # FSDP's pattern, in the compute dtype
+    weights = head + layer * layers  # matmul weights: bf16 on the TPU
+    assert gathered(tpu_compiler=True) == 2 * weights + 4 * embedding + 2 * layer * (layers - 1)
+    assert gathered(tpu_compiler=True, activation_checkpointing=True) == (
+        2 * weights + 4 * embedding + 2 * layer * (layers - 1) + 2 * layer * layers)
+    assert gathered(tpu_compiler=True, compute_bytes=2) == gathered(tpu_compiler=True)  # bf16 either way
+    assert reduced() == reduced(tpu_compiler=True) == 4 * psi
+    assert reduced(tpu_compiler=True, compute_bytes=2) == 2 * psi and reduced(compute_bytes=2) == 4 * psi
+    # Gradients split over every device, parameters over fewer: the TPU program all-reduces them whole.
+    def grads(triple: Triple, devices: int, **changes):
+        found = {x.name: x for x in collectives(_work(**{**shape, **changes}), triple, devices)}
+        return found["grads"].op, found["grads"].tensor_bytes
+
+    assert grads(Triple(2, 4, 4), 4, tpu_compiler=True) == ("all-reduce", 4 * psi)
+    assert grads(Triple(2, 4, 8), 8, tpu_compiler=True) == grads(Triple(4, 4, 4), 4, tpu_compiler=True) == (
+        "reduce-scatter", 4 * psi)
+    assert grads(Triple(2, 4, 4), 4) == ("reduce-scatter", 4 * psi)  # FSDP's pattern elsewhere
 
 
 def test_device_kinds_map_to_the_table():

@@ -98,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     aot.add_argument("config", nargs="?", help="YAML config (defaults and --set alone if omitted)")
     aot.add_argument("--tpu", required=True, metavar="SLICE", help="the slice, as deploy.accelerator_type names it: "
                                                                   "v5p-64, v6e-16, v5litepod-8, v4-32")
+    aot.add_argument("--slices", type=_count, default=None, help="a multislice job of this many slices, joined by "
+                                                                  "DCN (default: the config's deploy.num_slices)")
     aot.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     aot.add_argument("--json", action="store_true", help="the report as JSON")
     aot.add_argument("--no-suggest", action="store_true", help=argparse.SUPPRESS)  # a compile of a suggestion
@@ -185,8 +187,8 @@ def _ranking(cfg, args, hardware, backend):
     from xla_shard import backends, planner
     from xla_shard.planner import report
 
-    ranked = planner.plan(planner.workload(cfg, args.devices, backends.capabilities(backend)), args.devices, hardware,
-                          hosts=args.hosts, slices=args.slices,
+    work = planner.workload(cfg, args.devices, backends.capabilities(backend), hardware)
+    ranked = planner.plan(work, args.devices, hardware, hosts=args.hosts, slices=args.slices,
                           hbm_bytes=args.hbm_gib * 2**30 if args.hbm_gib else None, efficiency=args.efficiency)
     return report.BackendView(ranked, backend, lambda e: backends.running(e.triple, args.devices, cfg))
 
@@ -239,12 +241,13 @@ def _compile(args) -> int:
     from xla_shard.aot import run
 
     cfg = cfglib.load(args.config, args.set)
-    report = run.compile_for(cfg, args.tpu)
+    slices = args.slices or cfg.deploy.num_slices
+    report = run.compile_for(cfg, args.tpu, slices)
     print(json.dumps(report.as_dict(), indent=1) if args.json else report.text())
     if report.fits or args.no_suggest:
         return 0
     sys.stdout.flush()
-    raise run.refusal(report, run.what_fits(cfg, report, run.compile_elsewhere(args.config, args.set)))
+    raise run.refusal(report, run.what_fits(cfg, report, run.compile_elsewhere(args.config, args.set, slices)))
 
 
 def _gcp_render(args) -> int:

@@ -27,10 +27,10 @@ def compiled(cfg, tpu, placeholders: bool) -> dict:
             "kernels": traced.kernels}
 
 
-def predicted(cfg, devices: int) -> dict:
+def predicted(cfg, devices: int, chip) -> dict:
     """The cost model's bytes per device for parameters + optimizer state, and its collectives' result bytes
     by kind (a reduce-scatter's result is one shard of the tensor it reduces), as the compiled program counts."""
-    work = planner.workload(cfg, devices, XlaSpmdBackend.capabilities)
+    work = planner.workload(cfg, devices, XlaSpmdBackend.capabilities, chip)
     triple = settle(cfg, devices, XlaSpmdBackend.capabilities, "cpu").degrees
     held = cost.memory(work, triple)
     return {"params_and_optimizer": held["params"] + held["optimizer"], "logits": held["logits"],
@@ -40,10 +40,11 @@ def predicted(cfg, devices: int) -> dict:
 def main(slice_name: str, *args: str) -> None:
     real = "--real" in args
     common, *runs = split_runs([a for a in args if a != "--real"])
-    tpu = compiler.describe(target.parse(slice_name).topology)
+    chosen = target.parse(slice_name)
+    tpu = compiler.describe(chosen.topology)
     for run in runs:
         cfg = config.load(None, [*common, *run])
-        result = {"placeholders": compiled(cfg, tpu, True), "planner": predicted(cfg, tpu.count)}
+        result = {"placeholders": compiled(cfg, tpu, True), "planner": predicted(cfg, tpu.count, chosen.chip)}
         if real:
             result["real"] = compiled(cfg, tpu, False)
         print(json.dumps(result), flush=True)

@@ -53,10 +53,11 @@ class Slice:
     the isolated environment's (`python`), given the program on disk."""
 
     topology: str
-    count: int  # devices of the compiled program
+    count: int  # devices of the compiled program, every slice's
     platform_version: str  # libtpu's: its build date decides the Mosaic version kernels are lowered at
     devices: list | None = None
     python: str | None = None
+    slices: int = 1  # a multislice job's slices (over DCN), each of `topology`, its devices listed slice by slice
 
     def compile(self, proto: bytes) -> Compiled:
         if self.python is None:
@@ -64,26 +65,26 @@ class Slice:
         with tempfile.TemporaryDirectory(prefix="xla_shard_compile_") as work:
             program, result = Path(work) / "step.pb", Path(work) / "compiled.json"
             program.write_bytes(proto)
-            _isolated(self.python, "compile", self.topology, str(program), str(result))
+            _isolated(self.python, "compile", self.topology, str(self.slices), str(program), str(result))
             answer = json.loads(result.read_text())
         if "refused" in answer:  # the compiler's own words, read here as in this process
             raise rejection(answer["refused"])
         return Compiled(**answer)
 
 
-def describe(topology: str) -> Slice:
-    """The slice `topology`, described by this environment's libtpu, or where it cannot (a newer generation)
-    by the isolated one's, if XLA_SHARD_TPU_COMPILER names it."""
+def describe(topology: str, slices: int = 1) -> Slice:
+    """`slices` slices of `topology`, described by this environment's libtpu, or where it cannot (a newer
+    generation) by the isolated one's, if XLA_SHARD_TPU_COMPILER names it."""
     try:
-        devices = topology_devices(topology)
-        return Slice(topology, len(devices), devices[0].client.platform_version, devices=devices)
+        devices = topology_devices(topology, slices)
+        return Slice(topology, len(devices), devices[0].client.platform_version, devices=devices, slices=slices)
     except UserError as refused:
         python = os.environ.get(ISOLATED)
         if not python:
             raise UserError(f"{refused}; for a generation this libtpu does not know, install a newer one apart: "
                             f"{ISOLATED_INSTALL}") from None
-    answer = json.loads(_isolated(python, "describe", topology))
-    return Slice(topology, answer["count"], answer["platform_version"], python=python)
+    answer = json.loads(_isolated(python, "describe", topology, str(slices)))
+    return Slice(topology, answer["count"], answer["platform_version"], python=python, slices=slices)
 
 
 def _isolated(python: str, *args: str) -> str:
@@ -101,10 +102,11 @@ def _isolated(python: str, *args: str) -> str:
     return done.stdout
 
 
-def main(command: str, topology: str, *paths: str) -> None:
-    """The isolated environment's side: `describe TOPOLOGY` prints the slice as JSON; `compile TOPOLOGY PROTO
-    OUT` writes the compiled program's figures (or the compiler's refusal, in its words) to OUT as JSON."""
-    devices = topology_devices(topology)
+def main(command: str, topology: str, slices: str, *paths: str) -> None:
+    """The isolated environment's side: `describe TOPOLOGY SLICES` prints the slices as JSON; `compile TOPOLOGY
+    SLICES PROTO OUT` writes the compiled program's figures (or the compiler's refusal, in its words) to OUT as
+    JSON."""
+    devices = topology_devices(topology, int(slices))
     if command == "describe":
         print(json.dumps({"count": len(devices), "platform_version": devices[0].client.platform_version}))
         return
@@ -116,9 +118,9 @@ def main(command: str, topology: str, *paths: str) -> None:
     Path(out).write_text(json.dumps(answer))
 
 
-def topology_devices(topology: str) -> list:
-    """The devices of a slice, as jax describes them (no TPU needed). A slice smaller than one host's 2x2
-    chips is described with its own shape as the host's bounds."""
+def topology_devices(topology: str, slices: int = 1) -> list:
+    """The devices of `slices` slices of `topology`, as jax describes them (no TPU needed), slice by slice. A
+    slice smaller than one host's 2x2 chips is described with its own shape as the host's bounds."""
     try:
         from jax.experimental import topologies
     except ImportError:
@@ -127,6 +129,8 @@ def topology_devices(topology: str) -> list:
         try:
             shape = [int(side) for side in topology.split(":")[1].split("x")]
             bounds = {"chips_per_host_bounds": (shape + [1, 1])[:3]} if shape[0] * shape[1] < 4 else {}
+            if slices > 1:
+                bounds["num_slices"] = slices
             return list(topologies.get_topology_desc(topology_name=topology, platform="tpu", **bounds).devices)
         except Exception as exc:  # noqa: BLE001 - libtpu's own refusal (an unknown generation or shape)
             raise UserError(f"libtpu cannot describe {topology}: {' '.join(str(exc).split())[:200]} (TPU7x needs a "
@@ -191,7 +195,8 @@ def _build_date(platform_version: str) -> datetime.date | None:
 
 
 def compile_program(proto: bytes, devices: list) -> Compiled:
-    """Compile torch_xla's HloModuleProto for `devices` (one slice), SPMD-partitioned over all of them."""
+    """Compile torch_xla's HloModuleProto for `devices` (a slice, or several), SPMD-partitioned over all of
+    them: the program's device i is `devices[i]`."""
     import jax
     import jaxlib._jax as jaxlib_client
     import numpy as np

@@ -19,10 +19,10 @@ from xla_shard.planner.hardware import Accelerator
 from xla_shard.planner.hlo import collective_totals
 
 GiB = 2**30
-# Why a scanned program's collective counts are not yet to be trusted (docs/planner.md has the measurements).
-SCANNED_COLLECTIVES = ("with scanned layers the TPU compiler restructures the layer loop per generation, and "
-                       "these counts disagree with the cost model by orders of magnitude on v6e, TPU7x and a 70B "
-                       "v5p program")
+# Why a scanned program's collectives are not held to the cost model (docs/planner.md has the measurements).
+SCANNED_COLLECTIVES = ("with scanned layers XLA's partitioner picks its own data movement inside the layer loop "
+                       "(activations gathered or exchanged all-to-all where weights would be gathered, differently "
+                       "per generation); the cost model prices the unrolled program's FSDP pattern")
 
 
 @dataclass
@@ -58,25 +58,29 @@ class Report:
     @functools.cached_property
     def collectives(self) -> dict[str, dict[str, int]]:
         """Read once from the program's text (tens of MB for a large model): the roofline, JSON and text use it."""
-        totals = collective_totals(self.compiled.hlo_text, self.trace.loop_trips)
+        totals = collective_totals(self.compiled.hlo_text, self.trace.loop_trips, dcn=self.target.slices > 1)
         return {k: v for k, v in totals.items() if v["count"]}
 
     def roofline(self) -> dict[str, float]:
-        """Seconds per step if nothing but compute, HBM traffic or ICI traffic bounded it (each alone, perfectly
-        overlapped): the largest is a lower bound of the step time, and the MFU it allows is a ceiling."""
+        """Seconds per step if nothing but compute, HBM traffic, ICI or DCN traffic bounded it (each alone,
+        perfectly overlapped): the largest is a lower bound of the step time, and the MFU it allows is a
+        ceiling. Collectives whose groups span slices go over DCN."""
         d, c = self.device, self.compiled
-        ici = sum(v["bytes"] for v in self.collectives.values())
+        dcn = sum(v.get("dcn_bytes", 0) for v in self.collectives.values())
+        ici = sum(v["bytes"] for v in self.collectives.values()) - dcn
         # The cost analysis counts a loop's body once (scan_layers): the model's own FLOPs bound it from below.
         flops = max(c.flops, self.trace.model_flops / c.devices)
         times = {"compute_s": flops / d.peak_flops, "hbm_s": c.bytes_accessed / d.hbm_bw,
-                 "ici_s": ici / d.fast_bw if ici else 0.0}
+                 "ici_s": ici / d.fast_bw if ici else 0.0,
+                 **({"dcn_s": dcn / d.slow_bw} if self.target.slices > 1 else {})}
         bound = max(times.values())
         ceiling = self.trace.model_flops / (bound * d.peak_flops * c.devices) if bound else 0.0
         return {**times, "lower_bound_s": bound, "mfu_ceiling": min(1.0, ceiling)}
 
     def as_dict(self) -> dict:
-        return {"target": self.target.name, "topology": self.target.topology, "devices": self.compiled.devices,
-                "chips": self.target.chips, "plan": self.trace.plan, "hbm_bytes_per_device": self.device.hbm_bytes,
+        return {"target": self.target.name, "topology": self.target.topology, "slices": self.target.slices,
+                "devices": self.compiled.devices, "chips": self.target.chips * self.target.slices,
+                "plan": self.trace.plan, "hbm_bytes_per_device": self.device.hbm_bytes,
                 "needed_bytes_per_device": self.needed, "fits": self.fits, "consumers": self.consumers,
                 "argument_bytes": self.compiled.argument_bytes, "output_bytes": self.compiled.output_bytes,
                 "temp_bytes": self.compiled.temp_bytes, "code_bytes": self.compiled.code_bytes,
@@ -87,8 +91,9 @@ class Report:
 
     def text(self) -> str:
         c, d, roof = self.compiled, self.device, self.roofline()
-        lines = [f"{self.target.name} ({self.target.topology}: {self.target.chips} chips, {c.devices} devices), "
-                 f"{self.trace.plan}",
+        t = self.target
+        lines = [f"{t.label} ({t.topology}{' each' if t.slices > 1 else ''}: {t.chips * t.slices} chips, "
+                 f"{c.devices} devices), {self.trace.plan}",
                  f"memory per device: {_gib(self.needed)} of {_gib(d.hbm_bytes)} HBM: "
                  + (f"fits, {_gib(d.hbm_bytes - self.needed)} to spare" if self.fits
                     else f"does NOT fit, {_gib(self.needed - d.hbm_bytes)} over")]
@@ -103,12 +108,15 @@ class Report:
                          "(flash attention, MoE grouped matmuls)")
         lines.append("collectives in the compiled TPU program (per device, results' bytes"
                      + (f"; UNVERIFIED: {SCANNED_COLLECTIVES}" if self.trace.loop_trips > 1 else "") + "):")
-        lines += [f"  {kind}: {v['count']} ops, {v['bytes'] / 2**20:.1f} MiB" for kind, v in self.collectives.items()]
+        lines += [f"  {kind}: {v['count']} ops, {v['bytes'] / 2**20:.1f} MiB"
+                  + (f", {v['dcn_bytes'] / 2**20:.1f} MiB of it across slices (DCN)" if v.get("dcn_bytes") else "")
+                  for kind, v in self.collectives.items()]
         if not self.collectives:
             lines.append("  none (one device)")
         lines.append(f"roofline lower bound of the step (not a measurement): {roof['lower_bound_s'] * 1e3:.1f} ms "
                      f"(compute {roof['compute_s'] * 1e3:.1f}, HBM {roof['hbm_s'] * 1e3:.1f}, ICI "
-                     f"{roof['ici_s'] * 1e3:.1f}); MFU at most {roof['mfu_ceiling']:.2f}")
+                     f"{roof['ici_s'] * 1e3:.1f}" + (f", DCN {roof['dcn_s'] * 1e3:.1f}" if "dcn_s" in roof else "")
+                     + f"); MFU at most {roof['mfu_ceiling']:.2f}")
         return "\n".join(lines)
 
 
@@ -147,13 +155,15 @@ class Refused:
         return dict(sorted(parts.items(), key=lambda kv: -kv[1]))
 
     def as_dict(self) -> dict:
-        return {"target": self.target.name, "topology": self.target.topology, "chips": self.target.chips,
+        return {"target": self.target.name, "topology": self.target.topology, "slices": self.target.slices,
+                "chips": self.target.chips * self.target.slices,
                 "plan": self.trace.plan, "hbm_bytes_per_device": self.verdict.capacity,
                 "needed_bytes_per_device": self.needed, "fits": False, "consumers": self.consumers,
                 "compiler": str(self.verdict)}
 
     def text(self) -> str:
-        lines = [f"{self.target.name} ({self.target.topology}: {self.target.chips} chips), {self.trace.plan}",
+        t = self.target
+        lines = [f"{t.label} ({t.topology}: {t.chips * t.slices} chips), {self.trace.plan}",
                  f"memory per device: does NOT fit: the TPU compiler needs {_gib(self.needed)} of the "
                  f"{_gib(self.verdict.capacity)} a device leaves a program, "
                  f"{_gib(self.needed - self.verdict.capacity)} over"]

@@ -14,9 +14,9 @@ from xla_shard.config.schema import ShardConfig, ShardingStrategy
 from xla_shard.errors import UserError
 
 
-def compile_for(cfg: ShardConfig, slice_name: str) -> Report | Refused:
-    chosen = target.parse(slice_name)
-    tpu = compiler.describe(chosen.topology)  # first: without the compiler, nothing else runs
+def compile_for(cfg: ShardConfig, slice_name: str, slices: int = 1) -> Report | Refused:
+    chosen = target.parse(slice_name, slices=slices)
+    tpu = compiler.describe(chosen.topology, slices)  # first: without the compiler, nothing else runs
     traced = trace.trace(cfg, tpu)
     per_device = chosen.per_device(tpu.count)
     try:
@@ -47,7 +47,7 @@ def what_fits(cfg: ShardConfig, report: Report | Refused, bigger: Callable[[str]
     """The first remedy whose compiled step fits (each compiled in this process), else the next slice size
     (compiled in a fresh process: the device count is set once per process); None if neither does."""
     for change, changed in remedies(cfg):
-        tried = compile_for(changed, report.target.name)
+        tried = compile_for(changed, report.target.name, report.target.slices)
         if tried.fits:
             return f"{change} (compiled: {tried.needed / 2**30:.2f} GiB per device)"
     generation, size = report.target.name.rsplit("-", 1)
@@ -58,11 +58,13 @@ def what_fits(cfg: ShardConfig, report: Report | Refused, bigger: Callable[[str]
     return None
 
 
-def compile_elsewhere(config: str | None, sets: list[str]) -> Callable[[str], Report | None]:
-    """Compile for another slice in a fresh `xla-shard compile` process; None where it cannot."""
+def compile_elsewhere(config: str | None, sets: list[str], slices: int = 1) -> Callable[[str], Report | None]:
+    """Compile for another slice (as many of them) in a fresh `xla-shard compile` process; None where it
+    cannot."""
     def run(slice_name: str):
         command = [sys.executable, "-m", "xla_shard.cli", "compile", *([config] if config else []), "--tpu",
-                   slice_name, "--json", "--no-suggest", *[a for s in sets for a in ("--set", s)]]
+                   slice_name, "--slices", str(slices), "--json", "--no-suggest",
+                   *[a for s in sets for a in ("--set", s)]]
         done = subprocess.run(command, capture_output=True, text=True)
         if not done.stdout.strip():
             return None
@@ -81,6 +83,6 @@ class _Summary:
 def refusal(report: Report | Refused, fix: str | None) -> UserError:
     consumers = ", ".join(f"{name.split(' (')[0]} {size / 2**30:.2f}" for name, size in
                           list(report.consumers.items())[:3])
-    return UserError(f"the step needs {report.needed / 2**30:.2f} GiB per device on {report.target.name}, which has "
+    return UserError(f"the step needs {report.needed / 2**30:.2f} GiB per device on {report.target.label}, which has "
                      f"{report.available / 2**30:.2f} GiB (largest: {consumers} GiB); "
                      + (f"it fits with {fix}" if fix else "nothing tried fits: more chips, a smaller batch, or LoRA"))

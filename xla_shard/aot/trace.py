@@ -69,11 +69,11 @@ def trace(cfg: ShardConfig, tpu: compiler.Slice, placeholders: bool = True) -> T
     from xla_shard.backends import xla_scan
     from xla_shard.train import Trainer
 
-    _claim_devices(tpu.count)
+    _claim_devices(tpu.count, tpu.slices)
     with tempfile.TemporaryDirectory(prefix="xla_shard_compile_") as workdir:
         traced = step_config(cfg, tpu.count, workdir)
         backend = backends.create(traced)
-        backend.placeholders, backend.traced_for = placeholders, "tpu"
+        backend.placeholders, backend.traced_for, backend.traced_slices = placeholders, "tpu", tpu.slices
         trainer = Trainer(traced, backend).setup()
         _optimizer_state(trainer)
         batch = sum(t.numel() * t.element_size() for rows in trainer.micro_batches(1) for t in rows.values())
@@ -135,14 +135,15 @@ def _optimizer_state(trainer) -> None:
 MAX_DEVICES = 127
 
 
-def _claim_devices(devices: int) -> None:
+def _claim_devices(devices: int, slices: int = 1) -> None:
     """XLA's CPU client takes its device count once per process, when torch_xla starts."""
     import sys
 
     if devices > MAX_DEVICES:
-        raise UserError(f"the slice has {devices} devices; the step is traced on as many virtual devices, and torch "
-                        f"traces a backward over at most {MAX_DEVICES} (an 8-bit device index): compile for a "
-                        "slice of at most 64 devices (per device, a smaller slice holds at least as much)")
+        held = f"the {slices} slices have" if slices > 1 else "the slice has"
+        raise UserError(f"{held} {devices} devices; the step is traced on as many virtual devices, and torch "
+                        f"traces a backward over at most {MAX_DEVICES} (an 8-bit device index): compile for at "
+                        "most 64 devices, a smaller slice or fewer slices (per device, they hold at least as much)")
 
     have = os.environ.get("CPU_NUM_DEVICES")
     if "torch_xla" in sys.modules and have and int(have) != devices:

@@ -49,6 +49,7 @@ class Backend(abc.ABC):
     # The device a step that is traced, never run here, is compiled for ('tpu': `xla-shard compile`): what runs
     # there (its attention kernel) is traced. None: the step runs on this machine's devices.
     traced_for: str | None = None
+    traced_slices = 1  # the slices (over DCN) of what it is compiled for: their devices listed slice by slice
 
     def __init__(self, cfg: ShardConfig):
         self.cfg = cfg

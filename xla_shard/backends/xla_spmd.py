@@ -250,14 +250,16 @@ class XlaSpmdBackend(xla_common.XlaBackend):
 
     def _build_mesh(self):
         """The plan's mesh. On a multi-slice TPU pod, torch_xla's HybridMesh with the slices as the outermost
-        axes (DCN) and the physical ICI order inside each slice; otherwise devices in id order."""
+        axes (DCN) and the physical ICI order inside each slice; otherwise devices in id order. Traced for
+        several slices (`xla-shard compile --slices`), the program's devices are jax's, listed slice by slice,
+        each in its own order: ids in order put the slices outermost."""
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
 
         p, g, o, n = self.plan.params, self.plan.grads, self.plan.optimizer, self.num_devices
         shape = (n // o, o // g, g // p, p)
         attributes = xr.global_runtime_device_attributes() if xla_common.on_tpu() else []
-        slices = len({a.get("slice_index", 0) for a in attributes}) or 1
+        slices = self.traced_slices if self.traced_for else len({a.get("slice_index", 0) for a in attributes}) or 1
         if slices == 1:
             return xs.Mesh(np.arange(n), shape, MESH_AXES)
         dcn = slices_outermost(shape, slices)
@@ -265,6 +267,8 @@ class XlaSpmdBackend(xla_common.XlaBackend):
             self.capabilities.refuse(
                 "fsdp.sharding", f"{self.plan.triple} on {slices} slices: the slices must split the outer mesh axes "
                                  f"{dict(zip(MESH_AXES, shape))} (outermost first), so that only those cross DCN")
+        if self.traced_for:
+            return xs.Mesh(np.arange(n), shape, MESH_AXES)
         return xs.HybridMesh(ici_mesh_shape=tuple(a // b for a, b in zip(shape, dcn)), dcn_mesh_shape=dcn,
                              axis_names=MESH_AXES)
 

@@ -73,11 +73,24 @@ def plan(work: Workload, devices: int, acc: Accelerator, hosts: int | None = Non
 def embedding_params(model) -> int:
     """Parameters of embedding tables that nothing else uses (an untied input embedding, BERT's position
     embeddings): their gradients need only the token ids, so backward does not gather them again."""
+    return sum(w.numel() for w in _lookup_tables(model))
+
+
+def _lookup_tables(model) -> list:
     from torch import nn
 
     elsewhere = {id(p) for m in model.modules() if not isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
-    return sum(m.weight.numel() for m in model.modules()
-               if isinstance(m, nn.Embedding) and id(m.weight) not in elsewhere)
+    return [m.weight for m in model.modules() if isinstance(m, nn.Embedding) and id(m.weight) not in elsewhere]
+
+
+def _gathered_last(model, targets: list) -> tuple[int, int]:
+    """(the root's parameters, the last unit's), lookup tables left out: what forward gathers last. `targets`
+    lists children before parents, so its last is a top-level unit, the last to run."""
+    tables = {id(w) for w in _lookup_tables(model)}
+    elsewhere = tables | {id(p) for unit in targets for p in unit.parameters()}
+    root = sum(p.numel() for p in model.parameters() if id(p) not in elsewhere)
+    last = sum(p.numel() for p in targets[-1].parameters() if id(p) not in tables) if targets else 0
+    return root, last
 
 
 def _reference_params(cfg, objective, policy_params: int) -> int:
@@ -97,10 +110,11 @@ def _reference_params(cfg, objective, policy_params: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def workload(cfg, devices: int, capabilities: Capabilities) -> Workload:
+def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerator | None = None) -> Workload:
     """The step of a config, from its model built on the meta device (no memory, nothing downloaded), as the
-    backend with `capabilities` runs it (per-tensor gathers skip the embedding in backward and reduce gradients
-    at every micro-batch; FSDP wrappers gather whole units and reduce once)."""
+    backend with `capabilities` runs it on `hardware` (per-tensor gathers skip the embedding in backward and
+    reduce gradients at every micro-batch, and on a TPU are XLA's TPU compiler's; FSDP wrappers gather whole
+    units and reduce once)."""
     import torch
 
     from xla_shard.methods import adapter_for, objective_for
@@ -114,7 +128,9 @@ def workload(cfg, devices: int, capabilities: Capabilities) -> Workload:
     objective = objective_for(cfg)
     tokens = cfg.train.global_batch_size * cfg.train.seq_len * objective.sequences_per_row // devices
     params = sum(p.numel() for p in model.parameters())
-    units = len(wrap_targets(model, cfg.fsdp)) + 1
+    targets = wrap_targets(model, cfg.fsdp)
+    units = len(targets) + 1
+    root, last = _gathered_last(model, targets)
     flops = train_flops_per_token(model, cfg.train.seq_len)
     embedding = embedding_params(model) if capabilities.gathers_per_tensor else 0
     adapter = adapter_for(cfg)
@@ -124,6 +140,8 @@ def workload(cfg, devices: int, capabilities: Capabilities) -> Workload:
     # A forward without backward is a third of a training step's FLOPs (as the trainer counts them for MFU).
     flops *= 1 + objective.forwards_without_grad / 3
     return Workload(params=params, units=units, trained_params=trained, frozen_bytes=frozen_bytes,
+                    tpu_compiler=capabilities.gathers_per_tensor and hardware is not None and hardware.tpu,
+                    root_params=root, last_unit_params=last,
                     reference_params=_reference_params(cfg, objective, params),
                     reference_forwards=objective.forwards_without_grad,
                     embedding_params=embedding,

@@ -13,6 +13,16 @@ of `size` devices `stride` apart, on a tensor of T bytes (Psi parameters, c byte
   gradients:   reduce-scatter over G (stride 1), fp32: T = Psi*4
                all-reduce of the shard across the N/G replicas (stride G): T = Psi*4/G
                once per step, or per micro-batch where the backend cannot defer it (SPMD)
+
+XLA's TPU compiler (xla_spmd on a TPU: `Workload.tpu_compiler`) does three things otherwise, measured on the
+programs libtpu compiles (docs/planner.md): it gathers matmul weights in bf16 whatever they are stored in (its
+matmuls take bf16 at default precision, and the cast moves ahead of the gather; the embedding, looked up, is
+gathered as stored), and reduces gradients in the compute dtype; backward does not gather again what forward
+gathered last (the last layer and the head, still held when backward starts: FSDP2 keeps its root and
+torchtitan its last block for the same reason); and activation checkpointing's recompute gathers the layers once
+more (FSDP's backward gathers a unit once for both), but for the last layer, whose recompute and backward share
+one. Where gradients split over every device and parameters over fewer, it all-reduces each gradient whole
+(`_reduced_whole`).
   update:      all-gather of the updated shard from OS back to P's layout, over OS/P (stride P): T = Psi*4/P
                (an optimizer without state, SGD, updates in the gradients' layout: over G/P)
 
@@ -62,10 +72,25 @@ class Workload:
     # flops_per_token; its activations and logits live only inside its forward and are left out.
     reference_params: int = 0
     reference_forwards: int = 0
+    # XLA's TPU compiler (the module docstring): whether it compiles the step, and the parameters forward
+    # gathers last, outside the embedding: the root's (the head, the final norm) and the last unit's.
+    tpu_compiler: bool = False
+    root_params: int = 0
+    last_unit_params: int = 0
 
     @property
     def trained(self) -> int:
         return self.params if self.trained_params is None else self.trained_params
+
+    @property
+    def gather_bytes(self) -> int:
+        """Bytes per parameter a gather of a weight moves."""
+        return min(self.compute_bytes, 2) if self.tpu_compiler else self.compute_bytes
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes per parameter a gradient reduction moves: fp32, or as computed where the TPU compiler reduces."""
+        return self.compute_bytes if self.tpu_compiler else 4
 
     def activation_bytes(self) -> float:
         """Per device, for one micro-batch: Korthikanti et al.'s 34 * s * b * h bytes per layer for 16-bit
@@ -125,21 +150,38 @@ def memory(work: Workload, triple: Triple) -> dict[str, float]:
 
 def collectives(work: Workload, triple: Triple, devices: int) -> list[Collective]:
     """The collectives a step of `triple` runs (those over one device left out)."""
-    psi, c, units, micro, trained = work.params, work.compute_bytes, work.units, work.micro_batches, work.trained
+    psi, units, micro, trained = work.params, work.units, work.micro_batches, work.trained
     p, g, k = triple.params, triple.grads, triple.kept
+    c, embedding, reduced = work.gather_bytes, work.embedding_params, work.reduce_bytes * work.grad_reductions
     update = update_degree(work.optimizer, triple)
-    again = (psi - work.embedding_params) * c * micro  # backward's gather
-    found = [Collective("params", "all-gather", p, 1, psi * c * micro + (again if k == p else 0),
+    # Forward gathers every weight; the embedding, as stored where the TPU compiler gathers it (a lookup, no
+    # matmul). Backward gathers all but the embedding again, and for the TPU compiler not what forward gathered
+    # last; checkpointing's recompute gathers the layers again there, the last one's shared with its backward.
+    stored = (4 if work.trained_params is None else work.frozen_bytes) if work.tpu_compiler else c
+    forward = ((psi - embedding) * c + embedding * stored) * micro
+    kept = work.root_params + work.last_unit_params if work.tpu_compiler else 0
+    again = (psi - embedding - kept) * c * micro  # backward's gather
+    if work.tpu_compiler and work.activation_checkpointing:
+        again += (psi - embedding - work.root_params) * c * micro
+    found = [Collective("params", "all-gather", p, 1, forward + (again if k == p else 0),
                         units * micro * (2 if k == p else 1)),
              Collective("params_backward", "all-gather", k, 1, again if 1 < k < p else 0, units * micro),
-             Collective("grads", "reduce-scatter", g, 1, trained * 4 * work.grad_reductions,
-                        units * work.grad_reductions),
-             Collective("replicas", "all-reduce", devices // g, g, trained * 4 / g * work.grad_reductions,
+             Collective("grads", "all-reduce" if _reduced_whole(work, triple, devices) else "reduce-scatter", g, 1,
+                        trained * reduced, units * work.grad_reductions),
+             Collective("replicas", "all-reduce", devices // g, g, trained * reduced / g,
                         units * work.grad_reductions),
              Collective("update", "all-gather", update // p, p, trained * 4 / p, units),
              Collective("reference", "all-gather", p, 1, (work.reference_params or psi) * c * micro
                         * work.reference_forwards, units * micro * work.reference_forwards)]
     return [x for x in found if x.size > 1 and x.tensor_bytes > 0]
+
+
+def _reduced_whole(work: Workload, triple: Triple, devices: int) -> bool:
+    """Whether the TPU compiler all-reduces each gradient whole instead of reduce-scattering it: measured where
+    gradients split over every device and parameters over fewer (1 < P < G = N: 2/4/4 on 4 devices, 2/8/8 on
+    8), where the shard each device keeps is not in device order (it must lie inside its parameter shard), and
+    XLA's partitioner reduces, then slices. With replicas (G < N) it reduce-scatters."""
+    return work.tpu_compiler and 1 < triple.params < triple.grads == devices
 
 
 def result_bytes(found: list[Collective]) -> dict[str, float]:

@@ -28,6 +28,11 @@ class Accelerator:
     slow_latency_s: float = 10e-6
     hbm_bw: float = 0.0  # bytes/s of HBM per device: the memory side of a roofline
 
+    @property
+    def tpu(self) -> bool:
+        """A TPU: its fast domain is the slice, and XLA's TPU compiler builds what runs on it."""
+        return self.domain_max is None
+
 
 ACCELERATORS: dict[str, Accelerator] = {
     # Cloud TPU system architecture pages: HBM, bf16 peak, ICI per chip; DCN per chip from the hosts' NICs.

@@ -41,7 +41,7 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.-]+ = (.*?) (" + "|".join(KINDS)
 _TENSOR = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 
 
-def collective_totals(hlo_text: str, loop_trips: int = 1) -> dict[str, dict[str, int]]:
+def collective_totals(hlo_text: str, loop_trips: int = 1, dcn: bool = False) -> dict[str, dict[str, int]]:
     """{kind: {"count", "bytes"}} of every collective an optimized program runs, any kind (KINDS), sync or async
     (an async pair counted once, at its start); bytes of each op's results, all of a combined op's tensors.
 
@@ -49,10 +49,19 @@ def collective_totals(hlo_text: str, loop_trips: int = 1) -> dict[str, dict[str,
     (TPU7x runs all-gathers on its SparseCores: `call-start ... to_apply=`), and in a while
     loop's body, once per iteration: `loop_trips` times (a traced step's loops are its scanned layers). The TPU
     compiler spells a reduce-scatter as an `all-reduce-scatter` fusion (an all-reduce, then each device's
-    slice), which it runs as one: it is counted as a reduce-scatter of the fusion's result."""
+    slice), which it runs as one: it is counted as a reduce-scatter of the fusion's result.
+
+    One collective, one count: the TPU compiler splits a collective into pieces it overlaps with the compute
+    around it (async collective fusions: a start, then continuations, each spelling the whole op with the same
+    `channel_id` and writing into one buffer), and cloned computations repeat an op; an op is counted once per
+    channel, as often as its most frequently run piece runs.
+
+    A multislice program is compiled per slice: its collectives stay inside one, and what crosses slices is a
+    transfer to the DCN runtime (a `send` to `xla_megascale_runtime` of its transfer type, ALL_REDUCE ...),
+    counted as a collective of that kind, bytes as sent. With `dcn`, each kind also has "dcn_bytes": those."""
     computations = {name: (header, body) for header, name, body in _COMPUTATION.findall(hlo_text)}
     runs = _runs(computations, loop_trips)
-    totals = {kind: {"count": 0, "bytes": 0} for kind in KINDS}
+    ops: dict[object, tuple[str, int, int, bool]] = {}  # channel (or the op, without one) -> kind, runs, bytes, DCN
     for name, (header, body) in computations.items():
         for match in _INSTRUCTION.finditer(body):
             result, kind, start = match.groups()
@@ -61,8 +70,24 @@ def collective_totals(hlo_text: str, loop_trips: int = 1) -> dict[str, dict[str,
                 tensors = tensors[len(tensors) // 2:]
             if kind == "all-reduce" and name.startswith("all-reduce-scatter"):
                 kind, tensors = "reduce-scatter", _TENSOR.findall(header.rpartition("->")[2])
-            totals[kind]["count"] += runs.get(name, 0)
-            totals[kind]["bytes"] += runs.get(name, 0) * sum(_tensor_bytes(dtype, dims) for dtype, dims in tensors)
+            line = body[match.end():body.find("\n", match.end())]
+            channel = _CHANNEL.search(line)
+            key = (kind, channel.group(1)) if channel else (name, match.start())
+            size = sum(_tensor_bytes(dtype, dims) for dtype, dims in tensors)
+            _, seen_runs, seen_size, _ = ops.get(key, (kind, 0, 0, False))
+            ops[key] = (kind, max(seen_runs, runs.get(name, 0)), max(seen_size, size), False)
+        for match in _DCN_SEND.finditer(body):
+            data, channel, transfer = match.groups()
+            kind = _DCN_KINDS.get(transfer, transfer.lower().replace("_", "-"))
+            size = sum(_tensor_bytes(dtype, dims) for dtype, dims in _TENSOR.findall(data))
+            ops[("dcn", channel)] = (kind, runs.get(name, 0), size, True)
+    totals = {kind: {"count": 0, "bytes": 0, **({"dcn_bytes": 0} if dcn else {})} for kind in KINDS}
+    for kind, times, size, across in ops.values():
+        entry = totals.setdefault(kind, {"count": 0, "bytes": 0, **({"dcn_bytes": 0} if dcn else {})})
+        entry["count"] += times
+        entry["bytes"] += times * size
+        if across and dcn:
+            entry["dcn_bytes"] += times * size
     return totals
 
 
@@ -79,7 +104,8 @@ def _runs(computations: dict[str, tuple[str, str]], loop_trips: int) -> dict[str
     calls = {}
     for name, (_, body) in computations.items():
         loops = {loop_body: trips(condition) for condition, loop_body in _WHILE.findall(body)}
-        calls[name] = [(callee, loops.get(callee, 1) if site == "body" else 1) for site, callee in _CALL.findall(body)]
+        calls[name] = [(callee, loops.get(callee, 1) if site == "body" else 1)
+                       for site, callees in _CALL.findall(body) for callee in _CALLEE.findall(callees)]
     entry = next(name for name, (header, _) in computations.items() if header.startswith("ENTRY"))
     runs: dict[str, int] = {entry: 1}
     order, seen = [], set()
@@ -98,11 +124,21 @@ def _runs(computations: dict[str, tuple[str, str]], loop_trips: int) -> dict[str
     return runs
 
 
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+# A transfer to the DCN runtime: `%s = (f32[44,8,128]{...}, u32[], token[]) send(...), channel_id=N, ...
+# _xla_megascale_transfer_type="ALL_REDUCE"` (its recv, the answer, is not counted again).
+_DCN_SEND = re.compile(r"^\s*(?:ROOT )?%[\w.-]+ = \(([a-z][a-z0-9]*\[[0-9,]*\])[^\n]*? send\([^\n]*?channel_id=(\d+)"
+                       r"[^\n]*?_xla_megascale_transfer_type=\"(\w+)\"", re.M)
+_DCN_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
+              "ALL_TO_ALL": "all-to-all"}
 _WHILE = re.compile(r"\bwhile\(.*?condition=%?([\w.-]+), body=%?([\w.-]+)")
 _CONSTANT = re.compile(r"%([\w.-]+) = [su]\d+\[\][^ ]* constant\((\d+)\)")
 _LESS_THAN = re.compile(r"compare\(%[\w.-]+, %([\w.-]+)\), direction=LT")
 _COMPUTATION = re.compile(r"^((?:ENTRY )?%?([\w.-]+) [^\n]*)\{\n(.*?)^\}", re.M | re.S)
-_CALL = re.compile(r"\b(calls|body|condition|to_apply|branch_computations|called_computations)=\{?%([\w.-]+)")
+# A call site and its callees: one (`calls=%f`) or a list (`branch_computations={%a, %b}`: each branch counted as
+# if it ran, an upper bound).
+_CALL = re.compile(r"\b(calls|body|condition|to_apply|branch_computations|called_computations)=(\{[^}]*\}|%[\w.-]+)")
+_CALLEE = re.compile(r"%([\w.-]+)")
 
 
 def _first_group(groups: str) -> list[int]:

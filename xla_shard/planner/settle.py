@@ -44,7 +44,7 @@ def auto(cfg: ShardConfig, devices: int, capabilities: Capabilities, device_kind
     if hardware is None:
         return planlib.from_triple(devices, devices, devices, devices, reason=f"fsdp.sharding=auto: no hardware "
                                    f"model for {device_kind!r}, so FULL_SHARD")
-    ranked = planner.plan(planner.workload(cfg, devices, capabilities), devices, hardware)
+    ranked = planner.plan(planner.workload(cfg, devices, capabilities, hardware), devices, hardware)
     pick = ranked.best_where(lambda triple: capabilities.runs(triple, devices))
     if pick is None:
         raise PlanError("fsdp.sharding", f"auto: no sharding of this model fits {devices} x {hardware.name} by "
