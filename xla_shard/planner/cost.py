@@ -13,9 +13,11 @@ of `size` devices `stride` apart, on a tensor of T bytes (Psi parameters, c byte
   gradients:   reduce-scatter over G (stride 1), fp32: T = Psi*4
                all-reduce of the shard across the N/G replicas (stride G): T = Psi*4/G
                once per step, or per micro-batch where the backend cannot defer it (SPMD)
+  update:      all-gather of the updated shard from OS back to P's layout, over OS/P (stride P): T = Psi*4/P
+               (an optimizer without state, SGD, updates in the gradients' layout: over G/P)
 
-XLA's TPU compiler (xla_spmd on a TPU: `Workload.tpu_compiler`) does three things otherwise, measured on the
-programs libtpu compiles (docs/planner.md): it gathers matmul weights in bf16 whatever they are stored in (its
+XLA's TPU compiler (xla_spmd on a TPU: `Workload.tpu_compiler`) does otherwise, measured on the programs
+libtpu compiles (docs/planner.md): it gathers matmul weights in bf16 whatever they are stored in (its
 matmuls take bf16 at default precision, and the cast moves ahead of the gather; the embedding, looked up, is
 gathered as stored), and reduces gradients in the compute dtype; backward does not gather again what forward
 gathered last (the last layer and the head, still held when backward starts: FSDP2 keeps its root and
@@ -23,8 +25,6 @@ torchtitan its last block for the same reason); and activation checkpointing's r
 more (FSDP's backward gathers a unit once for both), but for the last layer, whose recompute and backward share
 one. Where gradients split over every device and parameters over fewer, it all-reduces each gradient whole
 (`_reduced_whole`).
-  update:      all-gather of the updated shard from OS back to P's layout, over OS/P (stride P): T = Psi*4/P
-               (an optimizer without state, SGD, updates in the gradients' layout: over G/P)
 
 A ring collective sends (g-1)/g of T per device (an all-reduce twice that). A group inside one fast domain uses
 the fast links; one spanning domains runs hierarchically, sending 1/d of its bytes across domains per device
@@ -134,7 +134,7 @@ def update_degree(optimizer: str, triple: Triple) -> int:
 
 def memory(work: Workload, triple: Triple) -> dict[str, float]:
     """Bytes per device: params, grads, optimizer, activations, logits, gathered, kept, total."""
-    psi, c, trained = work.params, work.compute_bytes, work.trained
+    psi, c, trained = work.params, work.gather_bytes, work.trained
     p, g, os_, k = triple.params, triple.grads, triple.optimizer, triple.kept
     stored = 4 * trained + work.frozen_bytes * (psi - trained) + 4 * work.reference_params
     found = {"params": stored / p, "grads": 4 * trained / g,
