@@ -329,6 +329,36 @@ def test_a_collective_the_tpu_compiler_splits_into_pieces_is_counted_once():
     assert collective_totals(text)["all-gather"] == {"count": 4 + 1 + 1, "bytes": (4 + 1 + 1) * 4 * 64 * 2}
 
 
+def test_a_multislice_programs_transfers_to_the_dcn_runtime_are_its_collectives_across_slices():
+    """libtpu compiles a multislice job per slice: what crosses slices is a `send` to the DCN runtime, typed
+    (here an ALL_REDUCE of f32[16,8,128], in a loop of 3), its `recv` the answer. Counted as all-reduces, as DCN
+    bytes; the slice's own collectives are not DCN's."""
+    from xla_shard.planner.hlo import collective_totals
+
+    dcn = ('frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",'
+           '_xla_megascale_transfer_type="ALL_REDUCE"}')
+    text = "\n".join([
+        "HloModule step",
+        "%body (p: (s32[], f32[16,8,128])) -> (s32[], f32[16,8,128]) {",
+        f"  %send = (f32[16,8,128]{{2,1,0}}, u32[], token[]) send(%x, %t), channel_id=5, is_host_transfer=true, {dcn}",
+        f"  %recv = (f32[16,8,128]{{2,1,0}}, u32[], token[]) recv(%t), channel_id=6, is_host_transfer=true, {dcn}",
+        "  ROOT %t = (s32[], f32[16,8,128]) tuple(%i, %x)",
+        "}",
+        "%cond (p: (s32[], f32[16,8,128])) -> pred[] {",
+        "  %n = s32[] constant(3)",
+        "  ROOT %lt = pred[] compare(%i, %n), direction=LT",
+        "}",
+        "ENTRY %main (a: f32[4]) -> f32[4] {",
+        "  %w = (s32[], f32[16,8,128]) while(%t0), condition=%cond, body=%body",
+        "  ROOT %r = f32[4]{0} all-reduce(f32[4]{0} %a), channel_id=7, replica_groups={{0,1,2,3}}, to_apply=%add",
+        "}",
+    ])
+    sent = 3 * 16 * 8 * 128 * 4
+    totals = collective_totals(text, dcn=True)
+    assert totals["all-reduce"] == {"count": 3 + 1, "bytes": sent + 16, "dcn_bytes": sent}
+    assert totals["all-gather"]["dcn_bytes"] == 0 and "dcn_bytes" not in collective_totals(text)["all-reduce"]
+
+
 def test_on_a_tpu_xla_spmd_gathers_as_the_tpu_compiler_does():
     """xla_spmd on a TPU (the TPU compiler's program): fp32 weights gathered in bf16 but the embedding as stored,
     backward skipping what forward gathered last (the root's head, the last layer), checkpointing's recompute

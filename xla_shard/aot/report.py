@@ -64,7 +64,7 @@ class Report:
     def roofline(self) -> dict[str, float]:
         """Seconds per step if nothing but compute, HBM traffic, ICI or DCN traffic bounded it (each alone,
         perfectly overlapped): the largest is a lower bound of the step time, and the MFU it allows is a
-        ceiling. Collectives whose groups span slices go over DCN."""
+        ceiling. What crosses slices (the program's transfers to the DCN runtime) goes over DCN."""
         d, c = self.device, self.compiled
         dcn = sum(v.get("dcn_bytes", 0) for v in self.collectives.values())
         ici = sum(v["bytes"] for v in self.collectives.values()) - dcn
