@@ -1,19 +1,18 @@
 """`xla-shard compile`: the trainer's own step, traced on virtual CPU devices and compiled by the real TPU compiler
 (libtpu, through jax's compile-only client) for a slice this machine does not have."""
 
-import json
 import os
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, REPO, run_cli, run_worker, runs_args
+from conftest import FIXTURES, REPO, run_cli
 from model_dirs import moe_dir
+from tpu_compiles import USERS_XLA, compile_json, traces
 
 from xla_shard.aot import target
 from xla_shard.errors import UserError
 
 pytestmark = pytest.mark.xla
-USERS_XLA = ("XLA_FLAGS",)  # the TPU compiler as users run it, not the test harness's fast CPU compiles
 ISOLATED = "XLA_SHARD_TPU_COMPILER"
 TPU_COMPILER = Path(os.environ.get(ISOLATED, REPO / ".venv-tpu-compiler/bin/python"))
 
@@ -34,12 +33,6 @@ def test_a_slice_that_does_not_exist_is_one_line(name):
         target.parse(name)
 
 
-def _compile(*args):
-    done = run_cli("compile", *args, "--json", drop=USERS_XLA)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
-
-
 @pytest.mark.e2e
 def test_the_trainers_step_compiles_for_a_tpu_and_holds_its_shards_per_device():
     """small-llama, FULL_SHARD over the 4 devices of a v5p-8, 256-token sequences: the TPU program runs Pallas
@@ -47,7 +40,7 @@ def test_the_trainers_step_compiles_for_a_tpu_and_holds_its_shards_per_device():
     state, 1/4 each: within 2% of the compiled arguments with the batch), gathers them (all-gathers), reduces
     gradients, and fits."""
     pytest.importorskip("jax")
-    report = _compile("--tpu", "v5p-8", "--set", "model=small-llama", "--set", "train.seq_len=256")
+    report = compile_json("--tpu", "v5p-8", "--set", "model=small-llama", "--set", "train.seq_len=256")
     consumers = report["consumers"]
     sharded = consumers["parameters"] + consumers["optimizer state"]
     assert report["devices"] == 4 and report["fits"]
@@ -101,7 +94,7 @@ def test_tpu7x_compiles_with_the_isolated_compiler(monkeypatch):
     eager attention none), and its all-gathers (TPU7x runs them on its SparseCores, as async calls) and
     gradient reductions are counted."""
     monkeypatch.setenv(ISOLATED, str(TPU_COMPILER))
-    report = _compile("--tpu", "tpu7x-8", "--set", "model=small-llama", "--set", "train.seq_len=256")
+    report = compile_json("--tpu", "tpu7x-8", "--set", "model=small-llama", "--set", "train.seq_len=256")
     consumers = report["consumers"]
     assert report["devices"] == 8 and report["fits"] and report["pallas_kernels"] > 0
     sharded = consumers["parameters"] + consumers["optimizer state"]
@@ -112,7 +105,7 @@ def test_tpu7x_compiles_with_the_isolated_compiler(monkeypatch):
     assert report["collectives"]["reduce-scatter"]["count"] > 0
     # Eager attention runs no Pallas kernel of ours, though TPU7x's compiler writes Mosaic kernels of its own
     # for it (`online-softmax`): those are not counted as the step's.
-    eager = _compile("--tpu", "tpu7x-2", "--set", "model=tiny-llama", "--set", "train.seq_len=256",
+    eager = compile_json("--tpu", "tpu7x-2", "--set", "model=tiny-llama", "--set", "train.seq_len=256",
                      "--set", "model.attn_implementation=eager")
     assert eager["fits"] and eager["pallas_kernels"] == 0
 
@@ -121,82 +114,24 @@ def test_tpu7x_compiles_with_the_isolated_compiler(monkeypatch):
 def test_placeholders_trace_the_program_real_parameters_do(tmp_path):
     """`xla-shard compile` traces with placeholders (no storage at the model's size). Compiled for a v5p-8, each
     config's program is the one its real parameters and optimizer state trace: the same memory per device, FLOPs
-    and collectives, for a plain model, LoRA, scanned layers, a triple sharding each state apart, and an MoE
+    and collectives, for a model with LoRA, scanned layers, a triple sharding each state apart, and an MoE
     (Qwen3-MoE, from its directory's config.json; no weights read), its layers unrolled and scanned. Its experts
     compile as Pallas grouped-matmul kernels (the only kernels there: 64-token attention takes SDPA)."""
     pytest.importorskip("jax")
     moe = moe_dir(tmp_path / "qwen3-moe", "qwen3_moe")
     (moe / "model.safetensors").unlink()
-    runs = [["model=tiny-llama"],
-            ["model=tiny-llama", "model.lora={r: 4}"],
+    runs = [["model=tiny-llama", "model.lora={r: 4}"],
             ["model=tiny-llama", "fsdp.scan_layers=true", "fsdp.activation_checkpointing=true"],
             ["model=tiny-llama", "fsdp.sharding={params: 2, grads: 4, optimizer: 4}", "train.grad_accum_steps=2",
              "train.global_batch_size=8"],
             [f"model.name={moe}", "model.init=random", "fsdp.mixed_precision=bf16"],
             [f"model.name={moe}", "model.init=random", "fsdp.mixed_precision=bf16", "fsdp.scan_layers=true",
              "fsdp.activation_checkpointing=true"]]
-    results = _traces("v5p-8", "--real", "train.global_batch_size=4", "train.seq_len=64", runs=runs, cwd=tmp_path)
+    results = traces("v5p-8", "--real", "train.global_batch_size=4", "train.seq_len=64", runs=runs, cwd=tmp_path)
     for run, result in zip(runs, results):
         assert result["placeholders"] == result["real"], run
         assert result["real"]["collectives"]["all-gather"]["count"] > 0, run
         assert (result["real"]["kernels"] > 0) == (run[0] != "model=tiny-llama"), run
-
-
-def _traces(*args, runs, cwd) -> list[dict]:
-    done = run_worker("aot_traces.py", *args, *runs_args(runs), cwd=cwd, env={"XLA_FLAGS": ""})
-    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == len(runs)
-    return results
-
-
-@pytest.mark.e2e
-def test_the_planner_is_held_to_the_tpu_compiler(tmp_path):
-    """small-llama on a v5p-8 (4 devices), 16 x 512 tokens, for the triples the planner offers there, and
-    FULL_SHARD with activation checkpointing in bf16: its bytes per device for parameters + optimizer state are
-    the compiled program's arguments less the batch (within 2%), and its parameter gathers and gradient
-    reductions are the compiled program's (within 5%: the TPU compiler's bf16 gathers, what backward does not
-    gather again, checkpointing's recompute, bf16 reductions, and 2/4/4's gradients all-reduced whole)."""
-    pytest.importorskip("jax")
-    runs = [[f"fsdp.sharding={{params: {p}, grads: {g}, optimizer: {o}}}"]
-            for p, g, o in [(4, 4, 4), (2, 2, 2), (1, 1, 1), (1, 2, 4), (2, 4, 4)]]
-    runs.append(["fsdp.activation_checkpointing=true", "fsdp.mixed_precision=bf16"])
-    results = _traces("v5p-8", "model=small-llama", "train.global_batch_size=16", "train.seq_len=512", runs=runs,
-                      cwd=tmp_path)
-    for run, result in zip(runs, results):
-        compiled, planned = result["placeholders"], result["planner"]
-        held = compiled["memory"][0] - compiled["traced"][2]  # the arguments, less the batch
-        assert abs(planned["params_and_optimizer"] - held) <= 0.02 * held, run
-        got = {kind: v["bytes"] for kind, v in compiled["collectives"].items()}
-        for kind in ("all-gather", "reduce-scatter", "all-reduce"):
-            want = planned["collectives"].get(kind, 0)
-            assert abs(got[kind] - want) <= 0.05 * max(want, got[kind]) or (kind == "all-reduce" and want == 0
-                                                                               and got[kind] < 0.01 * held), \
-                (run, kind, got[kind], want)
-
-
-@pytest.mark.e2e
-def test_a_multislice_step_reduces_across_slices_over_dcn_as_the_planner_says():
-    """`xla-shard compile --slices 2`: two v5p-8 slices (8 devices), small-llama with its parameters, gradients
-    and optimizer state sharded 4-way inside each slice and the slices as replicas. libtpu compiles the program
-    per slice, and the only thing that crosses slices (the DCN runtime's transfers) is the gradient shards'
-    all-reduce, of the bytes the planner predicts for the replicas (within 5%); the gathers and reduce-scatters
-    stay inside a slice, as predicted. The roofline has a DCN term."""
-    pytest.importorskip("jax")
-    from xla_shard import backends, config, planner
-    from xla_shard.planner import cost
-
-    sets = ["model=small-llama", "train.global_batch_size=16", "train.seq_len=512",
-            "fsdp.sharding={params: 4, grads: 4, optimizer: 4}"]
-    report = _compile("--tpu", "v5p-8", "--slices", "2", *[a for s in sets for a in ("--set", s)])
-    assert (report["slices"], report["devices"], report["chips"]) == (2, 8, 8) and report["fits"]
-    work = planner.workload(config.load(None, sets), 8, backends.capabilities("xla_spmd"), target.parse("v5p-8").chip)
-    planned = cost.result_bytes(cost.collectives(work, planner.Triple(4, 4, 4), 8))
-    got = report["collectives"]
-    assert {kind for kind, v in got.items() if v["dcn_bytes"]} == {"all-reduce"}
-    for kind, dcn in (("all-reduce", True), ("reduce-scatter", False), ("all-gather", False)):
-        held = got[kind]["dcn_bytes"] if dcn else got[kind]["bytes"] - got[kind]["dcn_bytes"]
-        assert abs(held - planned[kind]) <= 0.05 * planned[kind], (kind, held, planned[kind])
-    assert report["roofline"]["dcn_s"] > 0
 
 
 @pytest.mark.e2e
@@ -209,7 +144,7 @@ def test_a_dpo_step_compiles_with_its_reference_model_sharded_as_the_policy(mode
     128-lane tiles.)"""
     pytest.importorskip("jax")
     runs = [[], ["model.lora.r=4"]]
-    results = _traces("v5p-8", f"model.name={model_dirs.llama_chat}", "data.kind=preference",
+    results = traces("v5p-8", f"model.name={model_dirs.llama_chat}", "data.kind=preference",
                       f"data.path={FIXTURES / 'preference_chat.jsonl'}", "train.global_batch_size=4",
                       "train.seq_len=64", runs=runs, cwd=tmp_path)
     for run, result in zip(runs, results):
@@ -217,23 +152,6 @@ def test_a_dpo_step_compiles_with_its_reference_model_sharded_as_the_policy(mode
         parameters, optimizer, batch, reference = compiled["traced"]
         assert reference == (0 if run else parameters), run
         assert compiled["memory"][0] >= parameters + optimizer + batch + reference, run
-
-
-@pytest.mark.e2e
-def test_the_planners_logits_are_what_the_tpu_compiler_holds_for_them(tmp_path):
-    """The planner's memory has a term for a causal LM's logits and their gradient ([tokens, vocabulary] each):
-    doubling small-llama's vocabulary from 32k to 64k grows the compiled program's temporaries per device by
-    what that term grows, within 5%, in bf16 and in fp32. One layer: the logits do not depend on the depth, and
-    the compiles are shorter (47 s for the four here, 106 s with four layers)."""
-    pytest.importorskip("jax")
-    runs = [[f"model.overrides={{vocab_size: {vocab}, num_hidden_layers: 1}}", f"fsdp.mixed_precision={precision}"]
-            for precision in ("bf16", "no") for vocab in (32768, 65536)]
-    results = _traces("v5p-8", "model=small-llama", "train.global_batch_size=16", "train.seq_len=512", runs=runs,
-                      cwd=tmp_path)
-    for small, large in (results[0:2], results[2:4]):
-        compiled = large["placeholders"]["memory"][2] - small["placeholders"]["memory"][2]
-        planned = large["planner"]["logits"] - small["planner"]["logits"]
-        assert planned > 0 and abs(compiled - planned) <= 0.05 * planned, (compiled, planned)
 
 
 def test_a_buffer_larger_than_a_devices_hbm_is_the_compilers_out_of_hbm_verdict_naming_the_buffer():
