@@ -59,11 +59,11 @@ def row(name: str) -> dict:
     cfg = config.load(None, [*model, "train.seq_len=8192",
                              f"train.global_batch_size={batch}", "fsdp.mixed_precision=bf16",
                              "fsdp.scan_layers=true", "fsdp.activation_checkpointing=true"])
-    tpu = compiler.describe(target.parse(slice_name).topology)
+    chosen = target.parse(slice_name)
+    tpu = compiler.describe(chosen.topology)
     traced = trace.trace(cfg, tpu)
     compiled = tpu.compile(traced.proto)
     got = hlo.collective_totals(compiled.hlo_text, traced.loop_trips)
-    chosen = target.parse(slice_name)
     work = planner.workload(cfg, tpu.count, XlaSpmdBackend.capabilities, chosen.chip)
     triple = settle(cfg, tpu.count, XlaSpmdBackend.capabilities, "tpu").degrees
     held = cost.memory(work, triple)

@@ -61,7 +61,7 @@ def collective_totals(hlo_text: str, loop_trips: int = 1, dcn: bool = False) -> 
     counted as a collective of that kind, bytes as sent. With `dcn`, each kind also has "dcn_bytes": those."""
     computations = {name: (header, body) for header, name, body in _COMPUTATION.findall(hlo_text)}
     runs = _runs(computations, loop_trips)
-    ops: dict[object, tuple[str, int, int, bool]] = {}  # channel (or the op, without one) -> kind, runs, bytes, DCN
+    ops: dict[tuple, tuple[str, int, int]] = {}  # channel (or the op, without one) -> kind, runs, bytes
     for name, (header, body) in computations.items():
         for match in _INSTRUCTION.finditer(body):
             result, kind, start = match.groups()
@@ -70,23 +70,22 @@ def collective_totals(hlo_text: str, loop_trips: int = 1, dcn: bool = False) -> 
                 tensors = tensors[len(tensors) // 2:]
             if kind == "all-reduce" and name.startswith("all-reduce-scatter"):
                 kind, tensors = "reduce-scatter", _TENSOR.findall(header.rpartition("->")[2])
-            line = body[match.end():body.find("\n", match.end())]
-            channel = _CHANNEL.search(line)
-            key = (kind, channel.group(1)) if channel else (name, match.start())
+            channel = _CHANNEL.search(body[match.end():body.find("\n", match.end())])  # on the op's own line
+            key = ("ici", kind, channel.group(1)) if channel else ("ici", name, match.start())
+            _, seen_runs, seen_size = ops.get(key, (kind, 0, 0))
             size = sum(_tensor_bytes(dtype, dims) for dtype, dims in tensors)
-            _, seen_runs, seen_size, _ = ops.get(key, (kind, 0, 0, False))
-            ops[key] = (kind, max(seen_runs, runs.get(name, 0)), max(seen_size, size), False)
+            ops[key] = (kind, max(seen_runs, runs.get(name, 0)), max(seen_size, size))
         for match in _DCN_SEND.finditer(body):
             data, channel, transfer = match.groups()
             kind = _DCN_KINDS.get(transfer, transfer.lower().replace("_", "-"))
-            size = sum(_tensor_bytes(dtype, dims) for dtype, dims in _TENSOR.findall(data))
-            ops[("dcn", channel)] = (kind, runs.get(name, 0), size, True)
-    totals = {kind: {"count": 0, "bytes": 0, **({"dcn_bytes": 0} if dcn else {})} for kind in KINDS}
-    for kind, times, size, across in ops.values():
-        entry = totals.setdefault(kind, {"count": 0, "bytes": 0, **({"dcn_bytes": 0} if dcn else {})})
+            ops[("dcn", channel)] = (kind, runs.get(name, 0), sum(_tensor_bytes(*t) for t in _TENSOR.findall(data)))
+    blank = {"count": 0, "bytes": 0, **({"dcn_bytes": 0} if dcn else {})}
+    totals = {kind: dict(blank) for kind in KINDS}
+    for (link, *_), (kind, times, size) in ops.items():
+        entry = totals.setdefault(kind, dict(blank))
         entry["count"] += times
         entry["bytes"] += times * size
-        if across and dcn:
+        if dcn and link == "dcn":
             entry["dcn_bytes"] += times * size
     return totals
 
