@@ -5,7 +5,8 @@
 Each row traces a config's step as `xla-shard compile` does (placeholders: nothing at the model's size),
 compiles it with libtpu for the slice, and prints, per device, what the planner predicts beside what the
 compiled program holds and moves: parameters + optimizer state (against the compiled arguments less the
-batch), gradient reductions (reduce-scatter + all-reduce result bytes), and parameter all-gathers. Llama-3-8B
+batch), gradient reductions (reduce-scatter + all-reduce result bytes), parameter all-gathers, and what else
+moves (all-to-all, collective-permutes outside a windowed einsum). Llama-3-8B
 and -70B shapes, and a Qwen3-30B-A3B shape (mixture of experts: grouped-matmul experts on a TPU). Scanned layers,
 activation checkpointing, bf16 and flash attention, as a large run is configured. TPU7x rows need the isolated
 compiler (XLA_SHARD_TPU_COMPILER, see docs/planner.md); each row runs in a fresh process (the device count is
@@ -74,6 +75,7 @@ def row(name: str) -> dict:
             "planned_reductions": predicted.get("reduce-scatter", 0) + predicted.get("all-reduce", 0),
             "compiled_reductions": got["reduce-scatter"]["bytes"] + got["all-reduce"]["bytes"],
             "planned_gathers": predicted.get("all-gather", 0), "compiled_gathers": got["all-gather"]["bytes"],
+            "compiled_other": got["all-to-all"]["bytes"] + got["collective-permute"]["bytes"],
             "compiled_total": compiled.argument_bytes + compiled.temp_bytes + compiled.code_bytes}
 
 
@@ -94,13 +96,14 @@ def main() -> None:
         print(json.dumps(row(args.row)))
         return
     print("| model | slice (devices) | P+OS planned / compiled GiB | ratio | grad reductions planned / compiled GiB "
-          "| ratio | gathers planned / compiled GiB | ratio | compiled per device GiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| ratio | gathers planned / compiled GiB | ratio | all-to-all + permutes compiled GiB "
+          "| compiled per device GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.rows.split(","):
         done = subprocess.run([sys.executable, __file__, "--row", name], capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode or not lines:
-            print(f"| {name} | failed: {(done.stderr.strip().splitlines() or ['?'])[-1][:150]} |||||||")
+            print(f"| {name} | failed: {(done.stderr.strip().splitlines() or ['?'])[-1][:150]} ||||||||")
             continue
         r = json.loads(lines[-1])
         print(f"| {r['params_b']:.1f}B | {r['slice']} ({r['devices']}) | {r['planned_state'] / GiB:.2f} / "
@@ -108,7 +111,8 @@ def main() -> None:
               f"{r['planned_reductions'] / GiB:.2f} / {r['compiled_reductions'] / GiB:.2f} | "
               f"{r['planned_reductions'] / max(1, r['compiled_reductions']):.2f} | "
               f"{r['planned_gathers'] / GiB:.1f} / {r['compiled_gathers'] / GiB:.1f} | "
-              f"{r['planned_gathers'] / max(1, r['compiled_gathers']):.2f} | {r['compiled_total'] / GiB:.1f} |",
+              f"{r['planned_gathers'] / max(1, r['compiled_gathers']):.2f} | {r['compiled_other'] / GiB:.1f} | "
+              f"{r['compiled_total'] / GiB:.1f} |",
               flush=True)
 
 

@@ -158,15 +158,25 @@ E2E_SECONDS = {
 }
 
 
+# Where a torch_version test's torch_fsdp variant also runs in the torch_xla environment (torch 2.9): FSDP2 at the
+# low end of the torch range, on the backends' own tests and checkpoints moving between backends.
+FSDP2_FLOOR = {"test_backends.py", "test_checkpoint.py"}
+
+
 def pytest_collection_modifyitems(items):
     """A slow test is an end-to-end one, whether or not it says so: the unit tier stays fast. Without torch_xla
-    (the base install, on the newest torch) the tests that need it skip."""
+    (the base install, on the newest torch) the tests that need it skip. A torch_version test's torch_fsdp
+    variant is an `fsdp2` one (outside FSDP2_FLOOR): tests/run.sh runs those on the newest torch only."""
     no_xla = pytest.mark.skip(reason="needs torch_xla (pip install 'xla_shard[xla]')")
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("e2e"):
             item.add_marker(pytest.mark.e2e)
         if item.get_closest_marker("xla") and not HAS_XLA:
             item.add_marker(no_xla)
+        variant = getattr(getattr(item, "callspec", None), "id", "")
+        if (item.get_closest_marker("torch_version") and "torch_fsdp" in variant.split("-")
+                and item.path.name not in FSDP2_FLOOR):
+            item.add_marker(pytest.mark.fsdp2)
 
 
 class _HeaviestFileFirst:

@@ -8,7 +8,7 @@ import pytest
 from xla_shard import backends, config
 from xla_shard.errors import ConfigError
 
-pytestmark = pytest.mark.torch_version  # its subject depends on torch's version
+pytestmark = [pytest.mark.torch_version, pytest.mark.fsdp2]  # torch.compile of FSDP2's blocks
 
 COMMON = ["backend=torch_fsdp", "cpu_devices=2", "train.steps=4", "train.max_grad_norm=0.5",
           "train.grad_accum_steps=2", "checkpoint.every_steps=2", "checkpoint.keep_last=2"]

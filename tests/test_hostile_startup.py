@@ -13,7 +13,8 @@ from conftest import REPO, _env
 from xla_shard import config
 from xla_shard.errors import ConfigError
 
-pytestmark = [pytest.mark.torch_version, pytest.mark.serial]  # its subject depends on torch's version; timing-bound
+# FSDP2 alone, its subject torch's version; bounded in time
+pytestmark = [pytest.mark.torch_version, pytest.mark.fsdp2, pytest.mark.serial]
 
 TIMEOUT_S = 10
 # What a node may take past launch.timeout_s to say so: start-up (imports, the config, the agent) and, for

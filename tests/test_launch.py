@@ -77,6 +77,7 @@ def test_sigkill_of_the_launcher_takes_its_workers_with_it(tmp_path, backend, se
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.fsdp2
 @pytest.mark.e2e
 def test_sigterm_to_the_torchrun_launcher_stops_its_workers_with_a_checkpoint_and_exits_143(tmp_path):
     """The launcher runs torchrun's agent in its own process: a SIGTERM reaches the agent, which forwards it; the

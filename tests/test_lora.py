@@ -147,6 +147,7 @@ def test_fp32_adapters_over_a_bf16_base_follow_peft(model_dirs, tmp_path, backen
     assert [r["loss"] for r in records] == pytest.approx(want, rel=2e-5), (backend, [r["loss"] for r in records], want)
 
 
+@pytest.mark.fsdp2
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_optimizer_state_and_gradients_are_the_adapters_only(model_dirs, tmp_path):
@@ -160,6 +161,7 @@ def test_optimizer_state_and_gradients_are_the_adapters_only(model_dirs, tmp_pat
     assert adapted["optimizer"] < full["optimizer"] / 5 and adapted["params"] >= full["params"]
 
 
+@pytest.mark.fsdp2
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_checkpoints_hold_the_adapters_resume_exactly_and_export_for_peft(model_dirs, tmp_path, capsys):
@@ -228,6 +230,7 @@ def test_a_classifier_head_is_trained_whole_beside_the_adapters(model_dirs):
         "classifier.modules_to_save.default.weight"] == "model/classifier.weight"
 
 
+@pytest.mark.fsdp2
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_a_lora_classifier_exports_an_adapter_peft_loads_with_its_head(model_dirs, tmp_path, capsys):

@@ -109,6 +109,7 @@ def test_experts_are_exported_one_tensor_per_expert_as_save_pretrained_stores_th
         assert torch.equal(piece.cut(params[piece.source].detach()), stored[piece.key]), piece
 
 
+@pytest.mark.fsdp2
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_a_moe_fine_tune_exports_what_from_pretrained_loads(moe_dirs, tmp_path, capsys):
@@ -133,6 +134,7 @@ def test_a_moe_fine_tune_exports_what_from_pretrained_loads(moe_dirs, tmp_path, 
     assert json.loads((out / "model" / "config.json").read_text())["model_type"] == "olmoe"
 
 
+@pytest.mark.fsdp2
 @pytest.mark.e2e
 def test_the_router_load_balancing_loss_is_added_when_the_config_asks(moe_dirs, tmp_path):
     """model.overrides output_router_logits: transformers adds router_aux_loss_coef x the load-balancing loss to

@@ -16,7 +16,8 @@ from conftest import FIXTURES, REPO, _env, run_cli
 from xla_shard import backends, config, launch
 from xla_shard.errors import ConfigError
 
-pytestmark = [pytest.mark.torch_version, pytest.mark.serial]  # its subject depends on torch's version; timing-bound
+# FSDP2 alone, its subject torch's version; bounded in time
+pytestmark = [pytest.mark.torch_version, pytest.mark.fsdp2, pytest.mark.serial]
 
 
 

@@ -329,6 +329,77 @@ def test_a_collective_the_tpu_compiler_splits_into_pieces_is_counted_once():
     assert collective_totals(text)["all-gather"] == {"count": 4 + 1 + 1, "bytes": (4 + 1 + 1) * 4 * 64 * 2}
 
 
+def test_a_windowed_einsums_ring_is_the_collective_it_spreads_over_a_matmul():
+    """XLA's windowed einsum (collective matmul) passes shards around a ring of collective-permutes inside a loop
+    (`windowed_dot_general_body_ag`: an operand gathered shard by shard; `..._rs`: partial sums passed on until
+    each device holds its shard): counted as that all-gather or reduce-scatter, in result bytes. A permute
+    start's result is its second tensor (the u32 contexts after it are not data); a permute elsewhere is one."""
+    from xla_shard.planner.hlo import collective_totals
+
+    ring = "source_target_pairs={{0,1},{1,2},{2,3},{3,0}}"
+
+    def permute(channel: int) -> str:
+        return (f"  %p{channel} = (bf16[8,64]{{1,0}}, bf16[8,64]{{1,0}}, u32[], u32[]) collective-permute-start("
+                f"%x), channel_id={channel}, {ring}")
+
+    def loop(kind: str, channel: int) -> list[str]:
+        return [f"%wide.windowed_dot_general_body_{kind}.1 (p: (s32[], bf16[8,64])) -> (s32[], bf16[8,64]) {{",
+                permute(channel), "  ROOT %t = (s32[], bf16[8,64]) tuple(%i, %x)", "}",
+                f"%cond_{kind} (p: (s32[], bf16[8,64])) -> pred[] {{", "  %n = s32[] constant(3)",
+                "  ROOT %lt = pred[] compare(%i, %n), direction=LT", "}"]
+
+    text = "\n".join([
+        "HloModule step", *loop("ag", 1), *loop("rs", 2),
+        "ENTRY %main (a: bf16[8,64]) -> bf16[8,64] {",
+        "  %g = (s32[], bf16[8,64]) while(%t0), condition=%cond_ag, body=%wide.windowed_dot_general_body_ag.1",
+        "  %r = (s32[], bf16[8,64]) while(%t1), condition=%cond_rs, body=%wide.windowed_dot_general_body_rs.1",
+        permute(3), "  ROOT %d = bf16[8,64]{1,0} collective-permute-done(%p3)", "}",
+    ])
+    shard = 8 * 64 * 2
+    totals = collective_totals(text)
+    assert totals["all-gather"] == {"count": 3, "bytes": 4 * shard}  # 3 steps bring the 3 shards not held
+    assert totals["reduce-scatter"] == {"count": 3, "bytes": shard}  # 3 steps to sum one shard
+    assert totals["collective-permute"] == {"count": 1, "bytes": shard}
+
+
+def test_an_all_reduce_of_shards_laid_into_zeros_is_a_gather():
+    """TPU7x runs an all-gather on its SparseCores as an all-reduce of each device's shard laid into zeros: an
+    async call whose operand is `dynamic-update-slice(broadcast, shard)`, or, in a loop, a fused
+    dynamic-update-slice on a broadcast. Counted as the gather it is; a gradient's all-reduce stays one, and a
+    combined all-reduce is split operand by operand."""
+    from xla_shard.planner.hlo import collective_totals
+
+    group = "replica_groups={{0,1,2,3}}, to_apply=%add"
+    text = "\n".join([
+        "HloModule step",
+        "%sparse (p0: f32[8,64], p1: token[]) -> f32[8,64] {",
+        "  %p1 = token[] parameter(1)",
+        "  %p0 = f32[8,64]{1,0} parameter(0)",
+        f"  ROOT %ar = f32[8,64]{{1,0}} all-reduce(%p0), channel_id=1, {group}",
+        '}, execution_thread="sparsecore"',
+        "%fused_dus (q0: bf16[8,64], q1: bf16[2,64], q2: s32[]) -> bf16[8,64] {",
+        "  %q0 = bf16[8,64]{1,0} parameter(0)",
+        "  %q1 = bf16[2,64]{1,0} parameter(1)",
+        "  %q2 = s32[] parameter(2)",
+        "  ROOT %d = bf16[8,64]{1,0} dynamic-update-slice(%q0, %q1, %q2, %q2)",
+        "}",
+        "ENTRY %main (shard: f32[2,64], w: bf16[2,64], g: f32[8,64]) -> f32[8,64] {",
+        "  %zero = f32[] constant(0)",
+        "  %zeros = f32[8,64]{1,0} broadcast(%zero), dimensions={}",
+        "  %laid = f32[8,64]{1,0} dynamic-update-slice(%zeros, %shard, %i, %i)",
+        "  %cs = ((f32[8,64]{1,0}, token[]), f32[8,64]{1,0}) call-start(%laid, %t), "
+        'async_execution_thread="sparsecore", to_apply=%sparse',
+        "  %bzeros = bf16[8,64]{1,0} broadcast(%zero), dimensions={}",
+        "  %f = bf16[8,64]{1,0} fusion(%bzeros, %w, %i), kind=kLoop, calls=%fused_dus",
+        f"  %both = (bf16[8,64]{{1,0}}, f32[8,64]{{1,0}}) all-reduce(%f, %g), channel_id=2, {group}",
+        f"  ROOT %grad = f32[8,64]{{1,0}} all-reduce(%g), channel_id=3, {group}",
+        "}",
+    ])
+    totals = collective_totals(text)
+    assert totals["all-gather"] == {"count": 2, "bytes": 8 * 64 * 4 + 8 * 64 * 2}
+    assert totals["all-reduce"] == {"count": 2, "bytes": 2 * 8 * 64 * 4}
+
+
 def test_a_multislice_programs_transfers_to_the_dcn_runtime_are_its_collectives_across_slices():
     """libtpu compiles a multislice job per slice: what crosses slices is a `send` to the DCN runtime, typed
     (here an ALL_REDUCE of f32[16,8,128], in a loop of 3), its `recv` the answer. Counted as all-reduces, as DCN
@@ -362,7 +433,8 @@ def test_a_multislice_programs_transfers_to_the_dcn_runtime_are_its_collectives_
 def test_on_a_tpu_xla_spmd_gathers_as_the_tpu_compiler_does():
     """xla_spmd on a TPU (the TPU compiler's program): fp32 weights gathered in bf16 but the embedding as stored,
     backward skipping what forward gathered last (the root's head, the last layer), checkpointing's recompute
-    gathering the layers again (the last one's shared with its backward), and gradients reduced as computed.
+    gathering the layers again (the last one's shared with its backward; a scanned loop's backward gathers a
+    layer once for both), and gradients reduced as computed.
     Elsewhere (a GPU, or FSDP's wrappers) unchanged: the compute dtype, forward and backward."""
     from xla_shard.planner.cost import collectives
 
@@ -384,6 +456,11 @@ def test_on_a_tpu_xla_spmd_gathers_as_the_tpu_compiler_does():
     assert gathered(tpu_compiler=True, activation_checkpointing=True) == (
         2 * weights + 4 * embedding + 2 * layer * (layers - 1) + 2 * layer * layers)
     assert gathered(tpu_compiler=True, compute_bytes=2) == gathered(tpu_compiler=True)  # bf16 either way
+    # Scanned: forward gathers every layer, the backward loop once more (recompute and backward share it),
+    # checkpointed or not; the head is held from forward.
+    scanned = 2 * weights + 4 * embedding + 2 * layer * layers
+    assert gathered(tpu_compiler=True, scanned=True) == scanned
+    assert gathered(tpu_compiler=True, scanned=True, activation_checkpointing=True) == scanned
     assert reduced() == reduced(tpu_compiler=True) == 4 * psi
     assert reduced(tpu_compiler=True, compute_bytes=2) == 2 * psi and reduced(compute_bytes=2) == 4 * psi
     # Gradients split over every device, parameters over fewer: the TPU program all-reduces them whole.
@@ -518,6 +595,7 @@ def fsdp2_runs(tmp_path_factory):
     return dict(zip(FSDP2_RUNS, json.loads(out.read_text())))
 
 
+@pytest.mark.fsdp2
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.torch_version  # what FSDP2 allocates and runs; the planner's arithmetic and CLI are torch's alike

@@ -138,6 +138,7 @@ def test_two_micro_batches_make_the_same_update_as_one_batch(clipped_runs, backe
     assert [r["loss"] for r in split] == pytest.approx(_eager_steps(3, 2, 0.5)[0], rel=1e-5)
 
 
+@pytest.mark.fsdp2
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_fsdp2_reduces_gradients_once_per_step_whatever_the_micro_batches(tmp_path):

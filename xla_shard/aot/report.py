@@ -19,10 +19,6 @@ from xla_shard.planner.hardware import Accelerator
 from xla_shard.planner.hlo import collective_totals
 
 GiB = 2**30
-# Why a scanned program's collectives are not held to the cost model (docs/planner.md has the measurements).
-SCANNED_COLLECTIVES = ("with scanned layers XLA's partitioner picks its own data movement inside the layer loop "
-                       "(activations gathered or exchanged all-to-all where weights would be gathered, differently "
-                       "per generation); the cost model prices the unrolled program's FSDP pattern")
 
 
 @dataclass
@@ -86,7 +82,7 @@ class Report:
                 "temp_bytes": self.compiled.temp_bytes, "code_bytes": self.compiled.code_bytes,
                 "pallas_kernels": self.trace.kernels, "flops_per_device": self.compiled.flops,
                 "bytes_accessed_per_device": self.compiled.bytes_accessed,
-                "collectives": self.collectives, "collectives_verified": self.trace.loop_trips == 1,
+                "collectives": self.collectives,
                 "roofline": self.roofline()}
 
     def text(self) -> str:
@@ -106,8 +102,7 @@ class Report:
         if self.trace.kernels:
             lines.append(f"Pallas kernels compiled into the program: {self.trace.kernels} "
                          "(flash attention, MoE grouped matmuls)")
-        lines.append("collectives in the compiled TPU program (per device, results' bytes"
-                     + (f"; UNVERIFIED: {SCANNED_COLLECTIVES}" if self.trace.loop_trips > 1 else "") + "):")
+        lines.append("collectives in the compiled TPU program (per device, results' bytes):")
         lines += [f"  {kind}: {v['count']} ops, {v['bytes'] / 2**20:.1f} MiB"
                   + (f", {v['dcn_bytes'] / 2**20:.1f} MiB of it across slices (DCN)" if v.get("dcn_bytes") else "")
                   for kind, v in self.collectives.items()]

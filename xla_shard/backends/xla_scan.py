@@ -109,6 +109,9 @@ class ScannedLayers(nn.Module):
         super().__init__()
         self._count = len(layers)
         self._partition_fn = partition_fn
+        # {stacked tensor's name: what one layer's slice becomes before the layer uses it}: a backend's layout
+        # hint (XLA SPMD: gathered whole, its gradient reduce-scattered), none by default.
+        self.in_layer: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
         # scan caches its trace by function: one body per call structure, each calling the template.
         self._bodies: dict[tuple, Callable] = {}
         self._template = [copy.deepcopy(layers[0]).to("meta")]  # in a list: not a submodule, holds nothing
@@ -170,10 +173,11 @@ class ScannedLayers(nn.Module):
     def _body(self, spec, tensor_at: tuple[int, ...], statics: tuple) -> Callable:
         key = (str(spec), tensor_at, repr(statics), self.training)
         if key not in self._bodies:
-            template, training = self._template[0], self.training
+            template, training, in_layer = self._template[0], self.training, dict(self.in_layer)
 
             def body(hidden, per_layer):
                 tensors, shared = per_layer
+                tensors = {name: in_layer[name](t) if name in in_layer else t for name, t in tensors.items()}
                 leaves = list(statics)
                 for index, tensor in zip(tensor_at, shared):
                     leaves[index] = tensor

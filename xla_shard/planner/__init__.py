@@ -141,7 +141,7 @@ def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerato
     flops *= 1 + objective.forwards_without_grad / 3
     return Workload(params=params, units=units, trained_params=trained, frozen_bytes=frozen_bytes,
                     tpu_compiler=capabilities.gathers_per_tensor and hardware is not None and hardware.tpu,
-                    root_params=root, last_unit_params=last,
+                    root_params=root, last_unit_params=last, scanned=cfg.fsdp.scan_layers,
                     reference_params=_reference_params(cfg, objective, params),
                     reference_forwards=objective.forwards_without_grad,
                     embedding_params=embedding,

@@ -23,8 +23,9 @@ gathered as stored), and reduces gradients in the compute dtype; backward does n
 gathered last (the last layer and the head, still held when backward starts: FSDP2 keeps its root and
 torchtitan its last block for the same reason); and activation checkpointing's recompute gathers the layers once
 more (FSDP's backward gathers a unit once for both), but for the last layer, whose recompute and backward share
-one. Where gradients split over every device and parameters over fewer, it all-reduces each gradient whole
-(`_reduced_whole`).
+one. Scanned layers (`Workload.scanned`) are gathered once in forward and once in backward, checkpointed or
+not: the backward loop's body recomputes and differentiates a layer with one gather. Where gradients split over
+every device and parameters over fewer, it all-reduces each gradient whole (`_reduced_whole`).
 
 A ring collective sends (g-1)/g of T per device (an all-reduce twice that). A group inside one fast domain uses
 the fast links; one spanning domains runs hierarchically, sending 1/d of its bytes across domains per device
@@ -77,6 +78,7 @@ class Workload:
     tpu_compiler: bool = False
     root_params: int = 0
     last_unit_params: int = 0
+    scanned: bool = False  # fsdp.scan_layers: the layers run as one loop (one body for forward, one for backward)
 
     @property
     def trained(self) -> int:
@@ -160,8 +162,10 @@ def collectives(work: Workload, triple: Triple, devices: int) -> list[Collective
     stored = (4 if work.trained_params is None else work.frozen_bytes) if work.tpu_compiler else c
     forward = ((psi - embedding) * c + embedding * stored) * micro
     kept = work.root_params + work.last_unit_params if work.tpu_compiler else 0
+    if work.tpu_compiler and work.scanned:
+        kept = work.root_params  # the loop holds no layer past its iteration; its backward body gathers once
     again = (psi - embedding - kept) * c * micro  # backward's gather
-    if work.tpu_compiler and work.activation_checkpointing:
+    if work.tpu_compiler and work.activation_checkpointing and not work.scanned:
         again += (psi - embedding - work.root_params) * c * micro
     found = [Collective("params", "all-gather", p, 1, forward + (again if k == p else 0),
                         units * micro * (2 if k == p else 1)),

@@ -38,6 +38,7 @@ def collectives(hlo_text: str) -> dict[tuple[str, int, int], dict[str, int]]:
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.-]+ = (.*?) (" + "|".join(KINDS) + r")(-start)?\(", re.M)
+_CONTEXT_DTYPES = ("u32", "s32")
 _TENSOR = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 
 
@@ -56,25 +57,41 @@ def collective_totals(hlo_text: str, loop_trips: int = 1, dcn: bool = False) -> 
     `channel_id` and writing into one buffer), and cloned computations repeat an op; an op is counted once per
     channel, as often as its most frequently run piece runs.
 
+    A windowed einsum (XLA's collective matmul: a loop passing shards around a ring of collective-permutes
+    while it multiplies) is the all-gather or reduce-scatter it spreads over the matmul, a step per iteration
+    (`_windowed_step`). An async start's tuple holds its operands, its results, then scalar contexts (u32[]).
+
     A multislice program is compiled per slice: its collectives stay inside one, and what crosses slices is a
     transfer to the DCN runtime (a `send` to `xla_megascale_runtime` of its transfer type, ALL_REDUCE ...),
     counted as a collective of that kind, bytes as sent. With `dcn`, each kind also has "dcn_bytes": those."""
     computations = {name: (header, body) for header, name, body in _COMPUTATION.findall(hlo_text)}
     runs = _runs(computations, loop_trips)
     ops: dict[tuple, tuple[str, int, int]] = {}  # channel (or the op, without one) -> kind, runs, bytes
+    program = _Program(computations)
     for name, (header, body) in computations.items():
         for match in _INSTRUCTION.finditer(body):
             result, kind, start = match.groups()
             tensors = _TENSOR.findall(result)
-            if start and len(tensors) > 1:  # an async start's tuple holds its operands, then its results
+            if start:  # an async start's tuple: its operands, its results, then scalar contexts (u32[])
+                tensors = [t for t in tensors if t[1] or t[0] not in _CONTEXT_DTYPES]
                 tensors = tensors[len(tensors) // 2:]
+            line = body[match.end():body.find("\n", match.end())]
+            parts = [(kind, _tensor_bytes(*tensor)) for tensor in tensors]
             if kind == "all-reduce" and name.startswith("all-reduce-scatter"):
-                kind, tensors = "reduce-scatter", _TENSOR.findall(header.rpartition("->")[2])
-            channel = _CHANNEL.search(body[match.end():body.find("\n", match.end())])  # on the op's own line
-            key = ("ici", kind, channel.group(1)) if channel else ("ici", name, match.start())
-            _, seen_runs, seen_size = ops.get(key, (kind, 0, 0))
-            size = sum(_tensor_bytes(dtype, dims) for dtype, dims in tensors)
-            ops[key] = (kind, max(seen_runs, runs.get(name, 0)), max(seen_size, size))
+                result = _TENSOR.findall(header.rpartition("->")[2])
+                parts = [("reduce-scatter", sum(_tensor_bytes(*t) for t in result))]
+            elif kind == "all-reduce":  # an operand laid into zeros is a shard gathered (TPU7x's SparseCores)
+                operands = _CALLEE.findall(line[:line.find(")")])
+                parts = [("all-gather" if program.laid_into_zeros(name, operand) else kind, size)
+                         for (_, size), operand in zip(parts, operands + [""] * len(parts))]
+            windowed = _WINDOWED.search(name)
+            if kind == "collective-permute" and windowed:
+                parts = [_windowed_step(windowed.group(1), sum(size for _, size in parts), line.count("},{") + 1)]
+            channel = _CHANNEL.search(line)  # on the op's own line
+            for part, size in _summed(parts).items():
+                key = ("ici", part, channel.group(1)) if channel else ("ici", part, name, match.start())
+                _, seen_runs, seen_size = ops.get(key, (part, 0, 0))
+                ops[key] = (part, max(seen_runs, runs.get(name, 0)), max(seen_size, size))
         for match in _DCN_SEND.finditer(body):
             data, channel, transfer = match.groups()
             kind = _DCN_KINDS.get(transfer, transfer.lower().replace("_", "-"))
@@ -84,10 +101,75 @@ def collective_totals(hlo_text: str, loop_trips: int = 1, dcn: bool = False) -> 
     for (link, *_), (kind, times, size) in ops.items():
         entry = totals.setdefault(kind, dict(blank))
         entry["count"] += times
-        entry["bytes"] += times * size
+        entry["bytes"] += round(times * size)
         if dcn and link == "dcn":
-            entry["dcn_bytes"] += times * size
+            entry["dcn_bytes"] += round(times * size)
     return totals
+
+
+def _summed(parts: list[tuple[str, float]]) -> dict[str, float]:
+    found: dict[str, float] = {}
+    for kind, size in parts:
+        found[kind] = found.get(kind, 0) + size
+    return found
+
+
+class _Program:
+    """Where an instruction's value comes from, across call boundaries: enough to tell an all-reduce that
+    gathers (each device's shard laid into zeros, then summed: how TPU7x runs an all-gather on its SparseCores,
+    `call-start(dynamic-update-slice(broadcast, shard))`, and inside a loop as a fused dynamic-update-slice)
+    from one that reduces."""
+
+    def __init__(self, computations: dict[str, tuple[str, str]]):
+        self.made: dict[str, dict[str, tuple[str, str, str]]] = {}  # computation -> value -> (op, operands, rest)
+        self.roots: dict[str, str] = {}
+        self.callers: dict[str, list[tuple[str, list[str]]]] = defaultdict(list)  # callee -> (caller, operands)
+        for name, (_, body) in computations.items():
+            made = self.made[name] = {}
+            for root, value, op, operands, rest in _DEFINITION.findall(body):
+                made[value] = (op, operands, rest)
+                if root:
+                    self.roots[name] = value
+                for callee in _CALLEE.findall(" ".join(c for _, c in _CALL.findall(rest))):
+                    self.callers[callee].append((name, _CALLEE.findall(operands)))
+
+    def laid_into_zeros(self, computation: str, value: str, depth: int = 2) -> bool:
+        op, operands, rest = self.made.get(computation, {}).get(value, ("", "", ""))
+        args = _CALLEE.findall(operands)
+        if op == "dynamic-update-slice" and args:
+            return self._made_by(computation, args[0], "broadcast", depth)
+        if op == "fusion":  # a fused dynamic-update-slice whose base is one of the fusion's operands
+            fused = next((c.lstrip("%") for site, c in _CALL.findall(rest) if site == "calls"), "")
+            root = self.made.get(fused, {}).get(self.roots.get(fused, ""), ("", "", ""))
+            base = _CALLEE.findall(root[1])[:1] if root[0] == "dynamic-update-slice" else []
+            index = self._parameter(fused, base[0]) if base else None
+            return index is not None and index < len(args) and self._made_by(computation, args[index], "broadcast",
+                                                                             depth)
+        index = self._parameter(computation, value)
+        return index is not None and depth > 0 and any(  # through the call site: an async call's, or a fusion's
+            index < len(site) and self.laid_into_zeros(caller, site[index], depth - 1)
+            for caller, site in self.callers.get(computation, []))
+
+    def _parameter(self, computation: str, value: str) -> int | None:
+        op, operands, _ = self.made.get(computation, {}).get(value, ("", "", ""))
+        return int(operands) if op == "parameter" and operands.strip().isdigit() else None
+
+    def _made_by(self, computation: str, value: str, op: str, depth: int) -> bool:
+        if self.made.get(computation, {}).get(value, ("",))[0] == op:
+            return True
+        index = self._parameter(computation, value)
+        return index is not None and depth > 0 and any(
+            index < len(site) and self._made_by(caller, site[index], op, depth - 1)
+            for caller, site in self.callers.get(computation, []))
+
+
+def _windowed_step(loop: str, sent: int, ring: int) -> tuple[str, float]:
+    """A step of a windowed einsum's ring, as the collective the loop spreads over a matmul (XLA's collective
+    matmul: `windowed_dot_general_body_ag` gathers an operand shard by shard, `..._rs` passes partial sums
+    around until each device holds its shard of the result), in result bytes: a gather's result is all `ring`
+    shards, which `ring - 1` steps deliver; a reduce-scatter's is one shard, which `ring - 1` steps carry."""
+    steps = max(1, ring - 1)
+    return ("all-gather", sent * ring / steps) if loop == "ag" else ("reduce-scatter", sent / steps)
 
 
 def _runs(computations: dict[str, tuple[str, str]], loop_trips: int) -> dict[str, int]:
@@ -123,6 +205,10 @@ def _runs(computations: dict[str, tuple[str, str]], loop_trips: int) -> dict[str
     return runs
 
 
+# `[ROOT] %value = TYPE op(operands), attributes`: whether it is its computation's root, the op, its operands (a
+# parameter's: its index), and the attributes (its callees).
+_DEFINITION = re.compile(r"^\s*(ROOT )?%([\w.-]+) = .*? ([a-z][\w-]*)\(([^)]*)\)(.*)$", re.M)
+_WINDOWED = re.compile(r"windowed_dot_general_body_(ag|rs)")
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 # A transfer to the DCN runtime: `%s = (f32[44,8,128]{...}, u32[], token[]) send(...), channel_id=N, ...
 # _xla_megascale_transfer_type="ALL_REDUCE"` (its recv, the answer, is not counted again).
