@@ -86,7 +86,9 @@ def collective_totals(hlo_text: str, loop_trips: int = 1, dcn: bool = False) -> 
                          for (_, size), operand in zip(parts, operands + [""] * len(parts))]
             windowed = _WINDOWED.search(name)
             if kind == "collective-permute" and windowed:
-                parts = [_windowed_step(windowed.group(1), sum(size for _, size in parts), line.count("},{") + 1)]
+                pairs = _PAIRS.search(line)
+                ring = pairs.group(1).count("{") if pairs else 2
+                parts = [_windowed_step(windowed.group(1), sum(size for _, size in parts), ring)]
             channel = _CHANNEL.search(line)  # on the op's own line
             for part, size in _summed(parts).items():
                 key = ("ici", part, channel.group(1)) if channel else ("ici", part, name, match.start())
@@ -145,22 +147,23 @@ class _Program:
             index = self._parameter(fused, base[0]) if base else None
             return index is not None and index < len(args) and self._made_by(computation, args[index], "broadcast",
                                                                              depth)
-        index = self._parameter(computation, value)
-        return index is not None and depth > 0 and any(  # through the call site: an async call's, or a fusion's
-            index < len(site) and self.laid_into_zeros(caller, site[index], depth - 1)
+        return self._at_call_sites(computation, value, depth, self.laid_into_zeros)
+
+    def _made_by(self, computation: str, value: str, op: str, depth: int) -> bool:
+        return self.made.get(computation, {}).get(value, ("",))[0] == op or self._at_call_sites(
+            computation, value, depth, lambda caller, arg, left: self._made_by(caller, arg, op, left))
+
+    def _at_call_sites(self, computation: str, value: str, depth: int, holds) -> bool:
+        """For a parameter: whether `holds` for what some call site passes (an async call's, a fusion's)."""
+        op, operands, _ = self.made.get(computation, {}).get(value, ("", "", ""))
+        index = int(operands) if op == "parameter" and operands.strip().isdigit() else None
+        return index is not None and depth > 0 and any(
+            index < len(site) and holds(caller, site[index], depth - 1)
             for caller, site in self.callers.get(computation, []))
 
     def _parameter(self, computation: str, value: str) -> int | None:
         op, operands, _ = self.made.get(computation, {}).get(value, ("", "", ""))
         return int(operands) if op == "parameter" and operands.strip().isdigit() else None
-
-    def _made_by(self, computation: str, value: str, op: str, depth: int) -> bool:
-        if self.made.get(computation, {}).get(value, ("",))[0] == op:
-            return True
-        index = self._parameter(computation, value)
-        return index is not None and depth > 0 and any(
-            index < len(site) and self._made_by(caller, site[index], op, depth - 1)
-            for caller, site in self.callers.get(computation, []))
 
 
 def _windowed_step(loop: str, sent: int, ring: int) -> tuple[str, float]:
@@ -209,6 +212,7 @@ def _runs(computations: dict[str, tuple[str, str]], loop_trips: int) -> dict[str
 # parameter's: its index), and the attributes (its callees).
 _DEFINITION = re.compile(r"^\s*(ROOT )?%([\w.-]+) = .*? ([a-z][\w-]*)\(([^)]*)\)(.*)$", re.M)
 _WINDOWED = re.compile(r"windowed_dot_general_body_(ag|rs)")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9]+,[0-9]+\},?)+)\}")  # a ring's (source, target) pairs
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 # A transfer to the DCN runtime: `%s = (f32[44,8,128]{...}, u32[], token[]) send(...), channel_id=N, ...
 # _xla_megascale_transfer_type="ALL_REDUCE"` (its recv, the answer, is not counted again).
