@@ -326,10 +326,11 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         as FSDP does. Left to itself, the partitioner keeps the loop's weight slices sharded and moves the
         activations instead (windowed einsums: a ring of collective-permutes per matmul): on a Llama-3-8B
         shape on v5p-64, 199 GiB of collectives per device per step, against 32 GiB so annotated (docs/planner.md)."""
+        mesh = str(self.mesh)
         for stack in (m for m in model.modules() if isinstance(m, xla_scan.ScannedLayers)):
             for name, param in stack.named_parameters():
                 grads = str(Layouts.of(param, stacked=True).grads[1:])
-                stack.in_layer[name] = lambda t, grads=grads: _UsedWhole.apply(t, str(self.mesh), grads)
+                stack.in_layer[name] = lambda t, grads=grads: _UsedWhole.apply(t, mesh, grads)
 
     def to_device(self, model: nn.Module, device=None) -> nn.Module:
         """With `placeholders`, a model on the meta device gets placeholders for parameters, not storage."""

@@ -161,9 +161,9 @@ def collectives(work: Workload, triple: Triple, devices: int) -> list[Collective
     # last; checkpointing's recompute gathers the layers again there, the last one's shared with its backward.
     stored = (4 if work.trained_params is None else work.frozen_bytes) if work.tpu_compiler else c
     forward = ((psi - embedding) * c + embedding * stored) * micro
-    kept = work.root_params + work.last_unit_params if work.tpu_compiler else 0
-    if work.tpu_compiler and work.scanned:
-        kept = work.root_params  # the loop holds no layer past its iteration; its backward body gathers once
+    # what forward gathered last and backward still holds (a scanned loop holds no layer past its iteration)
+    last = 0 if work.scanned else work.last_unit_params
+    kept = work.root_params + last if work.tpu_compiler else 0
     again = (psi - embedding - kept) * c * micro  # backward's gather
     if work.tpu_compiler and work.activation_checkpointing and not work.scanned:
         again += (psi - embedding - work.root_params) * c * micro

@@ -155,8 +155,7 @@ class _Program:
 
     def _at_call_sites(self, computation: str, value: str, depth: int, holds) -> bool:
         """For a parameter: whether `holds` for what some call site passes (an async call's, a fusion's)."""
-        op, operands, _ = self.made.get(computation, {}).get(value, ("", "", ""))
-        index = int(operands) if op == "parameter" and operands.strip().isdigit() else None
+        index = self._parameter(computation, value)
         return index is not None and depth > 0 and any(
             index < len(site) and holds(caller, site[index], depth - 1)
             for caller, site in self.callers.get(computation, []))
