@@ -13,9 +13,12 @@
 # fails past its minutes below (a unit test past 5 s fails: tests/conftest.py). The end-to-end tier runs on two
 # pytest-xdist workers (a test file per worker, so module fixtures are shared), and then its `serial` tests alone.
 # uv installs the environments (it downloads and unpacks in parallel), for the same packages as pip and in a
-# fraction of pip's ~10 min. It compiles their bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set (as on
-# the CI machine) nothing would write it later, and every process would compile torch's modules again (measured:
-# twice the CPU per import). Each virtualenv keeps its own pip (a test builds a wheel with it).
+# fraction of pip's ~10 min. Bytecode is written as each module is first imported, by the suite's first processes,
+# rather than compiled for every file at install (uv's --compile-bytecode: 35 s of CPU for each large environment,
+# most of it for modules no test imports; written lazily, 18 s for all the unit tier imports). Where
+# PYTHONDONTWRITEBYTECODE is set (as on the CI machine) nothing would write it, and each of the suite's processes
+# would compile torch's modules again (twice the CPU per import, measured): the suite unsets it. Each virtualenv
+# keeps its own pip (a test builds a wheel with it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NEWEST_TORCH="2.15.0"
@@ -33,15 +36,13 @@ venv() {  # venv DIR PACKAGES...: a virtualenv at DIR with PACKAGES installed by
   local dir=$1
   shift
   python3 -m venv "$dir"
-  .venv-uv/bin/uv pip install -q --compile-bytecode --python "$dir/bin/python" "$@"
+  .venv-uv/bin/uv pip install -q --python "$dir/bin/python" "$@"
 }
 
 python3 -m venv .venv-uv
 .venv-uv/bin/pip install -q "uv==$UV_VERSION"
 venv .venv-xpk "xpk==$XPK_VERSION"
-# The checkout's own bytecode, for the same reason: the suite starts some thousand processes, and each compiled
-# xla_shard's modules again (0.2 s of CPU a process, measured).
-python3 -m compileall -q xla_shard tests bench
+unset PYTHONDONTWRITEBYTECODE
 
 if [[ " $TIERS " == *" old "* ]]; then
   venv .venv -e '.[xla,scan,aot,test,ray]'

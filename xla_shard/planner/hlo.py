@@ -65,9 +65,9 @@ def collective_totals(hlo_text: str, loop_trips: int = 1, dcn: bool = False) -> 
     transfer to the DCN runtime (a `send` to `xla_megascale_runtime` of its transfer type, ALL_REDUCE ...),
     counted as a collective of that kind, bytes as sent. With `dcn`, each kind also has "dcn_bytes": those."""
     computations = {name: (header, body) for header, name, body in _COMPUTATION.findall(hlo_text)}
-    runs = _runs(computations, loop_trips)
-    ops: dict[tuple, tuple[str, int, int]] = {}  # channel (or the op, without one) -> kind, runs, bytes
     program = _Program(computations)
+    runs = _runs(computations, loop_trips, program)
+    ops: dict[tuple, tuple[str, int, int]] = {}  # channel (or the op, without one) -> kind, runs, bytes
     for name, (header, body) in computations.items():
         for match in _INSTRUCTION.finditer(body):
             result, kind, start = match.groups()
@@ -164,6 +164,30 @@ class _Program:
         op, operands, _ = self.made.get(computation, {}).get(value, ("", "", ""))
         return int(operands) if op == "parameter" and operands.strip().isdigit() else None
 
+    def step(self, condition: str, counter: str, body: str) -> int:
+        """What a while loop's body adds to the counter its condition compares: 1 where it cannot tell (XLA runs
+        a bidirectional windowed einsum two ring steps an iteration, counting by 2)."""
+        index = self._element(condition, counter)
+        root = self.made.get(body, {}).get(self.roots.get(body, ""), ("", "", ""))
+        carried = _CALLEE.findall(root[1]) if root[0] == "tuple" else []
+        if index is None or index >= len(carried):
+            return 1
+        op, operands, _ = self.made[body].get(carried[index], ("", "", ""))
+        terms = _CALLEE.findall(operands)
+        if op != "add" or len(terms) != 2:
+            return 1
+        for term, other in (terms, terms[::-1]):
+            made = self.made[body].get(other, ("", "", ""))
+            if self._element(body, term) == index and made[0] == "constant" and made[1].strip().isdigit():
+                return max(1, int(made[1]))
+        return 1
+
+    def _element(self, computation: str, value: str) -> int | None:
+        """The tuple index a get-tuple-element reads (a loop's carried values)."""
+        op, _, rest = self.made.get(computation, {}).get(value, ("", "", ""))
+        found = _INDEX.search(rest) if op == "get-tuple-element" else None
+        return int(found.group(1)) if found else None
+
 
 def _windowed_step(loop: str, sent: int, ring: int) -> tuple[str, float]:
     """A step of a windowed einsum's ring, as the collective the loop spreads over a matmul (XLA's collective
@@ -174,19 +198,23 @@ def _windowed_step(loop: str, sent: int, ring: int) -> tuple[str, float]:
     return ("all-gather", sent * ring / steps) if loop == "ag" else ("reduce-scatter", sent / steps)
 
 
-def _runs(computations: dict[str, tuple[str, str]], loop_trips: int) -> dict[str, int]:
+def _runs(computations: dict[str, tuple[str, str]], loop_trips: int, program: _Program) -> dict[str, int]:
     """How many times each computation runs per execution of the entry one, through every call (a fusion, an
-    async op, a branch, a while loop's body: its trip count, read from its condition's `i < N`, else
-    `loop_trips`)."""
-    def trips(condition: str) -> int:
+    async op, a branch, a while loop's body: its trip count, read from its condition's `i < N` and the step its
+    body adds to `i`, else `loop_trips`)."""
+    def trips(condition: str, body: str) -> int:
         text = computations.get(condition, ("", ""))[1]
         constants = dict(_CONSTANT.findall(text))
-        bounds = [int(constants[bound]) for bound in _LESS_THAN.findall(text) if bound in constants]
-        return max(bounds) if bounds else loop_trips
+        bounds = [(int(constants[bound]), counter) for counter, bound in _LESS_THAN.findall(text)
+                  if bound in constants]
+        if not bounds:
+            return loop_trips
+        bound, counter = max(bounds)
+        return -(-bound // program.step(condition, counter, body))
 
     calls = {}
     for name, (_, body) in computations.items():
-        loops = {loop_body: trips(condition) for condition, loop_body in _WHILE.findall(body)}
+        loops = {loop_body: trips(condition, loop_body) for condition, loop_body in _WHILE.findall(body)}
         calls[name] = [(callee, loops.get(callee, 1) if site == "body" else 1)
                        for site, callees in _CALL.findall(body) for callee in _CALLEE.findall(callees)]
     entry = next(name for name, (header, _) in computations.items() if header.startswith("ENTRY"))
@@ -213,6 +241,7 @@ _DEFINITION = re.compile(r"^\s*(ROOT )?%([\w.-]+) = .*? ([a-z][\w-]*)\(([^)]*)\)
 _WINDOWED = re.compile(r"windowed_dot_general_body_(ag|rs)")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9]+,[0-9]+\},?)+)\}")  # a ring's (source, target) pairs
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+_INDEX = re.compile(r"\bindex=(\d+)")
 # A transfer to the DCN runtime: `%s = (f32[44,8,128]{...}, u32[], token[]) send(...), channel_id=N, ...
 # _xla_megascale_transfer_type="ALL_REDUCE"` (its recv, the answer, is not counted again).
 _DCN_SEND = re.compile(r"^\s*(?:ROOT )?%[\w.-]+ = \(([a-z][a-z0-9]*\[[0-9,]*\])[^\n]*? send\([^\n]*?channel_id=(\d+)"
@@ -221,7 +250,7 @@ _DCN_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SC
               "ALL_TO_ALL": "all-to-all"}
 _WHILE = re.compile(r"\bwhile\(.*?condition=%?([\w.-]+), body=%?([\w.-]+)")
 _CONSTANT = re.compile(r"%([\w.-]+) = [su]\d+\[\][^ ]* constant\((\d+)\)")
-_LESS_THAN = re.compile(r"compare\(%[\w.-]+, %([\w.-]+)\), direction=LT")
+_LESS_THAN = re.compile(r"compare\(%([\w.-]+), %([\w.-]+)\), direction=LT")  # counter, bound
 _COMPUTATION = re.compile(r"^((?:ENTRY )?%?([\w.-]+) [^\n]*)\{\n(.*?)^\}", re.M | re.S)
 # A call site and its callees: one (`calls=%f`) or a list (`branch_computations={%a, %b}`: each branch counted as
 # if it ran, an upper bound).
