@@ -465,6 +465,40 @@ def test_a_multislice_programs_transfers_to_the_dcn_runtime_are_its_collectives_
     assert totals["all-gather"]["dcn_bytes"] == 0 and "dcn_bytes" not in collective_totals(text)["all-reduce"]
 
 
+# A program libtpu 0.0.20 compiled (`xla-shard compile`'s trace, Nov 27 2026): Llama-3-8B's width with two layers,
+# scanned and checkpointed, bf16, 64 x 8192 tokens, FULL_SHARD over the 64 devices of a v5p-128. Too slow to
+# compile in CI (75 s on the 2-core machine, 64 virtual devices traced), so its optimized HLO is kept.
+V5P_128_PROGRAM = FIXTURES / "tpu_programs" / "llama-8b-width-2-layers-v5p-128.hlo.gz"
+V5P_128_SETS = ["model=small-llama", "model.overrides={hidden_size: 4096, intermediate_size: 14336, "
+                "num_hidden_layers: 2, num_attention_heads: 32, num_key_value_heads: 8, vocab_size: 32000, "
+                "max_position_embeddings: 8192}", "train.seq_len=8192", "train.global_batch_size=64",
+                "fsdp.mixed_precision=bf16", "fsdp.activation_checkpointing=true", "fsdp.scan_layers=true"]
+
+
+def test_on_64_devices_of_a_v5p_the_tpu_compiler_all_reduces_each_gradient_whole():
+    """At 64 devices (v5p-128; v6e-64 too) the TPU compiler all-reduces every gradient whole and slices it, the
+    embedding's in fp32 (its gradient a scatter-add into the stored weight), and gathers as an all-reduce of
+    shards laid into zeros; at 32 it reduce-scatters. The planner prices that program's reductions and gathers
+    within 5%, as they were compiled."""
+    import gzip
+
+    from xla_shard import backends
+    from xla_shard.planner import cost, hlo
+
+    compiled = hlo.collective_totals(gzip.decompress(V5P_128_PROGRAM.read_bytes()).decode(), 2)
+    assert compiled["reduce-scatter"]["bytes"] == 0
+    cfg = config.load(None, V5P_128_SETS)
+    work = workload(cfg, 64, backends.capabilities("xla_spmd"), accelerator("v5p"))
+    planned = cost.result_bytes(cost.collectives(work, Triple(64, 64, 64), 64))
+    assert set(planned) == {"all-gather", "all-reduce"}
+    for kind in planned:
+        assert abs(planned[kind] - compiled[kind]["bytes"]) <= 0.05 * compiled[kind]["bytes"], (kind, planned)
+    # at 32 devices the planner reduce-scatters, as the compiler did for the same model on a v5p-64
+    half = cost.result_bytes(cost.collectives(workload(cfg, 32, backends.capabilities("xla_spmd"),
+                                                       accelerator("v5p")), Triple(32, 32, 32), 32))
+    assert "all-reduce" not in half and half["reduce-scatter"] > 0
+
+
 def test_on_a_tpu_xla_spmd_gathers_as_the_tpu_compiler_does():
     """xla_spmd on a TPU (the TPU compiler's program): fp32 weights gathered in bf16 but the embedding as stored,
     backward skipping what forward gathered last (the root's head, the last layer), checkpointing's recompute

@@ -139,8 +139,10 @@ def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerato
         flops -= 2 * max(0, params - trained)  # backward computes no weight gradient for the frozen base
     # A forward without backward is a third of a training step's FLOPs (as the trainer counts them for MFU).
     flops *= 1 + objective.forwards_without_grad / 3
+    tpu_compiler = capabilities.gathers_per_tensor and hardware is not None and hardware.tpu
     return Workload(params=params, units=units, trained_params=trained, frozen_bytes=frozen_bytes,
-                    tpu_compiler=capabilities.gathers_per_tensor and hardware is not None and hardware.tpu,
+                    tpu_compiler=tpu_compiler,
+                    whole_reduction_devices=hardware.whole_reduction_devices if tpu_compiler else None,
                     root_params=root, last_unit_params=last, scanned=cfg.fsdp.scan_layers,
                     reference_params=_reference_params(cfg, objective, params),
                     reference_forwards=objective.forwards_without_grad,

@@ -25,7 +25,8 @@ torchtitan its last block for the same reason); and activation checkpointing's r
 more (FSDP's backward gathers a unit once for both), but for the last layer, whose recompute and backward share
 one. Scanned layers (`Workload.scanned`) are gathered once in forward and once in backward, checkpointed or
 not: the backward loop's body recomputes and differentiates a layer with one gather. Where gradients split over
-every device and parameters over fewer, it all-reduces each gradient whole (`_reduced_whole`).
+every device and parameters over fewer, and on v5p and v6e where they split over 64 devices or more, it
+all-reduces each gradient whole (`_reduced_whole`), the embedding's in fp32.
 
 A ring collective sends (g-1)/g of T per device (an all-reduce twice that). A group inside one fast domain uses
 the fast links; one spanning domains runs hierarchically, sending 1/d of its bytes across domains per device
@@ -79,6 +80,7 @@ class Workload:
     root_params: int = 0
     last_unit_params: int = 0
     scanned: bool = False  # fsdp.scan_layers: the layers run as one loop (one body for forward, one for backward)
+    whole_reduction_devices: int | None = None  # the TPU compiler's (`Accelerator.whole_reduction_devices`)
 
     @property
     def trained(self) -> int:
@@ -167,11 +169,17 @@ def collectives(work: Workload, triple: Triple, devices: int) -> list[Collective
     again = (psi - embedding - kept) * c * micro  # backward's gather
     if work.tpu_compiler and work.activation_checkpointing and not work.scanned:
         again += (psi - embedding - work.root_params) * c * micro
+    whole = _reduced_whole(work, triple, devices)
+    grads = trained * reduced
+    if whole and work.tpu_compiler and work.trained_params is None:
+        # reduced whole, the embedding's gradient (a lookup's: a scatter-add into the stored weight's dtype) is
+        # all-reduced in fp32, where the weights' are in the compute dtype
+        grads += embedding * (4 - work.reduce_bytes) * work.grad_reductions
     found = [Collective("params", "all-gather", p, 1, forward + (again if k == p else 0),
                         units * micro * (2 if k == p else 1)),
              Collective("params_backward", "all-gather", k, 1, again if 1 < k < p else 0, units * micro),
-             Collective("grads", "all-reduce" if _reduced_whole(work, triple, devices) else "reduce-scatter", g, 1,
-                        trained * reduced, units * work.grad_reductions),
+             Collective("grads", "all-reduce" if whole else "reduce-scatter", g, 1, grads,
+                        units * work.grad_reductions),
              Collective("replicas", "all-reduce", devices // g, g, trained * reduced / g,
                         units * work.grad_reductions),
              Collective("update", "all-gather", update // p, p, trained * 4 / p, units),
@@ -184,8 +192,10 @@ def _reduced_whole(work: Workload, triple: Triple, devices: int) -> bool:
     """Whether the TPU compiler all-reduces each gradient whole instead of reduce-scattering it: measured where
     gradients split over every device and parameters over fewer (1 < P < G = N: 2/4/4 on 4 devices, 2/8/8 on
     8), where the shard each device keeps is not in device order (it must lie inside its parameter shard), and
-    XLA's partitioner reduces, then slices. With replicas (G < N) it reduce-scatters."""
-    return work.tpu_compiler and 1 < triple.params < triple.grads == devices
+    XLA's partitioner reduces, then slices (with replicas, G < N, it reduce-scatters); and where gradients split
+    over as many devices as the chip's `whole_reduction_devices` or more (v5p and v6e at 64)."""
+    many = work.whole_reduction_devices is not None and triple.grads >= work.whole_reduction_devices
+    return work.tpu_compiler and (1 < triple.params < triple.grads == devices or many)
 
 
 def result_bytes(found: list[Collective]) -> dict[str, float]:

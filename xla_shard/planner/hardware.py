@@ -27,6 +27,10 @@ class Accelerator:
     fast_latency_s: float = 2e-6
     slow_latency_s: float = 10e-6
     hbm_bw: float = 0.0  # bytes/s of HBM per device: the memory side of a roofline
+    # Gradients reduced over this many devices or more, the TPU compiler all-reduces each whole, then slices it
+    # (None: it reduce-scatters). Measured with libtpu 0.0.20 (docs/planner.md): v5p and v6e at 64 devices, at
+    # Llama-3-8B and -70B widths; at 32 they reduce-scatter, and TPU7x's compiler reduce-scatters at 64.
+    whole_reduction_devices: int | None = None
 
     @property
     def tpu(self) -> bool:
@@ -39,8 +43,10 @@ ACCELERATORS: dict[str, Accelerator] = {
     # HBM bandwidth per chip from the same pages: v4 1,228 GB/s, v5e 819, v5p 2,765, v6e 1,640; TPU7x 7,370.
     "v4": Accelerator("TPU v4", 32 * GiB, 275e12, 300e9, 6.25e9, "ICI", "DCN", None, hbm_bw=1228e9),
     "v5e": Accelerator("TPU v5e", 16 * GiB, 197e12, 200e9, 3.1e9, "ICI", "DCN", None, hbm_bw=819e9),
-    "v5p": Accelerator("TPU v5p", 95 * GiB, 459e12, 600e9, 6.25e9, "ICI", "DCN", None, hbm_bw=2765e9),
-    "v6e": Accelerator("TPU v6e", 32 * GiB, 918e12, 448e9, 3.1e9, "ICI", "DCN", None, hbm_bw=1640e9),
+    "v5p": Accelerator("TPU v5p", 95 * GiB, 459e12, 600e9, 6.25e9, "ICI", "DCN", None, hbm_bw=2765e9,
+                       whole_reduction_devices=64),
+    "v6e": Accelerator("TPU v6e", 32 * GiB, 918e12, 448e9, 3.1e9, "ICI", "DCN", None, hbm_bw=1640e9,
+                       whole_reduction_devices=64),
     # TPU7x (Ironwood), docs.cloud.google.com/tpu/docs/tpu7x (2026): 192 GiB HBM and 2,307 TFLOP/s bf16 per chip
     # (4,614 fp8); ICI 1.2 TB/s per chip both ways, as v5p (Google Cloud's Ironwood announcement, April 2025).
     # Its DCN per chip is not published there: v5p's is assumed.
