@@ -123,12 +123,15 @@ def _experts_backward_op(grad: torch.Tensor, hidden: torch.Tensor, index: torch.
     activations are kept from forward) and differentiated by hand (an op's body records no autograd graph)."""
     mesh, axes = _spmd_mesh()
     if mesh is None:
-        return list(_experts_grads(grad, hidden, index, route, up, down, layout))
+        d_hidden, d_route, d_up, d_down = _experts_grads(grad, hidden, index, route, up, down, layout)
+        return [d_hidden, d_route, d_up.to(up.dtype), d_down.to(down.dtype)]
     rows = (axes, None)
     d_hidden, d_route, d_up, d_down = _experts_grads(*(_to_local(t, mesh, rows) for t in (grad, hidden, index, route)),
                                                      *(_whole(w, mesh) for w in (up, down)), layout)
+    # the weights' gradients summed over the devices in the compute dtype, as XLA reduces every other weight's,
+    # then in the weights' own (fp32 under bf16 mixed precision: summed in it, they moved twice the bytes)
     return [_to_global(d_hidden, mesh, rows, hidden.shape), _to_global(d_route, mesh, rows, route.shape),
-            _summed(d_up, mesh, axes, up), _summed(d_down, mesh, axes, down)]
+            _summed(d_up, mesh, axes, up).to(up.dtype), _summed(d_down, mesh, axes, down).to(down.dtype)]
 
 
 @_experts_backward_op.register_fake
@@ -243,7 +246,7 @@ def _experts_grads(grad, hidden, index, route, up, down, layout: str):
     d_up = _grouped_weight_grad(routed.x, g, sizes, spec.stored_out_in)
     g = _grouped(g, up.to(dtype), sizes, not spec.stored_out_in)  # d x
     d_hidden = _unsorted_sum(g, routed, tokens).to(hidden.dtype)
-    return d_hidden, d_route, d_up.to(up.dtype), d_down.to(down.dtype)
+    return d_hidden, d_route, d_up, d_down  # the weights' in the compute dtype (the callers cast them)
 
 
 # d act(z) / dz, as aten computes it for transformers' activations of these names
