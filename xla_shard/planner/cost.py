@@ -171,7 +171,7 @@ def collectives(work: Workload, triple: Triple, devices: int) -> list[Collective
         again += (psi - embedding - work.root_params) * c * micro
     whole = _reduced_whole(work, triple, devices)
     grads = trained * reduced
-    if whole and work.tpu_compiler and work.trained_params is None:
+    if whole and work.trained_params is None:
         # reduced whole, the embedding's gradient (a lookup's: a scatter-add into the stored weight's dtype) is
         # all-reduced in fp32, where the weights' are in the compute dtype
         grads += embedding * (4 - work.reduce_bytes) * work.grad_reductions
