@@ -11,7 +11,7 @@ pytestmark = pytest.mark.xla
 
 @pytest.mark.e2e
 def test_the_planner_is_held_to_the_tpu_compiler(tmp_path):
-    """small-llama on a v5p-8 (4 devices), 16 x 512 tokens, for the triples the planner offers there (NO_SHARD's
+    """small-llama on a v5p-8 (4 devices), 8 x 256 tokens, for the triples the planner offers there (NO_SHARD's
     whole all-reduce is 2/4/4's, held below, on replicated parameters: 1/1/1 left out for the tier's time), and
     FULL_SHARD with activation checkpointing in bf16, its layers unrolled and scanned: its bytes per device for
     parameters + optimizer state are the compiled program's arguments less the batch (within 2%), and its
@@ -23,7 +23,7 @@ def test_the_planner_is_held_to_the_tpu_compiler(tmp_path):
             for p, g, o in [(4, 4, 4), (2, 2, 2), (1, 2, 4), (2, 4, 4)]]
     runs.append(["fsdp.activation_checkpointing=true", "fsdp.mixed_precision=bf16"])
     runs.append(["fsdp.activation_checkpointing=true", "fsdp.mixed_precision=bf16", "fsdp.scan_layers=true"])
-    results = traces("v5p-8", "model=small-llama", "train.global_batch_size=16", "train.seq_len=512", runs=runs,
+    results = traces("v5p-8", "model=small-llama", "train.global_batch_size=8", "train.seq_len=256", runs=runs,
                       cwd=tmp_path)
     for run, result in zip(runs, results):
         compiled, planned = result["placeholders"], result["planner"]
