@@ -52,6 +52,15 @@ def register() -> None:
     ALL_EXPERTS_FUNCTIONS.register(XLA_GMM, xla_gmm_experts_forward)
 
 
+def grouped_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The experts modules `xla_gmm` computes (on a TPU, or traced for one): under SPMD their weights'
+    gradients leave its manual region as one partial sum per device, which the TPU compiler reduces its own way
+    (priced by the planner: `WholeReductions`)."""
+    return [module for module in model.modules()
+            if isinstance(getattr(module, "down_proj", None), torch.nn.Parameter) and module.down_proj.dim() == 3
+            and hasattr(module, "has_gate") and _layout(module, "cpu") is not None]
+
+
 def xla_gmm_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts forward ([tokens, hidden], [tokens, k] ids and weights) with grouped matmuls."""

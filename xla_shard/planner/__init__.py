@@ -110,6 +110,17 @@ def _reference_params(cfg, objective, policy_params: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def _split_weights(model, grouped) -> dict:
+    """What the TPU compiler's reductions depend on (`WholeReductions`): the grouped experts' parameters, and the
+    weights FSDPv2 splits along their last dimension (its largest, the first of equals), as (parameters, that
+    dimension's size, whether a grouped expert's)."""
+    grouped_ids = {id(p) for module in grouped for p in module.parameters(recurse=False)}
+    last = tuple((p.numel(), p.shape[-1], id(p) in grouped_ids) for p in model.parameters()
+                 if p.dim() >= 2 and list(p.shape).index(max(p.shape)) == p.dim() - 1)
+    return {"grouped_expert_params": sum(p.numel() for module in grouped for p in module.parameters(recurse=False)),
+            "last_dim_splits": last}
+
+
 def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerator | None = None) -> Workload:
     """The step of a config, from its model built on the meta device (no memory, nothing downloaded), as the
     backend with `capabilities` runs it on `hardware` (per-tensor gathers skip the embedding in backward and
@@ -117,6 +128,7 @@ def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerato
     units and reduce once)."""
     import torch
 
+    from xla_shard import experts
     from xla_shard.methods import adapter_for, objective_for
     from xla_shard.metrics import train_flops_per_token
     from xla_shard.models import build_model
@@ -140,9 +152,11 @@ def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerato
     # A forward without backward is a third of a training step's FLOPs (as the trainer counts them for MFU).
     flops *= 1 + objective.forwards_without_grad / 3
     tpu_compiler = capabilities.gathers_per_tensor and hardware is not None and hardware.tpu
+    grouped = tpu_compiler and experts.choose(capabilities.experts, "tpu") == experts.XLA_GMM
     return Workload(params=params, units=units, trained_params=trained, frozen_bytes=frozen_bytes,
                     tpu_compiler=tpu_compiler,
-                    whole_reduction_devices=hardware.whole_reduction_devices if tpu_compiler else None,
+                    reductions=hardware.reductions if tpu_compiler else None,
+                    **_split_weights(model, experts.grouped_modules(model) if grouped else []),
                     root_params=root, last_unit_params=last, scanned=cfg.fsdp.scan_layers,
                     reference_params=_reference_params(cfg, objective, params),
                     reference_forwards=objective.forwards_without_grad,

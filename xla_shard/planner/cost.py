@@ -26,7 +26,9 @@ more (FSDP's backward gathers a unit once for both), but for the last layer, who
 one. Scanned layers (`Workload.scanned`) are gathered once in forward and once in backward, checkpointed or
 not: the backward loop's body recomputes and differentiates a layer with one gather. Where gradients split over
 every device and parameters over fewer, and on v5p and v6e where they split over 64 devices or more, it
-all-reduces each gradient whole (`_reduced_whole`), the embedding's in fp32.
+all-reduces each gradient whole (`_reduced_whole`), the embedding's in fp32; and the gradients no matmul
+computes (grouped-matmul MoE experts', the input embedding's) from a few devices on, and on TPU7x those of
+weights split along their last dimension (`_summed_whole`).
 
 A ring collective sends (g-1)/g of T per device (an all-reduce twice that). A group inside one fast domain uses
 the fast links; one spanning domains runs hierarchically, sending 1/d of its bytes across domains per device
@@ -41,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from xla_shard.plan import Triple
-from xla_shard.planner.hardware import Accelerator
+from xla_shard.planner.hardware import Accelerator, WholeReductions
 
 OPTIMIZER_BYTES = {"adamw": 8, "sgd": 0}  # fp32 exp_avg + exp_avg_sq per parameter
 
@@ -80,7 +82,10 @@ class Workload:
     root_params: int = 0
     last_unit_params: int = 0
     scanned: bool = False  # fsdp.scan_layers: the layers run as one loop (one body for forward, one for backward)
-    whole_reduction_devices: int | None = None  # the TPU compiler's (`Accelerator.whole_reduction_devices`)
+    reductions: WholeReductions | None = None  # the TPU compiler's on the target chip (`Accelerator.reductions`)
+    grouped_expert_params: int = 0  # MoE experts run as grouped matmuls (`xla_shard.experts`, on a TPU)
+    # weights split along their last dimension: (parameters, its size, a grouped expert's), for `WholeReductions`
+    last_dim_splits: tuple[tuple[int, int, bool], ...] = ()
 
     @property
     def trained(self) -> int:
@@ -116,7 +121,7 @@ class Collective:
     """One kind of collective in a step: over groups of `size` devices `stride` apart, on `tensor_bytes` in
     all (the gathered or reduced tensor, summed over the step's calls)."""
 
-    name: str  # "params", "params_backward", "grads", "replicas", "update", "reference"
+    name: str  # "params", "params_backward", "grads", "replicas", "summed", "update", "reference"
     op: str  # all-gather | reduce-scatter | all-reduce
     size: int
     stride: int
@@ -170,32 +175,61 @@ def collectives(work: Workload, triple: Triple, devices: int) -> list[Collective
     if work.tpu_compiler and work.activation_checkpointing and not work.scanned:
         again += (psi - embedding - work.root_params) * c * micro
     whole = _reduced_whole(work, triple, devices)
-    grads = trained * reduced
-    if whole and work.trained_params is None:
-        # reduced whole, the embedding's gradient (a lookup's: a scatter-add into the stored weight's dtype) is
-        # all-reduced in fp32, where the weights' are in the compute dtype
+    summed = _summed_whole(work, whole, g)  # parameters all-reduced over every device: (compute dtype, fp32)
+    rest = trained - sum(summed)
+    grads = rest * reduced
+    if work.trained_params is None and not summed[1]:
+        # the embedding's gradient (a lookup's: a scatter-add into the stored weight's dtype) is reduced in fp32,
+        # where the weights' are in the compute dtype
         grads += embedding * (4 - work.reduce_bytes) * work.grad_reductions
     found = [Collective("params", "all-gather", p, 1, forward + (again if k == p else 0),
                         units * micro * (2 if k == p else 1)),
              Collective("params_backward", "all-gather", k, 1, again if 1 < k < p else 0, units * micro),
              Collective("grads", "all-reduce" if whole else "reduce-scatter", g, 1, grads,
                         units * work.grad_reductions),
-             Collective("replicas", "all-reduce", devices // g, g, trained * reduced / g,
-                        units * work.grad_reductions),
+             Collective("replicas", "all-reduce", devices // g, g, rest * reduced / g, units * work.grad_reductions),
+             Collective("summed", "all-reduce", devices, 1, (summed[0] * work.reduce_bytes + summed[1] * 4)
+                        * work.grad_reductions, units * work.grad_reductions),
              Collective("update", "all-gather", update // p, p, trained * 4 / p, units),
              Collective("reference", "all-gather", p, 1, (work.reference_params or psi) * c * micro
                         * work.reference_forwards, units * micro * work.reference_forwards)]
     return [x for x in found if x.size > 1 and x.tensor_bytes > 0]
 
 
+_LANES = 128  # a TPU tile's minor dimension
+
+
 def _reduced_whole(work: Workload, triple: Triple, devices: int) -> bool:
     """Whether the TPU compiler all-reduces each gradient whole instead of reduce-scattering it: measured where
     gradients split over every device and parameters over fewer (1 < P < G = N: 2/4/4 on 4 devices, 2/8/8 on
     8), where the shard each device keeps is not in device order (it must lie inside its parameter shard), and
-    XLA's partitioner reduces, then slices (with replicas, G < N, it reduce-scatters); and where gradients split
-    over as many devices as the chip's `whole_reduction_devices` or more (v5p and v6e at 64)."""
-    many = work.whole_reduction_devices is not None and triple.grads >= work.whole_reduction_devices
+    XLA's partitioner reduces, then slices (with replicas, G < N, it reduces-scatters); and where gradients
+    split over as many devices as the chip's `WholeReductions.every` or more (v5p and v6e at 64)."""
+    many = work.reductions is not None and WholeReductions.reaches(work.reductions.every, triple.grads)
     return work.tpu_compiler and (1 < triple.params < triple.grads == devices or many)
+
+
+def _summed_whole(work: Workload, whole: bool, grads: int) -> tuple[int, int]:
+    """The parameters whose gradients the TPU compiler all-reduces whole over every device where the rest are
+    reduce-scattered (`WholeReductions`), as (in the compute dtype, in fp32): grouped experts' (their partial
+    sums come from no matmul: XLA's partitioner sums them with an all-reduce and a slice), weights split along
+    their last dimension (TPU7x), and the input embedding's, in fp32, where split along its rows (FSDPv2 splits
+    its largest dimension: rows >= width). Frozen (LoRA) ones reduce nothing; where every gradient is reduced
+    whole (`whole`) they are counted there. `grads`: the devices gradients are split over (G), the group the
+    slice would reduce-scatter over."""
+    rules = work.reductions
+    if rules is None or whole or work.trained_params is not None:
+        return 0, 0
+    experts = rules.reaches(rules.experts, grads)
+    summed = work.grouped_expert_params if experts else 0
+    for params, width, grouped in work.last_dim_splits:
+        if grouped and not experts and rules.reaches(rules.experts_last_dim, grads):
+            summed += params
+        elif not grouped and width / grads < _LANES and rules.reaches(rules.narrow_last_dim, grads):
+            summed += params
+    by_rows = work.embedding_params >= work.hidden ** 2
+    embedding = work.embedding_params if by_rows and rules.reaches(rules.embedding, grads) else 0
+    return summed, embedding
 
 
 def result_bytes(found: list[Collective]) -> dict[str, float]:

@@ -15,6 +15,35 @@ GiB = 2**30
 
 
 @dataclass(frozen=True)
+class WholeReductions:
+    """From how many devices the TPU compiler all-reduces a gradient whole (then slices each device's shard)
+    where the cost model would reduce-scatter it; None: never, as far as measured. Measured with libtpu 0.0.20
+    on the programs it compiles (docs/planner.md: Llama-shaped at widths 1024-8192, Qwen3-MoE-shaped):
+    `every`: each gradient, on v5p and v6e at 64 devices (at 32, at 8B and 70B widths, they reduce-scatter).
+    The gradients XLA's partitioner sums with an all-reduce and a slice (not a matmul's, which it
+    reduce-scatters in a windowed loop), and that the compiler turns into a reduce-scatter only on few devices:
+    `experts`, grouped-matmul MoE experts' (`xla_shard.experts`: a partial sum per device leaves its manual
+    region), whole from 8 devices of a v5p (reduce-scattered on 4) and on 16 and 64 of a v6e; `embedding`, the
+    input embedding's (a lookup's scatter-add, in fp32) where it is split along its rows, whole from 8
+    devices of a v5p (reduce-scattered on 4; on a v6e at 32 it reduce-scatters). TPU7x's compiler (libtpu
+    0.0.42) goes by the dimension a weight is split along: `experts_last_dim`, grouped experts' split along
+    their last (`gate_up_proj`, [experts, 2 x intermediate, width]), whole on 8 and 64 devices where those
+    split along another are reduce-scattered; `narrow_last_dim`, a matmul weight split along its last dimension
+    to fewer than 128 columns (a TPU tile's lanes) per device, whole on 64 devices (Llama-3-8B's k and v
+    projections, Qwen3-30B-A3B's attention output), where 224 columns (8B's down projection) reduce-scatter."""
+
+    every: int | None = None
+    experts: int | None = None
+    embedding: int | None = None
+    experts_last_dim: int | None = None
+    narrow_last_dim: int | None = None
+
+    @staticmethod
+    def reaches(threshold: int | None, devices: int) -> bool:
+        return threshold is not None and devices >= threshold
+
+
+@dataclass(frozen=True)
 class Accelerator:
     name: str
     hbm_bytes: float
@@ -27,10 +56,8 @@ class Accelerator:
     fast_latency_s: float = 2e-6
     slow_latency_s: float = 10e-6
     hbm_bw: float = 0.0  # bytes/s of HBM per device: the memory side of a roofline
-    # Gradients reduced over this many devices or more, the TPU compiler all-reduces each whole, then slices it
-    # (None: it reduce-scatters). Measured with libtpu 0.0.20 (docs/planner.md): v5p and v6e at 64 devices, at
-    # Llama-3-8B and -70B widths; at 32 they reduce-scatter, and TPU7x's compiler reduce-scatters at 64.
-    whole_reduction_devices: int | None = None
+    # How the TPU compiler reduces gradients on this chip, where measured (None: it reduce-scatters them all).
+    reductions: WholeReductions | None = None
 
     @property
     def tpu(self) -> bool:
@@ -44,13 +71,14 @@ ACCELERATORS: dict[str, Accelerator] = {
     "v4": Accelerator("TPU v4", 32 * GiB, 275e12, 300e9, 6.25e9, "ICI", "DCN", None, hbm_bw=1228e9),
     "v5e": Accelerator("TPU v5e", 16 * GiB, 197e12, 200e9, 3.1e9, "ICI", "DCN", None, hbm_bw=819e9),
     "v5p": Accelerator("TPU v5p", 95 * GiB, 459e12, 600e9, 6.25e9, "ICI", "DCN", None, hbm_bw=2765e9,
-                       whole_reduction_devices=64),
+                       reductions=WholeReductions(every=64, experts=8, embedding=8)),
     "v6e": Accelerator("TPU v6e", 32 * GiB, 918e12, 448e9, 3.1e9, "ICI", "DCN", None, hbm_bw=1640e9,
-                       whole_reduction_devices=64),
+                       reductions=WholeReductions(every=64, experts=8)),
     # TPU7x (Ironwood), docs.cloud.google.com/tpu/docs/tpu7x (2026): 192 GiB HBM and 2,307 TFLOP/s bf16 per chip
     # (4,614 fp8); ICI 1.2 TB/s per chip both ways, as v5p (Google Cloud's Ironwood announcement, April 2025).
     # Its DCN per chip is not published there: v5p's is assumed.
-    "tpu7x": Accelerator("TPU7x", 192 * GiB, 2307e12, 600e9, 6.25e9, "ICI", "DCN", None, hbm_bw=7370e9),
+    "tpu7x": Accelerator("TPU7x", 192 * GiB, 2307e12, 600e9, 6.25e9, "ICI", "DCN", None, hbm_bw=7370e9,
+                         reductions=WholeReductions(experts_last_dim=8, narrow_last_dim=64)),
     # NVIDIA SXM: NVLink 4 at 900 GB/s both ways; one 400 Gb/s NIC per GPU (an 8-GPU node, as A3/DGX).
     "h100": Accelerator("H100 80GB", 80e9, 989e12, 450e9, 50e9, "NVLink", "network", 8),
     "h200": Accelerator("H200 141GB", 141e9, 989e12, 450e9, 50e9, "NVLink", "network", 8),

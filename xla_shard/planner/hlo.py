@@ -66,7 +66,7 @@ def collective_totals(hlo_text: str, loop_trips: int = 1, dcn: bool = False) -> 
     counted as a collective of that kind, bytes as sent. With `dcn`, each kind also has "dcn_bytes": those."""
     computations = {name: (header, body) for header, name, body in _COMPUTATION.findall(hlo_text)}
     program = _Program(computations)
-    runs = _runs(computations, loop_trips, program)
+    runs, trips = _runs(computations, loop_trips, program)
     ops: dict[tuple, tuple[str, int, int]] = {}  # channel (or the op, without one) -> kind, runs, bytes
     for name, (header, body) in computations.items():
         for match in _INSTRUCTION.finditer(body):
@@ -88,7 +88,8 @@ def collective_totals(hlo_text: str, loop_trips: int = 1, dcn: bool = False) -> 
             if kind == "collective-permute" and windowed:
                 pairs = _PAIRS.search(line)
                 ring = pairs.group(1).count("{") if pairs else 2
-                parts = [_windowed_step(windowed.group(1), sum(size for _, size in parts), ring)]
+                sends = trips.get(name, 1) * len(_PERMUTE.findall(body))  # per device, each time the loop runs
+                parts = [_windowed_step(windowed.group(1), sum(size for _, size in parts), ring, sends)]
             channel = _CHANNEL.search(line)  # on the op's own line
             for part, size in _summed(parts).items():
                 key = ("ici", part, channel.group(1)) if channel else ("ici", part, name, match.start())
@@ -189,19 +190,20 @@ class _Program:
         return int(found.group(1)) if found else None
 
 
-def _windowed_step(loop: str, sent: int, ring: int) -> tuple[str, float]:
-    """A step of a windowed einsum's ring, as the collective the loop spreads over a matmul (XLA's collective
-    matmul: `windowed_dot_general_body_ag` gathers an operand shard by shard, `..._rs` passes partial sums
-    around until each device holds its shard of the result), in result bytes: a gather's result is all `ring`
-    shards, which `ring - 1` steps deliver; a reduce-scatter's is one shard, which `ring - 1` steps carry."""
-    steps = max(1, ring - 1)
-    return ("all-gather", sent * ring / steps) if loop == "ag" else ("reduce-scatter", sent / steps)
+def _windowed_step(loop: str, chunk: int, ring: int, sends: int) -> tuple[str, float]:
+    """One send of a windowed einsum's ring (XLA's collective matmul: `windowed_dot_general_body_ag` gathers an
+    operand chunk by chunk, `..._rs` passes partial sums around until each device holds its shard of the
+    result), as its share of the collective the loop spreads over a matmul, in result bytes: each run of the
+    loop (`sends` sends of a `chunk` per device) gathers `ring` chunks, or reduces to one. A loop one way round
+    sends ring - 1 chunks; a bidirectional one (two ring steps an iteration, a chunk each way) sends `ring`."""
+    return ("all-gather", chunk * ring / sends) if loop == "ag" else ("reduce-scatter", chunk / sends)
 
 
-def _runs(computations: dict[str, tuple[str, str]], loop_trips: int, program: _Program) -> dict[str, int]:
+def _runs(computations: dict[str, tuple[str, str]], loop_trips: int, program: _Program
+          ) -> tuple[dict[str, int], dict[str, int]]:
     """How many times each computation runs per execution of the entry one, through every call (a fusion, an
     async op, a branch, a while loop's body: its trip count, read from its condition's `i < N` and the step its
-    body adds to `i`, else `loop_trips`)."""
+    body adds to `i`, else `loop_trips`); and each loop body's trip count."""
     def trips(condition: str, body: str) -> int:
         text = computations.get(condition, ("", ""))[1]
         constants = dict(_CONSTANT.findall(text))
@@ -212,9 +214,10 @@ def _runs(computations: dict[str, tuple[str, str]], loop_trips: int, program: _P
         bound, counter = max(bounds)
         return -(-bound // program.step(condition, counter, body))
 
-    calls = {}
+    calls, bodies = {}, {}
     for name, (_, body) in computations.items():
         loops = {loop_body: trips(condition, loop_body) for condition, loop_body in _WHILE.findall(body)}
+        bodies.update(loops)
         calls[name] = [(callee, loops.get(callee, 1) if site == "body" else 1)
                        for site, callees in _CALL.findall(body) for callee in _CALLEE.findall(callees)]
     entry = next(name for name, (header, _) in computations.items() if header.startswith("ENTRY"))
@@ -232,13 +235,14 @@ def _runs(computations: dict[str, tuple[str, str]], loop_trips: int, program: _P
     for name in reversed(order):
         for callee, times in calls.get(name, []):
             runs[callee] = runs.get(callee, 0) + runs.get(name, 0) * times
-    return runs
+    return runs, bodies
 
 
 # `[ROOT] %value = TYPE op(operands), attributes`: whether it is its computation's root, the op, its operands (a
 # parameter's: its index), and the attributes (its callees).
 _DEFINITION = re.compile(r"^\s*(ROOT )?%([\w.-]+) = .*? ([a-z][\w-]*)\(([^)]*)\)(.*)$", re.M)
 _WINDOWED = re.compile(r"windowed_dot_general_body_(ag|rs)")
+_PERMUTE = re.compile(r" collective-permute(?:-start)?\(")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9]+,[0-9]+\},?)+)\}")  # a ring's (source, target) pairs
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 _INDEX = re.compile(r"\bindex=(\d+)")
