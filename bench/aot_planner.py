@@ -39,6 +39,7 @@ ROWS = {  # name: (model: Llama overrides, or a qwen3_moe config; slice; global 
     "8b-tpu7x": (LLAMA3_8B, "tpu7x-64", 64),
     "70b-v5p": (LLAMA3_70B, "v5p-128", 64),  # 64 devices: the most a trace takes (see docs/planner.md)
     "70b-v6e": (LLAMA3_70B, "v6e-64", 64),
+    "70b-tpu7x": (LLAMA3_70B, "tpu7x-64", 64),
     "30b-a3b-v5p": (QWEN3_30B_A3B, "v5p-64", 32),
     "30b-a3b-v6e": (QWEN3_30B_A3B, "v6e-64", 64),
     "30b-a3b-tpu7x": (QWEN3_30B_A3B, "tpu7x-64", 64),

@@ -21,6 +21,13 @@ from xla_shard.planner.settle import auto, settle
 PSI = 1_000_000
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _models_imported():
+    """transformers' modeling code, imported by the first model built (on the meta device), paid once in
+    set-up: the unit tier's budget is each test's own call."""
+    workload(config.load(None, ["model=tiny-llama"]), 1, TorchFsdpBackend.capabilities)
+
+
 def _work(**changes) -> Workload:
     fields = dict(params=PSI, units=5, flops_per_token=6 * PSI, tokens_per_device=1024, layers=4, hidden=64,
                   seq_len=128, compute_bytes=2, optimizer="adamw")

@@ -13,6 +13,16 @@ from xla_shard.errors import ConfigError
 
 pytestmark = pytest.mark.torch_version  # what FSDP2 and gloo run under Ray depends on torch's version
 
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray_imported():
+    """Ray's import (3-5 s on the 2-core machine) paid once, in set-up: the unit tier's budget is each test's own
+    call."""
+    pytest.importorskip("ray")
+    import xla_shard.ray_train  # noqa: F401
+
+
 CONFIG = ["model=tiny-llama", "backend=torch_fsdp", "cpu_devices=2", "train.seq_len=32",
           "train.global_batch_size=4", "train.steps=5", "checkpoint.every_steps=1", "checkpoint.keep_last=5"]
 
