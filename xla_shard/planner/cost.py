@@ -203,7 +203,7 @@ def _reduced_whole(work: Workload, triple: Triple, devices: int) -> bool:
     """Whether the TPU compiler all-reduces each gradient whole instead of reduce-scattering it: measured where
     gradients split over every device and parameters over fewer (1 < P < G = N: 2/4/4 on 4 devices, 2/8/8 on
     8), where the shard each device keeps is not in device order (it must lie inside its parameter shard), and
-    XLA's partitioner reduces, then slices (with replicas, G < N, it reduces-scatters); and where gradients
+    XLA's partitioner reduces, then slices (with replicas, G < N, it reduce-scatters); and where gradients
     split over as many devices as the chip's `WholeReductions.every` or more (v5p and v6e at 64)."""
     many = work.reductions is not None and WholeReductions.reaches(work.reductions.every, triple.grads)
     return work.tpu_compiler and (1 < triple.params < triple.grads == devices or many)
