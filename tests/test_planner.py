@@ -473,6 +473,20 @@ def test_a_multislice_programs_transfers_to_the_dcn_runtime_are_its_collectives_
     assert totals["all-gather"]["dcn_bytes"] == 0 and "dcn_bytes" not in collective_totals(text)["all-reduce"]
 
 
+def _kept_program(path, loop_trips: int) -> dict:
+    """The collectives of a kept TPU program (gzipped optimized HLO), as `xla-shard compile` counts them."""
+    import gzip
+
+    from xla_shard.planner import hlo
+
+    return hlo.collective_totals(gzip.decompress(path.read_bytes()).decode(), loop_trips)
+
+
+def _planned_within_5_percent(planned: dict, compiled: dict, kinds) -> None:
+    for kind in kinds:
+        assert abs(planned[kind] - compiled[kind]["bytes"]) <= 0.05 * compiled[kind]["bytes"], (kind, planned)
+
+
 # A program libtpu 0.0.20 compiled (`xla-shard compile`'s trace, Nov 27 2026): Llama-3-8B's width with two layers,
 # scanned and checkpointed, bf16, 64 x 8192 tokens, FULL_SHARD over the 64 devices of a v5p-128. Too slow to
 # compile in CI (75 s on the 2-core machine, 64 virtual devices traced), so its optimized HLO is kept.
@@ -488,19 +502,17 @@ def test_on_64_devices_of_a_v5p_the_tpu_compiler_all_reduces_each_gradient_whole
     embedding's in fp32 (its gradient a scatter-add into the stored weight), and gathers as an all-reduce of
     shards laid into zeros; at 32 it reduce-scatters. The planner prices that program's reductions and gathers
     within 5%, as they were compiled."""
-    import gzip
 
     from xla_shard import backends
-    from xla_shard.planner import cost, hlo
+    from xla_shard.planner import cost
 
-    compiled = hlo.collective_totals(gzip.decompress(V5P_128_PROGRAM.read_bytes()).decode(), 2)
+    compiled = _kept_program(V5P_128_PROGRAM, 2)
     assert compiled["reduce-scatter"]["bytes"] == 0
     cfg = config.load(None, V5P_128_SETS)
     work = workload(cfg, 64, backends.capabilities("xla_spmd"), accelerator("v5p"))
     planned = cost.result_bytes(cost.collectives(work, Triple(64, 64, 64), 64))
     assert set(planned) == {"all-gather", "all-reduce"}
-    for kind in planned:
-        assert abs(planned[kind] - compiled[kind]["bytes"]) <= 0.05 * compiled[kind]["bytes"], (kind, planned)
+    _planned_within_5_percent(planned, compiled, planned)
     # at 32 devices the planner reduce-scatters the weights' gradients, as the compiler did for the same model on
     # a v5p-64, and all-reduces only the embedding's whole, in fp32 (rows x width x 4 bytes)
     half = cost.result_bytes(cost.collectives(workload(cfg, 32, backends.capabilities("xla_spmd"),
@@ -522,23 +534,21 @@ def test_on_8_devices_of_a_v5p_the_tpu_compiler_all_reduces_the_gradients_no_mat
     all-reduce and a slice: the grouped-matmul experts' (in bf16) and the input embedding's (split along its
     rows; fp32), and reduce-scatters the matmuls' (windowed: the attention's, the router's, the head's). The
     planner prices that program's gathers, all-reduces and reduce-scatters within 5%."""
-    import gzip
 
     from transformers import AutoConfig
 
     from xla_shard import backends
-    from xla_shard.planner import cost, hlo
+    from xla_shard.planner import cost
 
     AutoConfig.for_model("qwen3_moe", **V5P_16_MOE).save_pretrained(tmp_path)
     cfg = config.load(None, [f"model.name={tmp_path}", "model.init=random", "train.seq_len=512",
                              "train.global_batch_size=16", "fsdp.mixed_precision=bf16", "fsdp.scan_layers=true",
                              "fsdp.activation_checkpointing=true"])
-    compiled = hlo.collective_totals(gzip.decompress(V5P_16_MOE_PROGRAM.read_bytes()).decode(), 2)
+    compiled = _kept_program(V5P_16_MOE_PROGRAM, 2)
     capabilities = backends.capabilities("xla_spmd")
     work = workload(cfg, 8, capabilities, accelerator("v5p"))
     planned = cost.result_bytes(cost.collectives(work, Triple(8, 8, 8), 8))
-    for kind in ("all-gather", "all-reduce", "reduce-scatter"):
-        assert abs(planned[kind] - compiled[kind]["bytes"]) <= 0.05 * compiled[kind]["bytes"], (kind, planned)
+    _planned_within_5_percent(planned, compiled, ("all-gather", "all-reduce", "reduce-scatter"))
     # 16 x (1024 x 512 + 256 x 1024) per layer, in bf16, and 4096 x 1024 in fp32
     assert planned["all-reduce"] == 2 * 16 * (1024 * 512 + 256 * 1024) * 2 + 4096 * 1024 * 4
     # on 4 devices it reduce-scatters them, as it did 512-wide experts and a 4096 x 1024 embedding on a v5p-8
@@ -556,21 +566,19 @@ def test_on_64_devices_of_a_tpu7x_weights_split_to_narrow_columns_are_all_reduce
     128 columns per device (8B's k and v projections: 4096 / 64), and reduce-scatters the rest (the down
     projection's 224 columns too), the embedding's in fp32. The planner prices that program's gathers,
     all-reduces and reduce-scatters within 5% (it planned 0.23 GiB of reductions against 0.75 before)."""
-    import gzip
 
     from xla_shard import backends
-    from xla_shard.planner import cost, hlo
+    from xla_shard.planner import cost
 
     model = ("{hidden_size: 4096, intermediate_size: 14336, num_hidden_layers: 32, num_attention_heads: 32, "
              "num_key_value_heads: 8, vocab_size: 128256, max_position_embeddings: 8192}")
     cfg = config.load(None, ["model=small-llama", f"model.overrides={model}", "train.seq_len=8192",
                              "train.global_batch_size=64", "fsdp.mixed_precision=bf16", "fsdp.scan_layers=true",
                              "fsdp.activation_checkpointing=true"])
-    compiled = hlo.collective_totals(gzip.decompress(TPU7X_64_PROGRAM.read_bytes()).decode(), 32)
+    compiled = _kept_program(TPU7X_64_PROGRAM, 32)
     work = workload(cfg, 64, backends.capabilities("xla_spmd"), accelerator("tpu7x"))
     planned = cost.result_bytes(cost.collectives(work, Triple(64, 64, 64), 64))
-    for kind in ("all-gather", "all-reduce", "reduce-scatter"):
-        assert abs(planned[kind] - compiled[kind]["bytes"]) <= 0.05 * compiled[kind]["bytes"], (kind, planned)
+    _planned_within_5_percent(planned, compiled, ("all-gather", "all-reduce", "reduce-scatter"))
     assert planned["all-reduce"] == 32 * 2 * 1024 * 4096 * 2  # k and v, each layer, in bf16
 
 

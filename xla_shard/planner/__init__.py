@@ -114,11 +114,10 @@ def _split_weights(model, grouped) -> dict:
     """What the TPU compiler's reductions depend on (`WholeReductions`): the grouped experts' parameters, and the
     weights FSDPv2 splits along their last dimension (its largest, the first of equals), as (parameters, that
     dimension's size, whether a grouped expert's)."""
-    grouped_ids = {id(p) for module in grouped for p in module.parameters(recurse=False)}
-    last = tuple((p.numel(), p.shape[-1], id(p) in grouped_ids) for p in model.parameters()
+    experts = {id(p): p.numel() for module in grouped for p in module.parameters(recurse=False)}
+    last = tuple((p.numel(), p.shape[-1], id(p) in experts) for p in model.parameters()
                  if p.dim() >= 2 and list(p.shape).index(max(p.shape)) == p.dim() - 1)
-    return {"grouped_expert_params": sum(p.numel() for module in grouped for p in module.parameters(recurse=False)),
-            "last_dim_splits": last}
+    return {"grouped_expert_params": sum(experts.values()), "last_dim_splits": last}
 
 
 def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerator | None = None) -> Workload:

@@ -69,6 +69,8 @@ def collective_totals(hlo_text: str, loop_trips: int = 1, dcn: bool = False) -> 
     runs, trips = _runs(computations, loop_trips, program)
     ops: dict[tuple, tuple[str, int, int]] = {}  # channel (or the op, without one) -> kind, runs, bytes
     for name, (header, body) in computations.items():
+        windowed = _WINDOWED.search(name)
+        sends = trips.get(name, 1) * len(_PERMUTE.findall(body)) if windowed else 0  # per device, per run of it
         for match in _INSTRUCTION.finditer(body):
             result, kind, start = match.groups()
             tensors = _TENSOR.findall(result)
@@ -84,11 +86,9 @@ def collective_totals(hlo_text: str, loop_trips: int = 1, dcn: bool = False) -> 
                 operands = _CALLEE.findall(line[:line.find(")")])
                 parts = [("all-gather" if program.laid_into_zeros(name, operand) else kind, size)
                          for (_, size), operand in zip(parts, operands + [""] * len(parts))]
-            windowed = _WINDOWED.search(name)
             if kind == "collective-permute" and windowed:
                 pairs = _PAIRS.search(line)
                 ring = pairs.group(1).count("{") if pairs else 2
-                sends = trips.get(name, 1) * len(_PERMUTE.findall(body))  # per device, each time the loop runs
                 parts = [_windowed_step(windowed.group(1), sum(size for _, size in parts), ring, sends)]
             channel = _CHANNEL.search(line)  # on the op's own line
             for part, size in _summed(parts).items():
