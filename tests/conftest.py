@@ -246,6 +246,15 @@ def model_dirs(tmp_path_factory):
     )
 
 
+@pytest.fixture(scope="session")
+def moe_dirs(tmp_path_factory):
+    """A small MoE model directory of each family (tests/model_dirs.py's MOE_FAMILIES), one tensor per expert."""
+    from model_dirs import MOE_FAMILIES, moe_dir
+
+    root = tmp_path_factory.mktemp("moe")
+    return {family: moe_dir(root / family, family) for family in MOE_FAMILIES}
+
+
 def sgd_losses(model, source, lr: float, steps: int) -> list[float]:
     """Plain PyTorch on one process, the reference runs are compared with: each step's whole global batch of
     `source` in one forward, SGD over the parameters that train."""
@@ -260,6 +269,22 @@ def sgd_losses(model, source, lr: float, steps: int) -> list[float]:
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def in_process_checkpointer(directory, *sets: str, log=lambda message: None):
+    """A `Checkpointer` of the config `sets` (synchronous) for a model held in this process, as one process of a
+    run would hold it: checkpoints written and read without a backend or a runtime."""
+    import types
+
+    from xla_shard import config
+    from xla_shard.backends.processes import Processes
+    from xla_shard.backends.state import BackendState
+    from xla_shard.checkpoint import Checkpointer
+
+    cfg = config.load(None, [f"checkpoint.dir={directory}", "checkpoint.async=false", *sets])
+    backend = types.SimpleNamespace(name="test", num_devices=1, plan=None, cfg=cfg, processes=Processes(),
+                                    wrapper_prefixes=())
+    return Checkpointer(cfg.checkpoint, BackendState(backend), log=log)
 
 
 def run_trainings(root: Path, common: list[str], each: dict[str, list[str]], nproc: int = 0) -> dict[str, list[dict]]:

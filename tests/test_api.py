@@ -9,9 +9,6 @@ import pytest
 
 from tests.conftest import REPO, _env
 
-pytestmark = pytest.mark.slow
-
-
 def _manual_program() -> str:
     """The program of docs/python.md (the README links it)."""
     page = (REPO / "docs" / "python.md").read_text()
@@ -20,6 +17,7 @@ def _manual_program() -> str:
 
 @pytest.mark.xla
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_the_manual_program_trains_evaluates_and_resumes_exactly(tmp_path: Path, model_dirs):
     """The manual's own loop, with its model directory and data file: run whole in one directory; in another,
     stopped after step 2 and run again. The resumed run continues at step 3 (extra state included) and prints
@@ -60,6 +58,7 @@ def test_the_manual_program_trains_evaluates_and_resumes_exactly(tmp_path: Path,
 
 @pytest.mark.xla
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_restore_refuses_a_checkpoint_without_the_extra_state_it_asks_for(tmp_path: Path, model_dirs):
     program = _manual_program().replace("for step in range(start, train.steps):", "for step in range(start, 1):")
     without = program.replace('extra={"best": best})  # sharded', 'extra=None)  # sharded')
@@ -77,6 +76,18 @@ def test_restore_refuses_a_checkpoint_without_the_extra_state_it_asks_for(tmp_pa
     assert "holds no extra state 'best' (it has: none)" in done.stderr, done.stderr[-2000:]
 
 
+@pytest.mark.parametrize("source", ["none", "cfg"])
+def test_evaluate_without_an_evaluation_set_is_one_line_naming_the_key(model_dirs, source):
+    import xla_shard
+
+    cfg = xla_shard.load_config(None, [f"model.name={model_dirs.llama}", "data.path=tests/fixtures/corpus.jsonl"])
+    eval_source = None if source == "none" else xla_shard.build_data(cfg).eval
+    with pytest.raises(xla_shard.ConfigError) as refused:
+        xla_shard.evaluate(None, None, eval_source, cfg)
+    assert refused.value.key == "data.eval_path" and "\n" not in str(refused.value)
+
+
+@pytest.mark.e2e
 def test_import_xla_shard_is_light_and_lazy():
     done = subprocess.run([sys.executable, "-c", "import sys, xla_shard; xla_shard.load_config; "
                                                  "print(sorted(m for m in ('torch', 'torch_xla') "

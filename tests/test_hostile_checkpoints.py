@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import in_process_checkpointer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from xla_shard import config
-from xla_shard.backends.processes import Processes
-from xla_shard.backends.state import BackendState
 from xla_shard.checkpoint import Checkpointer, layout
+from xla_shard.checkpoint.manager import NoCheckpoints
 from xla_shard.checkpoint.export import export
 from xla_shard.checkpoint.manager import MAX_EXTRA_DEPTH
 from xla_shard.checkpoint.manifest import committed_steps, read_manifest
@@ -29,10 +29,7 @@ def _model(seed: int = 0) -> LlamaForCausalLM:
 
 
 def _checkpointer(directory, *sets) -> Checkpointer:
-    cfg = config.load(None, [f"checkpoint.dir={directory}", "checkpoint.async=false", *sets])
-    backend = types.SimpleNamespace(name="test", num_devices=1, plan=None, cfg=cfg, processes=Processes(),
-                                    wrapper_prefixes=())
-    return Checkpointer(cfg.checkpoint, BackendState(backend), log=lambda message: None)
+    return in_process_checkpointer(directory, *sets)
 
 
 def _run(root: Path, steps=(1, 2), **saves) -> Path:
@@ -158,6 +155,21 @@ def test_extra_state_the_reader_would_not_return_as_saved_is_refused_at_save(tmp
     assert "'sampler'" in str(refused.value) and "\n" not in str(refused.value)
     assert committed_steps(Storage(str(run / "ckpt"))) == [1]  # the last good checkpoint stays the newest
     assert _checkpointer(run / "ckpt").restore(_model(), None) == 1
+
+
+@pytest.mark.parametrize("extra", [[{"seen": 3}], ["sampler"], {"sampler": [1, 2]}, {"sampler": "state"},
+                                   {3: {"seen": 0}}])
+def test_restore_given_extra_state_it_cannot_fill_refuses_in_one_line_and_changes_nothing(tmp_path, extra):
+    import copy
+
+    run = _run(tmp_path, steps=(1,), extra={"sampler": {"seen": 3}})
+    before = copy.deepcopy(extra)
+    for directory in (run / "ckpt", None):  # with a checkpoint to restore from, and without one
+        ckpt = _checkpointer(directory) if directory else NoCheckpoints()
+        with pytest.raises(UserError, match="extra state") as refused:
+            ckpt.restore(_model(), None, extra=extra)
+        assert "\n" not in str(refused.value)
+        assert extra == before  # the caller's object is checked, never emptied first
 
 
 # ---- legal paths ------------------------------------------------------------------------------------------

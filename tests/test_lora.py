@@ -3,16 +3,18 @@ peft + plain transformers train them, the optimizer holds state for the adapters
 trained and resume exactly, and the export is a directory PeftModel loads."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import (FIXTURES, backend_params, run_cli, run_in_process, run_probe, run_trainings, runnable,
                       sgd_losses)
+from model_dirs import MOE_FAMILIES
 from transformers import AutoModelForCausalLM
 
 from xla_shard import backends, config
 from xla_shard.data import build
-from xla_shard.errors import ConfigError
+from xla_shard.errors import ConfigError, UserError
 from xla_shard.pretrained import build_for
 
 pytestmark = pytest.mark.torch_version  # its subject depends on torch's version
@@ -164,27 +166,52 @@ def test_optimizer_state_and_gradients_are_the_adapters_only(model_dirs, tmp_pat
 @pytest.mark.fsdp2
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_checkpoints_hold_the_adapters_resume_exactly_and_export_for_peft(model_dirs, tmp_path, capsys):
+def test_checkpoints_hold_the_adapters_resume_exactly_and_export_for_peft(model_dirs, moe_dirs, tmp_path, capsys):
     """For LoRA and DoRA, in one process: checkpoints hold only what trains (DoRA's magnitudes too, which a
     resume reads back instead of deriving them again), resume exactly, and export an adapter directory peft
-    loads, or with --merge a model whose logits are the adapted model's."""
+    loads, or with --merge a model whose logits are the adapted model's. A LoRA run on an MoE model (all-linear:
+    peft adapts its fused experts too) exports an adapter and a merge that reproduce its logged evaluation."""
     sets, nproc = BACKENDS["torch_fsdp"]
+    texts = [" ".join(["the river runs south"] * (i + 1)) for i in range(5)]
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     runs = {}
     for method, extra in METHODS.items():
         ckpt = f"checkpoint.dir={tmp_path / method / 'ckpt'}"
         runs[method] = [*extra, "train.steps=4", f"checkpoint.dir={tmp_path / 'straight' / method}"]
         runs[f"{method}-stopped"] = [*extra, "train.steps=2", ckpt]
         runs[f"{method}-resumed"] = [*extra, "train.steps=4", ckpt]
+    runs["moe"] = [f"model.name={moe_dirs['mixtral']}", "train.steps=2", f"data.eval_path={held_out}",
+                   "data.packing=false", f"checkpoint.dir={tmp_path / 'moe' / 'ckpt'}"]
     got = run_trainings(tmp_path, _common(model_dirs, *sets, "checkpoint.every_steps=2"), runs, nproc=nproc)
     assert "resumed the trained parameters" in (tmp_path / "train_runs.log").read_text()
     for method in METHODS:
         straight = [(r["step"], r["loss"]) for r in got[method]]
         assert [(r["step"], r["loss"]) for r in got[f"{method}-stopped"] + got[f"{method}-resumed"]] == straight
-        _exports_load_in_peft(model_dirs, tmp_path / "straight" / method / "step-00000004", tmp_path / method,
-                              capsys)
+        _exports_load_in_peft(model_dirs.llama, tmp_path / "straight" / method / "step-00000004",
+                              tmp_path / method, capsys)
+    (evaluation,) = [r for r in got["moe"] if "eval_loss" in r]
+    adapter, merged = _exports_load_in_peft(moe_dirs["mixtral"], tmp_path / "moe" / "ckpt" / "step-00000002",
+                                            tmp_path / "moe", capsys)
+    for model in (adapter, merged):
+        assert _loss(model, moe_dirs["mixtral"], texts) == pytest.approx(evaluation["eval_loss"], rel=1e-5)
 
 
-def _exports_load_in_peft(model_dirs, checkpoint, out, capsys):
+def _loss(model, directory, texts: list[str]) -> float:
+    """Causal-LM loss over every real token of `texts` at once, each row padded to 32 tokens, as evaluation takes
+    it."""
+    from transformers import AutoTokenizer
+
+    encoded = AutoTokenizer.from_pretrained(directory)(texts, truncation=True, max_length=32,
+                                                       padding="max_length", return_tensors="pt")
+    labels = encoded["input_ids"].masked_fill(encoded["attention_mask"] == 0, -100)
+    with torch.no_grad():
+        return model(**encoded, labels=labels).loss.item()
+
+
+def _exports_load_in_peft(base_dir, checkpoint, out, capsys):
+    """Export `checkpoint` as an adapter and as a merge; both checked against peft over `base_dir`, and returned
+    as (the adapted PeftModel, the merged model)."""
     from peft import PeftModel
     from safetensors.torch import load_file
 
@@ -195,8 +222,8 @@ def _exports_load_in_peft(model_dirs, checkpoint, out, capsys):
     done = run_in_process(capsys, "ckpt", "export", str(checkpoint), "--to", str(out / "adapter"))
     assert done.returncode == 0, done.stderr[-2000:]
     assert sorted(p.name for p in (out / "adapter").iterdir()) >= ["adapter_config.json", "adapter_model.safetensors"]
-    base = AutoModelForCausalLM.from_pretrained(model_dirs.llama, attn_implementation="eager")
-    ids = torch.randint(3, 300, (2, 16))
+    base = AutoModelForCausalLM.from_pretrained(base_dir, attn_implementation="eager")
+    ids = torch.randint(3, min(300, base.config.vocab_size), (2, 16))
     with torch.no_grad():
         plain = base(input_ids=ids).logits
     loaded = PeftModel.from_pretrained(base, out / "adapter").eval()
@@ -218,6 +245,84 @@ def _exports_load_in_peft(model_dirs, checkpoint, out, capsys):
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, adapted, rtol=1e-5, atol=1e-5)
     assert (merged_dir / "tokenizer.json").exists()
+    return loaded, merged
+
+
+def _moe_lora_checkpoint(base, directory, *sets) -> tuple[torch.nn.Module, Path]:
+    """A LoRA checkpoint of the MoE model at `base` as a run writes it, its adapters random (a trained run's are
+    not zero): (the adapted model it holds, the step directory)."""
+    from conftest import in_process_checkpointer
+
+    from xla_shard.methods import adapter_for
+
+    sets = [f"model.name={base}", *LORA, *sets]
+    adapter = adapter_for(config.load(None, sets))
+    model = AutoModelForCausalLM.from_pretrained(base, attn_implementation="eager").eval()
+    adapter.materialize(model, adapter.inject(model, "causal_lm", seed=0))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_" in name:
+                param.copy_(torch.randn_like(param) * 0.1)
+    ckpt = in_process_checkpointer(directory, *sets)
+    ckpt.trained_only = True
+    ckpt.restore(model, None)
+    ckpt.save(1, model, None)
+    return model, directory / "step-00000001"
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_moe_lora_exports_an_adapter_peft_loads_and_merges_as_peft_merges(moe_dirs, tmp_path, family):
+    """all-linear on transformers 5's fused experts: peft adapts each stacked parameter (a rank-r pair per expert
+    side by side; gate and up fused, twice the rank). The adapter loads in peft to the held model's logits, and
+    the merge, written one tensor per expert as the base stores them, is peft's own merge."""
+    from peft import PeftModel
+
+    from xla_shard.checkpoint.export import export
+
+    model, step = _moe_lora_checkpoint(moe_dirs[family], tmp_path / "ckpt")
+    export(str(step), str(tmp_path / "adapter"))
+    export(str(step), str(tmp_path / "merged"), merge=True)
+    ids = torch.randint(3, 200, (2, 12))
+    with torch.no_grad():
+        held = model(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(moe_dirs[family], attn_implementation="eager").eval()
+        plain, before = base(input_ids=ids).logits, {n: v.clone() for n, v in base.state_dict().items()}
+        peft = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        torch.testing.assert_close(peft(input_ids=ids).logits, held, rtol=1e-5, atol=1e-5)
+        peft_merged = peft.merge_and_unload().state_dict()
+        stored = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
+    assert not torch.allclose(held, plain, atol=1e-3)
+    assert stored.keys() == peft_merged.keys()
+    for name, value in peft_merged.items():
+        torch.testing.assert_close(stored[name], value, rtol=1e-6, atol=1e-6, msg=name)
+    experts = "model.layers.0.mlp.experts.gate_up_proj"
+    # peft has no conversion for Qwen2-MoE's fused experts: all-linear adapts its attention and shared expert
+    assert torch.equal(stored[experts], before[experts]) == (family == "qwen2_moe")
+
+
+@pytest.mark.parametrize("setting, key", [("model.lora.use_dora=true", "model.lora.use_dora"),
+                                          ("model.lora.dropout=0.05", "model.lora.dropout")])
+def test_what_peft_cannot_do_on_stacked_experts_is_refused_naming_the_key_and_the_remedy(moe_dirs, setting, key):
+    with pytest.raises(ConfigError) as refused:
+        build_for(config.load(None, [f"model.name={moe_dirs['mixtral']}", *LORA, setting]))
+    assert refused.value.key == key and "target_modules" in str(refused.value)
+    # the remedy works: the linear layers alone
+    model, _, _ = build_for(config.load(None, [f"model.name={moe_dirs['mixtral']}", *LORA, setting,
+                                               "model.lora.target_modules=[q_proj, v_proj]"]))
+    assert not any(".experts." in n for n, p in model.named_parameters() if p.requires_grad)
+
+
+def test_a_tampered_moe_adapter_rank_is_refused(moe_dirs, tmp_path):
+    """The manifest's check learns peft's layouts, it is not loosened: another rank matches none of them."""
+    from xla_shard.checkpoint.export import export
+
+    _, step = _moe_lora_checkpoint(moe_dirs["mixtral"], tmp_path / "ckpt")
+    manifest = json.loads((step / "manifest.json").read_text())
+    manifest["config"]["model"]["lora"]["r"] = 8  # the experts' gate_up adapter holds 2 x 4 per expert
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="rank-8"):
+        export(str(step), str(tmp_path / "out"))
 
 
 def test_a_classifier_head_is_trained_whole_beside_the_adapters(model_dirs):

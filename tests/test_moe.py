@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from conftest import FIXTURES, backend_params, run_cli, run_in_process, run_load_probe, run_worker, runnable
-from model_dirs import MOE_FAMILIES, assemble, moe_dir, stored_tensors
+from model_dirs import MOE_FAMILIES, assemble, stored_tensors
 from transformers import AutoModelForCausalLM
 
 from xla_shard import config
@@ -25,12 +25,6 @@ BACKENDS = {
     "torch_fsdp": (["backend=torch_fsdp"], 2),
 }
 DATA = [f"data.path={FIXTURES / 'corpus.jsonl'}", "train.seq_len=32"]
-
-
-@pytest.fixture(scope="module")
-def moe_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe")
-    return {family: moe_dir(root / family, family) for family in MOE_FAMILIES}
 
 
 def plain(directory):

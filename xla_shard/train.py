@@ -553,6 +553,9 @@ def evaluate(model, backend, source, cfg, objective: Objective | None = None) ->
     accuracy are summed over the tokens or rows that have a label, then divided by their count, so filler rows
     and padding count for nothing. (The Trainer and TRL average each batch's mean instead; the two agree where
     every batch has as many labelled tokens.) Every process calls it."""
+    if source is None:
+        raise ConfigError("data.eval_path", "there is no evaluation set to evaluate on: set data.eval_path (a file "
+                                            "of held-out rows) or data.eval_fraction (rows held out of data.path)")
     train = cfg.train
     batches = min(source.batches, train.eval_steps or source.batches)
     rows = micro_rows(train.global_batch_size, 0, 1, *backend.processes.batch_part)

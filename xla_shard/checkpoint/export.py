@@ -82,21 +82,22 @@ def export(url: str, to: str, max_shard_bytes: int = 2 * 10**9, overwrite: bool 
         raise CheckpointError(f"{manifest.url} holds no model tensors (model/...): nothing to export")
     sizes = {n: schema.nbytes(manifest.tensors[n]["shape"], manifest.tensors[n]["dtype"]) for n in names}
     run_model = (manifest.data.get("config") or {}).get("model")
-    adapter = peft_adapter.recorded_adapter(manifest, names)
-    if merge and adapter is None:
-        raise CheckpointError(f"{manifest.url} is not a LoRA run's checkpoint: --merge has no adapters to "
-                              "merge (export it without --merge)")
     reader, source, transform, layout_note = ChunkReader(storage, manifest), manifest, None, None
     # What the export asks transformers or peft is asked before the writing starts, so that the memory the
     # writing takes is measured alone: their code costs some 200-340 MiB of host memory once per process.
     with peak_growth() as loading:
+        adapter = peft_adapter.recorded_adapter(manifest, names)  # checked against peft's layout on the model
+        if merge and adapter is None:
+            raise CheckpointError(f"{manifest.url} is not a LoRA run's checkpoint: --merge has no adapters to "
+                                  "merge (export it without --merge)")
         if adapter is not None and not merge:  # the checkpoint holds the adapters: a peft directory
-            code = "peft (adapter_config.json is its LoraConfig)"
-            config = peft_adapter.CONFIG, peft_adapter.config_json(adapter, run_model, names, _base_name(run_model))
+            code = "peft (its adapters on the model, checked; adapter_config.json is its LoraConfig)"
+            config = peft_adapter.CONFIG, peft_adapter.config_json(adapter.section, run_model, names,
+                                                                   _base_name(run_model))
             pieces = per_expert.whole(names, _shapes(manifest, names), peft_adapter.key)
             single, max_shard_bytes = peft_adapter.WEIGHTS, math.inf
         elif merge:  # the model directory's weights, the adapters merged into them as they are written
-            code = "transformers (which layers are Conv1D)"
+            code = "peft and transformers (where the adapters sit, how the base stores them)"
             merged = peft_adapter.Merge(_base_directory(manifest, run_model), reader, manifest, names, adapter)
             reader, source, names, sizes, transform = (merged.reader, merged.manifest, merged.names, merged.sizes,
                                                        merged.transform)

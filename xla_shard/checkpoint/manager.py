@@ -111,12 +111,33 @@ def _unfaithful(state: dict) -> str | None:
     return None
 
 
+def _restorable(extra: Any) -> Extra:
+    """`restore(extra=...)` checked before anything is read or changed: a dict of names to objects with
+    `load_state_dict()` or dicts (filled in place), as `save(extra=...)` takes them."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, dict):
+        raise UserError(f"checkpoint extra state: expected a dict of names to objects with load_state_dict() or "
+                        f"dicts, got a {type(extra).__name__}")
+    for name, target in extra.items():
+        if not isinstance(name, str) or not name:
+            raise UserError(f"checkpoint extra state {name!r}: names are non-empty strings")
+        if not (hasattr(target, "load_state_dict") or isinstance(target, dict)):
+            raise UserError(f"checkpoint extra state {name!r}: expected a dict or an object with load_state_dict() to "
+                            f"restore into, got a {type(target).__name__}")
+    return extra
+
+
 def _check_extra(manifest: Manifest, wanted: Extra) -> None:
     stored = manifest.data.get("extra") or {}
     missing = [name for name in wanted if name not in stored]
     if missing:
         raise CheckpointError(f"{manifest.url} holds no extra state {missing[0]!r} (it has: "
                               f"{', '.join(sorted(stored)) or 'none'}); it was saved without it")
+    for name, target in wanted.items():
+        if not hasattr(target, "load_state_dict") and not isinstance(stored[name], dict):
+            raise CorruptCheckpointError(f"{manifest.url}/{layout.MANIFEST} is damaged: its extra state {name!r} is "
+                                         f"a {type(stored[name]).__name__}, not the dict that was saved")
 
 
 def _load_extra(manifest: Manifest, wanted: Extra) -> None:
@@ -307,10 +328,10 @@ class Checkpointer:
         each object of `extra` that `save` stored under its name); return the step to continue from, 0 for a
         fresh start (`extra` then stays as it is)."""
         resume = self.section.resume
+        extra = _restorable(extra)
         if resume == "never":
             self._claim(0, "checkpoint.resume=never starts a new run")
             return 0
-        extra = extra or {}
         if resume == "auto":
             return self._restore_newest(model, optimizer, extra)
         return self._restore_url(resume, model, optimizer, extra)
@@ -514,6 +535,7 @@ class NoCheckpoints:
         return True
 
     def restore(self, model, optimizer, extra: Extra | None = None) -> int:
+        _restorable(extra)  # a mistake is said whether or not there is a checkpoint to restore from
         return 0
 
     def export_last(self, to: str, overwrite: bool = False) -> None:

@@ -11,36 +11,19 @@ holds state only for trainable parameters, never sees the base.
 from __future__ import annotations
 
 import contextlib
-import re
 
 import torch
 from torch import nn
 
+from xla_shard.checkpoint.peft_adapter import ADAPTER, lora_config, quiet_moe_conversion, stored_name
 from xla_shard.config.schema import LoraSection
 from xla_shard.errors import ConfigError, one_line
 from xla_shard.methods.adapter import Adapter
-
-ADAPTER = "default"  # peft's adapter name; exports drop it, as peft's save_pretrained does
-# What peft puts into a wrapped module's parameter names: removed, they are the names the model directory uses.
-_INFIXES = re.compile(r"\.(base_layer|original_module|modules_to_save\.default)(?=\.)")
-
-
-def stored_name(name: str) -> str:
-    """A parameter's name as the model was saved (`q_proj.base_layer.weight` -> `q_proj.weight`)."""
-    return _INFIXES.sub("", name)
 
 
 def is_adapter(name: str) -> bool:
     """A LoRA matrix (not a module trained whole)."""
     return ".lora_" in name
-
-
-def peft_config(section: LoraSection, modules_to_save: list[str]):
-    from peft import LoraConfig
-
-    return LoraConfig(r=section.r, lora_alpha=section.alpha, lora_dropout=section.dropout,
-                      target_modules=section.target_modules, modules_to_save=modules_to_save or None,
-                      use_dora=section.use_dora)
 
 
 def head_modules(model: nn.Module) -> list[str]:
@@ -73,14 +56,27 @@ def _adapt(model: nn.Module, section: LoraSection, task: str):
     modules_to_save = list(section.modules_to_save)
     if task == "sequence_classification":
         modules_to_save += [m for m in head_modules(model) if m not in modules_to_save]
-    config = peft_config(section, modules_to_save)
+    config = lora_config(section, modules_to_save)
     try:
-        inject_adapter_in_model(config, model, adapter_name=ADAPTER, low_cpu_mem_usage=True)
+        with quiet_moe_conversion():
+            inject_adapter_in_model(config, model, adapter_name=ADAPTER, low_cpu_mem_usage=True)
     except (ValueError, TypeError) as exc:
-        raise ConfigError("model.lora.target_modules", f"peft cannot adapt {type(model).__name__}: "
-                                                       f"{one_line(exc)[:300]}") from None
+        raise _refusal(model, section, exc) from None
     _check_ranks(model, section)
     return config, modules_to_save
+
+
+def _refusal(model: nn.Module, section: LoraSection, exc: Exception) -> ConfigError:
+    """peft's refusal as one line naming the key to change. peft adapts transformers 5's fused MoE experts as
+    parameters (all-linear includes them), and its parameter adapters take neither DoRA nor dropout."""
+    said = one_line(exc)
+    if "ParamWrapper" in said and ("use_dora" in said or "lora_dropout" in said):
+        key, what = ("model.lora.use_dora", "DoRA") if "use_dora" in said else ("model.lora.dropout", "dropout")
+        return ConfigError(key, f"peft adapts the fused MoE experts of {type(model).__name__} as parameters "
+                                f"(target_modules {section.target_modules} reaches them), and its parameter adapters "
+                                f"do not support {what}: list the layers to adapt in model.lora.target_modules "
+                                "without the experts (such as [q_proj, k_proj, v_proj, o_proj]), or turn it off")
+    return ConfigError("model.lora.target_modules", f"peft cannot adapt {type(model).__name__}: {said[:300]}")
 
 
 def trained_parameters(model: nn.Module, section: LoraSection, task: str) -> int:
@@ -120,15 +116,18 @@ def _check_targets(model: nn.Module, section: LoraSection) -> None:
 
 
 def _check_ranks(model: nn.Module, section: LoraSection) -> None:
-    """A rank above an adapted layer's smaller side, refused while the adapters are still empty (peft made them
-    on the meta device): such an adapter has no more rank than that side, and would be allocated at r."""
+    """A rank above every adapted layer's smaller side, refused while the adapters are still empty (peft made them
+    on the meta device): it is a mistake (a rank of 10**9 would be allocated as asked). A rank above some layers'
+    smaller side only is peft's to take, as it does: all-linear reaches narrow layers (Qwen2-MoE's shared-expert
+    gate has one output) beside wide ones."""
     from peft.tuners.lora import LoraLayer
 
-    for name, layer in model.named_modules():
-        if isinstance(layer, LoraLayer) and section.r > min(layer.in_features, layer.out_features):
-            raise ConfigError("model.lora.r", f"{section.r} is above the smaller side of {name} ({layer.out_features} "
-                                              f"x {layer.in_features}): a LoRA rank is at most "
-                                              f"{min(layer.in_features, layer.out_features)} there")
+    sides = {name: min(layer.in_features, layer.out_features) for name, layer in model.named_modules()
+             if isinstance(layer, LoraLayer)}
+    widest = max(sides, key=sides.get, default=None)
+    if widest is not None and section.r > sides[widest]:
+        raise ConfigError("model.lora.r", f"{section.r} is above the smaller side of every adapted layer (at most "
+                                          f"{sides[widest]}, {widest}): a LoRA rank is at most {sides[widest]} here")
 
 
 def trained_modules(model: nn.Module) -> list[nn.Module]:
