@@ -4,6 +4,7 @@ the helpers that compare what a run holds with what such a directory stores."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -30,15 +31,21 @@ CHAT_TEMPLATE_MARKED = (
 CHAT_TEMPLATE = CHAT_TEMPLATE_MARKED.replace("{% generation %}", "").replace("{% endgeneration %}", "")
 
 
-def bpe_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
-    """Byte-level BPE (a Llama-style tokenizer) with <s> and </s>; with a chat template, also ChatML's
-    <|im_start|> and <|im_end|>."""
+@functools.cache
+def _trained_bpe() -> str:
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train([str(CORPUS)], trainer)
+    return tok.to_str()
+
+
+def bpe_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """Byte-level BPE (a Llama-style tokenizer) with <s> and </s>; with a chat template, also ChatML's
+    <|im_start|> and <|im_end|>. Trained once per process on the shipped corpus."""
+    tok = Tokenizer.from_str(_trained_bpe())
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     if chat_template:
         tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
@@ -122,18 +129,24 @@ MOE_FAMILIES = {
 }
 
 
-def moe_dir(path: Path, family: str, seed: int = 5) -> Path:
-    """A small MoE causal LM of `family` as `save_pretrained` writes it, with the BPE tokenizer."""
+def moe_model(family: str, seed: int = 5, vocab_size: int = VOCAB):
+    """A small MoE causal LM of `family` (see MOE_FAMILIES), in memory, randomly initialised from `seed`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = bpe_tokenizer()
-    config = AutoConfig.for_model(family, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
+    config = AutoConfig.for_model(family, vocab_size=vocab_size, hidden_size=64, intermediate_size=96,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                   max_position_embeddings=256, tie_word_embeddings=False,
                                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                   pad_token_id=tokenizer.pad_token_id, **MOE_FAMILIES[family])
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def moe_dir(path: Path, family: str, seed: int = 5) -> Path:
+    """A small MoE causal LM of `family` as `save_pretrained` writes it, with the BPE tokenizer."""
+    tokenizer = bpe_tokenizer()
+    moe_model(family, seed, len(tokenizer)).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
@@ -169,8 +182,8 @@ FAMILIES = {
 }
 
 
-def family_dir(path: Path, family: str, seed: int = 3) -> Path:
-    """A small model of `family` (see FAMILIES) as `save_pretrained` writes it, with the BPE tokenizer."""
+def family_model(family: str, seed: int = 3):
+    """A small model of `family` (see FAMILIES), in memory, randomly initialised from `seed`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     model_type, task, fields = FAMILIES[family]
@@ -183,6 +196,11 @@ def family_dir(path: Path, family: str, seed: int = 3) -> Path:
                                   pad_token_id=tokenizer.pad_token_id, **labels, **fields)
     auto = AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
     torch.manual_seed(seed)
-    auto.from_config(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    return auto.from_config(config)
+
+
+def family_dir(path: Path, family: str, seed: int = 3) -> Path:
+    """A small model of `family` (see FAMILIES) as `save_pretrained` writes it, with the BPE tokenizer."""
+    family_model(family, seed).save_pretrained(path)
+    bpe_tokenizer().save_pretrained(path)
     return path

@@ -19,7 +19,7 @@ LAYERS = [
               "xla_shard.planner.hlo", "xla_shard.schedule", "xla_shard.preemption",
               "xla_shard.attention", "xla_shard.experts", "xla_shard.metrics"]),
     ("storage formats and data", ["xla_shard.checkpoint", "xla_shard.data"]),
-    ("model", ["xla_shard.models", "xla_shard.wrap", "xla_shard.methods"]),
+    ("model", ["xla_shard.models", "xla_shard.wrap", "xla_shard.lm_head", "xla_shard.methods"]),
     ("loading and planning", ["xla_shard.pretrained", "xla_shard.planner"]),
     ("backends", ["xla_shard.backends"]),
     ("training", ["xla_shard.train"]),

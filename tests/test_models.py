@@ -99,6 +99,63 @@ def test_xla_pallas_feeds_the_pallas_kernel_what_it_expects(monkeypatch):
         assert math.isclose(eager, flash, rel_tol=1e-5), losses
 
 
+def _kernel_math(calls):
+    """What the Pallas kernel computes (causal softmax attention, within a segment where it is given segment ids),
+    in its place: it runs only on a TPU."""
+    def kernel(q, k, v, causal=False, q_segment_ids=None, kv_segment_ids=None, sm_scale=1.0, partition_spec=None,
+               mesh=None, **_):
+        assert q.shape == k.shape == v.shape and causal
+        calls.append((q.shape, q_segment_ids))
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+        if q_segment_ids is not None:
+            mask = mask & (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]).unsqueeze(1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=sm_scale)
+
+    return kernel
+
+
+@pytest.mark.xla
+def test_packed_rows_reach_the_kernel_with_segment_ids_and_give_each_examples_logits(monkeypatch):
+    """Rows packing several examples, each with positions from 0: under `xla_pallas` no [rows, 1, tokens, tokens]
+    mask is built (the mask function gives none), the kernel gets segment ids from the positions, and each
+    example's logits are those it has alone (eager); a padded batch still takes SDPA with its mask."""
+    from torch_xla.experimental import custom_kernel
+
+    calls = []
+    monkeypatch.setattr(custom_kernel, "flash_attention", _kernel_math(calls))
+    lengths = [[40, 88], [128], [30, 50, 48]]  # three rows of 128 tokens
+    ids = torch.randint(3, 256, (3, 128), generator=torch.Generator().manual_seed(5))
+    positions = torch.tensor([[p for n in row for p in range(n)] for row in lengths])
+    models = {kernel: build_model(config.load(None, ["model=tiny-llama", f"model.attn_implementation={kernel}"]
+                                              ).model, 0).eval() for kernel in ("eager", "xla_pallas")}
+    with torch.no_grad():
+        packed = models["xla_pallas"](input_ids=ids, position_ids=positions).logits
+        for row, sizes in enumerate(lengths):
+            start = 0
+            for n in sizes:
+                alone = models["eager"](input_ids=ids[row:row + 1, start:start + n]).logits[0]
+                torch.testing.assert_close(packed[row, start:start + n], alone, rtol=1e-5, atol=1e-5)
+                start += n
+    (shape, documents), *_ = calls
+    assert documents.tolist()[2] == [0] * 30 + [1] * 50 + [2] * 48 and documents.dtype == torch.int32
+
+
+def test_the_kernels_mask_function_builds_no_mask_only_where_the_kernel_says_it_all():
+    from transformers import LlamaConfig, MistralConfig
+
+    from xla_shard.attention import pallas_mask, plain_causal
+
+    assert plain_causal(LlamaConfig()) and not plain_causal(MistralConfig(sliding_window=64))
+    arguments = dict(batch_size=2, q_length=8, kv_length=8, cache_position=torch.arange(8))
+    assert pallas_mask(**arguments, config=LlamaConfig()) is None
+    padded = torch.ones(2, 8, dtype=torch.bool)
+    padded[1, 6:] = False
+    assert pallas_mask(**arguments, attention_mask=padded, config=LlamaConfig()).shape == (2, 1, 8, 8)
+    # a sliding window is SDPA's mask to build (transformers hands it a windowed mask function; here, none to skip)
+    windowed = pallas_mask(**arguments, config=MistralConfig(sliding_window=4), allow_is_causal_skip=False)
+    assert windowed is not None and windowed.shape == (2, 1, 8, 8)
+
+
 @pytest.mark.xla
 def test_xla_pallas_takes_sdpa_where_the_kernels_blocks_do_not_tile_the_sequence(monkeypatch):
     """What the TPU compiler refused (`xla-shard compile`): 64 tokens (a block narrower than 128 lanes), 640 and

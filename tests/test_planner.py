@@ -302,6 +302,31 @@ def test_compiled_collectives_are_counted_wherever_they_run_as_often_as_they_run
     assert collective_totals(branches)["all-gather"]["count"] == 2 + 1
 
 
+def test_an_instruction_whose_attribute_spans_lines_does_not_end_its_computation():
+    """Newer jax writes a Pallas kernel's `kernel_metadata` over several lines, a closing brace at a line's start:
+    the loop body it sits in goes on past it (read as its end, MaxText's scanned gathers were 4 GiB of 27)."""
+    from xla_shard.planner.hlo import collective_totals
+
+    text = "\n".join([
+        "HloModule step", "",
+        "%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {",
+        "  %k = f32[4]{0} custom-call(f32[4]{0} %x), custom_call_target=\"tpu_custom_call\", kernel_metadata={",
+        "  \"name\": \"flash\"",
+        "}, backend_config=\"\"",
+        "  %g = f32[8]{0} all-gather(f32[4]{0} %k), replica_groups={{0,1}}, dimensions={0}",
+        "  ROOT %t = (s32[], f32[4]) tuple(%i, %k)",
+        "}", "",
+        "%cond (p: (s32[], f32[4])) -> pred[] {",
+        "  %n = s32[] constant(4)",
+        "  ROOT %lt = pred[] compare(%i, %n), direction=LT",
+        "}", "",
+        "ENTRY %main (a: f32[4]) -> (s32[], f32[4]) {",
+        "  ROOT %w = (s32[], f32[4]) while(%t0), condition=%cond, body=%body",
+        "}", "",
+    ])
+    assert collective_totals(text)["all-gather"] == {"count": 4, "bytes": 4 * 32}
+
+
 def test_a_collective_the_tpu_compiler_splits_into_pieces_is_counted_once():
     """libtpu overlaps a collective with the compute around it by splitting it over several fusions (a start and
     its continuations), each spelling the whole op with the collective's `channel_id`: one all-gather, as often as

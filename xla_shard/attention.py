@@ -40,13 +40,47 @@ def available(name: str) -> str | None:
 
 @functools.cache
 def register() -> None:
-    """Make `xla_pallas` a transformers attention implementation (and its mask function: the sdpa one, which
-    gives no mask at all for plain causal batches, the case the kernel takes)."""
+    """Make `xla_pallas` a transformers attention implementation, with its mask function (`pallas_mask`)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(XLA_PALLAS, xla_pallas_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(XLA_PALLAS, sdpa_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(XLA_PALLAS, pallas_mask)
+
+
+def pallas_mask(*args, attention_mask: torch.Tensor | None = None, config=None, **kwargs):
+    """No mask where the kernel's own causal masking and its segment ids say it all: no padding, and a model
+    whose attention is causal over every earlier position (no sliding window, no chunks). Packed rows then reach
+    the kernel with their documents told apart by segment ids (`xla_pallas_attention`), instead of a [batch, 1,
+    tokens, tokens] block-diagonal mask that the kernel cannot take. Anything else: SDPA's mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None and plain_causal(config):
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, config=config, **kwargs)
+
+
+def plain_causal(config) -> bool:
+    """Whether every layer of the model attends causally to every earlier position (what the kernel computes)."""
+    if config is None:
+        return False
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    windowed = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
+    layers = getattr(text, "layer_types", None)
+    return not windowed and not getattr(text, "attention_chunk_size", None) and (
+        not layers or all(kind == "full_attention" for kind in layers))
+
+
+def segments(position_ids: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """Packed rows' documents, numbered within each row ([rows, tokens], int32) from their positions, which
+    restart at each document (as transformers finds them: where a position is not the one before plus one);
+    None where the positions are the model's own, one [1, tokens] range for all rows. (A single row's given
+    positions look the same: they get segment ids, all 0 where it holds one document, which changes nothing.)"""
+    if position_ids is None or position_ids.dim() != 2 or (position_ids.shape[0] == 1 and rows > 1):
+        return None
+    position_ids = position_ids.expand(rows, -1)
+    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    return (step != 1).cumsum(-1).to(torch.int32)
 
 
 def xla_pallas_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -54,9 +88,12 @@ def xla_pallas_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                         **kwargs) -> tuple[torch.Tensor, None]:
     """torch_xla's Pallas flash attention (TPU) for [batch, heads, seq, head_dim] inputs; under SPMD it is
     given the global mesh and a partition spec that shards the batch over every mesh axis, as the step does.
+    Packed rows' documents are kept apart by segment ids (from their positions), which the kernel takes and
+    shards with the batch.
 
     Batches with a padding mask, dropout in training, a non-causal module without a mask, or a sequence the
-    kernel's blocks do not tile fall back to SDPA, which computes the same thing."""
+    kernel's blocks do not tile fall back to SDPA, which computes the same thing (packed rows there with the
+    mask their segment ids make)."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     # Under autocast, models that normalise queries and keys (Qwen3's q_norm, k_norm) hand over fp32 queries
@@ -66,11 +103,14 @@ def xla_pallas_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         dtype = torch.get_autocast_dtype(device)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     causal = getattr(module, "is_causal", True)
+    documents = segments(kwargs.get("position_ids"), query.shape[0]) if attention_mask is None and causal else None
     kernel = attention_mask is None and not (dropout and module.training) and causal
     if kernel and not (tiled(query.shape[2]) and tiled(key.shape[2])):
         _untiled(max(query.shape[2], key.shape[2]))
         kernel = False
     if not kernel:
+        if documents is not None:  # the kernel's segments as a mask: causal, within one document
+            attention_mask = segment_mask(documents, query.shape[2], key.shape[2])
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     from torch_xla.experimental import custom_kernel
@@ -79,9 +119,17 @@ def xla_pallas_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     mesh, spec = _spmd_layout()
-    out = custom_kernel.flash_attention(query, key, value, causal=True, sm_scale=scale, partition_spec=spec,
-                                        mesh=mesh)
+    out = custom_kernel.flash_attention(query, key, value, causal=True, q_segment_ids=documents,
+                                        kv_segment_ids=documents, sm_scale=scale, partition_spec=spec, mesh=mesh)
     return out.transpose(1, 2).contiguous(), None
+
+
+def segment_mask(documents: torch.Tensor, queries: int, keys: int) -> torch.Tensor:
+    """[rows, 1, queries, keys] booleans: a position sees the earlier positions of its own document."""
+    causal = torch.ones(queries, keys, dtype=torch.bool, device=documents.device).tril(keys - queries)
+    same = documents[:, -queries:, None] == documents[:, None, :keys]
+    return (causal & same).unsqueeze(1)
+
 
 
 @functools.cache

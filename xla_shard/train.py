@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from xla_shard import backends, launch, metrics
+from xla_shard import backends, launch, lm_head, metrics
 from xla_shard import data as datalib
 from xla_shard.backends.base import Backend
 from xla_shard.checkpoint import Checkpointer, CheckpointError, NoCheckpoints, finished_message, hf_dir
@@ -212,6 +212,9 @@ class Trainer:
             self._log(f"wrap: {inferred}")
         self.model = backend.wrap(model)
         self.model.train()
+        scoring = lm_head.describe(self.model)
+        if scoring:
+            self._log(scoring)
         self.optimizer = backend.prepare_optimizer(make_optimizer(self.model.parameters(), cfg.train,
                                                                   backend.accelerator))
         self.peak_per_device, self.mfu_basis = self._mfu_basis()

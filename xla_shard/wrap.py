@@ -6,6 +6,7 @@ modules` holds across FSDPv1, FSDPv2 and FSDP2 by construction.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from xla_shard.config.schema import FsdpSection, WrapPolicy
@@ -128,3 +129,24 @@ def refuse_dropout(model: nn.Module, layer: nn.Module) -> None:
                                               "torch_xla's scan cannot carry through its backward: set it to false, or "
                                               "the dropout to 0 with model.overrides"
                                               + (f" ({', '.join(f'{k}: 0' for k in keys)})" if keys else ""))
+
+
+def cast_activations(model: nn.Module, fsdp: FsdpSection, dtype: torch.dtype = torch.bfloat16) -> None:
+    """`fsdp.activation_dtype: bfloat16`: the input embedding's output and every decoder layer's output leave in
+    `dtype`, so the residual stream between layers (and what activation checkpointing keeps of it) is bf16.
+    Under autocast the embedding (a lookup) and the residual adds are not autocast ops: its stream stays fp32.
+    Inside a layer nothing changes (matmuls in bf16 under autocast or FSDP's cast parameters; norms, softmax and
+    the loss as the model computes them). Forward hooks, so they hold whatever wraps the module's forward
+    (activation checkpointing, FSDP)."""
+    def cast(module, args, output):
+        if isinstance(output, torch.Tensor):
+            return output.to(dtype) if output.is_floating_point() else output
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (output[0].to(dtype), *output[1:])
+        return output
+
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embedding is not None:
+        embedding.register_forward_hook(cast)
+    for layer in checkpoint_targets(model, fsdp):
+        layer.register_forward_hook(cast)

@@ -23,6 +23,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from xla_shard.aot import memory
 from xla_shard.errors import UserError
 
 INSTALL = "pip install 'xla_shard[aot]'"  # jax and libtpu: see pyproject.toml
@@ -40,11 +41,17 @@ class Compiled:
     argument_bytes: int  # per device
     output_bytes: int
     alias_bytes: int
-    temp_bytes: int
+    temp_bytes: int  # libtpu's own figure (its heap and about its largest buffer again: `aot.memory`)
     code_bytes: int
     flops: float  # per device, the compiler's cost analysis
     bytes_accessed: float
     hlo_text: str = field(repr=False)
+    heap_bytes: int | None = None  # the buffer assignment's block of temporaries: what the runtime allocates
+    slots: list = field(default_factory=list, repr=False)  # its largest slots: [bytes, dtype, shape], largest first
+
+    @property
+    def temporaries(self) -> int:
+        return self.heap_bytes if self.heap_bytes is not None else self.temp_bytes
 
 
 @dataclass
@@ -212,21 +219,41 @@ def compile_program(proto: bytes, devices: list) -> Compiled:
     build.allow_spmd_sharding_propagation_to_parameters = [False]
     build.allow_spmd_sharding_propagation_to_output = [True]
     build.device_assignment = xla_client.DeviceAssignment.create(np.array([[d.id for d in devices]]))
-    with _quiet_libtpu(), jax_mlir.make_ir_context():
-        module = _pin_parameters(ir.Module.parse(mlir.hlo_to_stablehlo(proto)))
+    with _quiet_libtpu(), jax_mlir.make_ir_context(), tempfile.TemporaryDirectory(prefix="xla_shard_dump_") as dump:
+        module = _pin_parameters(_without_empty_tilings(ir.Module.parse(mlir.hlo_to_stablehlo(proto))))
         # jax < 0.8's compile-only client takes the module's bytecode; later ones the module itself.
         program = module if jax.__version_info__ >= (0, 8) else module.operation.get_asm(binary=True)
+        memory.dump_options(options, dump)
         try:
             executable = devices[0].client.compile(program, jaxlib_client.DeviceList(tuple(devices)), options)
         except Exception as exc:  # noqa: BLE001 - what the TPU compiler rejected, said in one line
             raise rejection(" ".join(str(exc).split())) from None
-    memory = executable.get_compiled_memory_stats()
+        assignment = memory.read(dump)
+    stats = executable.get_compiled_memory_stats()
     cost = executable.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    return Compiled(len(devices), memory.argument_size_in_bytes, memory.output_size_in_bytes,
-                    memory.alias_size_in_bytes, memory.temp_size_in_bytes, memory.generated_code_size_in_bytes,
+    return Compiled(len(devices), stats.argument_size_in_bytes, stats.output_size_in_bytes,
+                    stats.alias_size_in_bytes, stats.temp_size_in_bytes, stats.generated_code_size_in_bytes,
                     float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)),
-                    executable.hlo_modules()[0].to_string())
+                    executable.hlo_modules()[0].to_string(),
+                    assignment.heap if assignment else None,
+                    [[s.bytes, s.dtype, list(s.shape)] for s in assignment.slots[:memory.KEPT]] if assignment else [])
+
+
+def _without_empty_tilings(module):
+    """The module with every op's empty `result_tilings` attribute dropped: newer jax writes it on the custom
+    calls of the Pallas kernels torch_xla 2.9 lowers, and libtpu 0.0.52 refuses it; an empty list says nothing."""
+    def walk(operation):
+        for region in operation.regions:
+            for block in region.blocks:
+                for op in block.operations:
+                    attributes = op.operation.attributes
+                    if "result_tilings" in attributes and str(attributes["result_tilings"]) == "[]":
+                        del attributes["result_tilings"]
+                    walk(op.operation)
+
+    walk(module.operation)
+    return module
 
 
 def _pin_parameters(module):

@@ -2,9 +2,14 @@
 the chip's HBM, FLOPs and bytes, each collective, and a roofline lower bound of the step time.
 
 Memory. The compiled program's arguments (parameters, optimizer state, the batch), temporaries (activations,
-gradients, gathered parameters: the compiler's own peak of them) and code. torch_xla donates the buffers of
-tensors a step updates in place, so the outputs that replace them (`Trace.updated`) take no memory of their
-own; any other output does. What is not counted: the runtime's own reserve, and a second program (evaluation).
+gradients, gathered parameters: the block the compiler's buffer assignment lays them out in, `aot.memory`; its
+largest slots are named) and code. torch_xla donates the buffers of tensors a step updates in place, so the
+outputs that replace them (`Trace.updated`) take no memory of their own; any other output does. What is not
+counted: the runtime's own reserve, and a second program (evaluation).
+
+FLOPs in two conventions: PaLM's (attention counted for every pair of positions), which the trainer's MFU uses,
+and MaxText's (causal attention at half), which its published MFU figures use; with a measured step time, each
+gives its MFU.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from xla_shard.aot import memory
 from xla_shard.aot.compiler import Compiled, OutOfHbm
 from xla_shard.aot.target import Target
 from xla_shard.aot.trace import Trace
@@ -35,7 +41,7 @@ class Report:
         other_args = max(0, c.argument_bytes - t.parameters - t.optimizer_state - t.batch - t.reference)
         parts = {"parameters": t.parameters, "optimizer state": t.optimizer_state, "batch": t.batch + other_args,
                  **({"reference model (frozen parameters)": t.reference} if t.reference else {}),
-                 "temporaries (activations, gradients, gathered parameters)": c.temp_bytes,
+                 "temporaries (activations, gradients, gathered parameters)": c.temporaries,
                  "outputs not written in place": max(0, c.output_bytes - t.updated), "code": c.code_bytes}
         return dict(sorted(parts.items(), key=lambda kv: -kv[1]))
 
@@ -79,11 +85,20 @@ class Report:
                 "plan": self.trace.plan, "hbm_bytes_per_device": self.device.hbm_bytes,
                 "needed_bytes_per_device": self.needed, "fits": self.fits, "consumers": self.consumers,
                 "argument_bytes": self.compiled.argument_bytes, "output_bytes": self.compiled.output_bytes,
-                "temp_bytes": self.compiled.temp_bytes, "code_bytes": self.compiled.code_bytes,
+                "temp_bytes": self.compiled.temporaries, "compiler_temp_stat_bytes": self.compiled.temp_bytes,
+                "largest_temporaries": [{"what": what, "bytes": slot.bytes, "shape": slot.spelled}
+                                        for what, slot in self.largest_temporaries()],
+                "code_bytes": self.compiled.code_bytes,
+                "model_tflop_per_device": {"palm": self.trace.model_flops / self.compiled.devices / 1e12,
+                                           "maxtext": self.trace.causal_flops / self.compiled.devices / 1e12},
                 "pallas_kernels": self.trace.kernels, "flops_per_device": self.compiled.flops,
                 "bytes_accessed_per_device": self.compiled.bytes_accessed,
                 "collectives": self.collectives,
                 "roofline": self.roofline()}
+
+    def largest_temporaries(self) -> list[tuple[str, memory.Slot]]:
+        slots = [memory.Slot(size, dtype, tuple(shape)) for size, dtype, shape in self.compiled.slots]
+        return memory.largest(memory.BufferAssignment(self.compiled.temporaries, slots), self.trace.dims)
 
     def text(self) -> str:
         c, d, roof = self.compiled, self.device, self.roofline()
@@ -94,24 +109,39 @@ class Report:
                  + (f"fits, {_gib(d.hbm_bytes - self.needed)} to spare" if self.fits
                     else f"does NOT fit, {_gib(self.needed - d.hbm_bytes)} over")]
         lines += [f"  {name}: {_gib(size)}" for name, size in self.consumers.items()]
+        if c.heap_bytes is not None and c.heap_bytes != c.temp_bytes:
+            lines.append(f"  (temporaries: the buffer assignment's block; libtpu's own stat says {_gib(c.temp_bytes)}, "
+                         "that block and about its largest buffer again: docs/planner.md)")
+        largest = self.largest_temporaries()
+        if largest:
+            lines.append("largest temporaries: " + "; ".join(f"{_gib(slot.bytes)} {what} ({slot.spelled})"
+                                                           for what, slot in largest))
         lines.append(f"compiler's cost analysis per device: {c.flops / 1e12:.3f} TFLOP, "
                      f"{c.bytes_accessed / 1e9:.3f} GB accessed"
                      + (f" (a loop's body counted once: {self.trace.loop_trips} scanned layers run it; the model's "
                         f"{self.trace.model_flops / c.devices / 1e12:.3f} TFLOP per device bound the roofline)"
                         if self.trace.loop_trips > 1 else ""))
-        if self.trace.kernels:
-            lines.append(f"Pallas kernels compiled into the program: {self.trace.kernels} "
-                         "(flash attention, MoE grouped matmuls)")
+        kinds = self.trace.kernel_kinds
+        if kinds:
+            lines.append("Pallas kernels compiled into the program: "
+                         + ", ".join(f"{count} {kind}" for kind, count in kinds.items()))
         lines.append("collectives in the compiled TPU program (per device, results' bytes):")
         lines += [f"  {kind}: {v['count']} ops, {v['bytes'] / 2**20:.1f} MiB"
                   + (f", {v['dcn_bytes'] / 2**20:.1f} MiB of it across slices (DCN)" if v.get("dcn_bytes") else "")
                   for kind, v in self.collectives.items()]
         if not self.collectives:
             lines.append("  none (one device)")
+        bound = max(("compute", "hbm", "ici", "dcn"), key=lambda k: roof.get(f"{k}_s", 0.0))
         lines.append(f"roofline lower bound of the step (not a measurement): {roof['lower_bound_s'] * 1e3:.1f} ms "
                      f"(compute {roof['compute_s'] * 1e3:.1f}, HBM {roof['hbm_s'] * 1e3:.1f}, ICI "
                      f"{roof['ici_s'] * 1e3:.1f}" + (f", DCN {roof['dcn_s'] * 1e3:.1f}" if "dcn_s" in roof else "")
-                     + f"); MFU at most {roof['mfu_ceiling']:.2f}")
+                     + f"): {bound.upper() if bound != 'compute' else 'compute'}-bound"
+                     + (f", MFU at most {roof['mfu_ceiling']:.2f}" if roof["mfu_ceiling"] < 1.0 else ""))
+        palm, causal = (flops / c.devices / 1e12 for flops in (self.trace.model_flops, self.trace.causal_flops))
+        peak = d.peak_flops / 1e12
+        lines.append(f"model FLOPs per device per step: {palm:.1f} TFLOP by PaLM's count (attention over every pair "
+                     f"of positions: the trainer's MFU), {causal:.1f} by MaxText's (causal attention at half); a "
+                     f"step of T seconds is MFU {palm:.1f} / ({peak:.0f} x T) or {causal:.1f} / ({peak:.0f} x T)")
         return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ the model's size: only the batch and the model's buffers hold host memory. Nothi
 
 from __future__ import annotations
 
+import base64
 import math
 import os
 import re
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from xla_shard.aot import compiler
+from xla_shard.aot import compiler, memory
 from xla_shard.config.schema import ShardConfig
 from xla_shard.errors import UserError
 
@@ -38,6 +39,8 @@ class Trace:
     model_flops: float  # per step, all devices: PaLM's count, as the trainer's MFU
     loop_trips: int = 1  # iterations of the program's loops: the scanned layers (1: no loop)
     reference: int = 0  # bytes per device of a frozen reference model's parameters (DPO's), an argument too
+    causal_flops: float = 0.0  # per step, all devices: MaxText's count (causal attention at half)
+    dims: memory.Dims | None = None  # the model's dimensions, to name the compiler's buffers
 
     @property
     def kernels(self) -> int:
@@ -46,6 +49,17 @@ class Trace:
         traced program: the compiled one also holds kernels the TPU compiler writes itself (TPU7x's
         `online-softmax` for eager attention)."""
         return self.proto.count(b"tpu_custom_call")
+
+    @property
+    def kernel_kinds(self) -> dict[str, int]:
+        """The Pallas kernels by what they compute, read from the names their Mosaic bodies carry."""
+        kinds: dict[str, int] = {}
+        for body in re.findall(rb'"body": ?"([A-Za-z0-9+/=]+)"', self.proto):
+            code = base64.b64decode(body)
+            kind = ("flash attention" if b"flash_attention" in code else "MoE grouped matmuls" if b"gmm" in code
+                    else "other")
+            kinds[kind] = kinds.get(kind, 0) + 1
+        return kinds
 
 
 def step_config(cfg: ShardConfig, devices: int, workdir: str) -> ShardConfig:
@@ -89,8 +103,27 @@ def trace(cfg: ShardConfig, tpu: compiler.Slice, placeholders: bool = True) -> T
         with compiler.kernels_lowered_for(tpu):
             proto = backend.traced_program(lambda: trainer.step(1), lambda: [*trained, *states])
         tokens = cfg.train.global_batch_size * cfg.train.seq_len * trainer.objective.sequences_per_row
+        config = trainer.model.config
+        causal = trainer.flops_per_token - causal_attention_discount(config, cfg.train.seq_len)
         return Trace(proto, backend.num_devices, str(backend.plan), sizes[0], sizes[1], batch // backend.num_devices,
-                     sizes[2] + sizes[1], trainer.flops_per_token * tokens, trips, sizes[3])
+                     sizes[2] + sizes[1], trainer.flops_per_token * tokens, trips, sizes[3], causal * tokens,
+                     _dims(config, cfg.train.seq_len, backend.num_devices))
+
+
+def causal_attention_discount(config, seq_len: int) -> float:
+    """FLOPs per token PaLM's count gives attention beyond MaxText's: PaLM counts the scores and their use for
+    every pair of positions (12 x layers x hidden x tokens), MaxText for the causal half."""
+    return 6.0 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+def _dims(config, seq_len: int, devices: int) -> memory.Dims:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    return memory.Dims(text.hidden_size, text.vocab_size, text.num_hidden_layers,
+                       getattr(text, "intermediate_size", 0) or 4 * text.hidden_size, head_dim, kv * head_dim,
+                       seq_len, devices)
 
 
 def _device_bytes(tensor: torch.Tensor) -> int:

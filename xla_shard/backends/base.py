@@ -21,12 +21,14 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import nn
 
+from xla_shard import lm_head
 from xla_shard.backends.processes import Processes
 from xla_shard.backends.state import BackendState
 from xla_shard.capabilities import Capabilities
 from xla_shard.config.schema import ShardConfig
 from xla_shard.data import Batch, local_rows
 from xla_shard.plan import ShardingPlan
+from xla_shard.wrap import cast_activations
 
 CheckpointFn = Callable[..., Any]
 
@@ -50,6 +52,8 @@ class Backend(abc.ABC):
     # there (its attention kernel) is traced. None: the step runs on this machine's devices.
     traced_for: str | None = None
     traced_slices = 1  # the slices (over DCN) of what it is compiled for: their devices listed slice by slice
+    # How the devices share the chunked loss's work (`lm_head.Partials`): eager and FSDP need nothing of it.
+    partials: lm_head.Partials = lm_head.Partials()
 
     def __init__(self, cfg: ShardConfig):
         self.cfg = cfg
@@ -186,6 +190,17 @@ class Backend(abc.ABC):
         backend that shards optimizer state apart from the parameters hooks it here). Own training loops pass
         their optimizer through this too."""
         return optimizer
+
+
+def prepare(backend: Backend, model: nn.Module) -> None:
+    """What every backend's `wrap` does to a model before it shards it: a causal LM's loss computed chunk by
+    chunk (`train.loss_chunks`, `xla_shard.lm_head`; what could not be is said by `lm_head.describe`), and its
+    residual stream in bf16 (`fsdp.activation_dtype`)."""
+    cfg = backend.cfg
+    if cfg.model.task == "causal_lm" and cfg.train.loss_chunks != 0:
+        lm_head.install(model, cfg.train.loss_chunks, cfg.train.seq_len, backend.partials)
+    if cfg.fsdp.bf16_activations:
+        cast_activations(model, cfg.fsdp)
 
 
 def retie(model: nn.Module) -> nn.Module:

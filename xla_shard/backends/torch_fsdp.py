@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from xla_shard import launch
 from xla_shard.backends import fsdp2_devices
-from xla_shard.backends.base import Backend, Compiled, apply_activation_checkpointing, on_meta
+from xla_shard.backends.base import Backend, Compiled, apply_activation_checkpointing, on_meta, prepare
 from xla_shard.backends.fsdp2_devices import DeviceProfile
 from xla_shard.backends.processes import GroupProcesses, forming_a_group, meet_as_one_run
 from xla_shard.backends.state import BackendState, pack_bytes, unpack_bytes
@@ -151,6 +151,7 @@ class TorchFsdpBackend(Backend):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         fsdp = self.cfg.fsdp
+        prepare(self, model)
         if fsdp.activation_checkpointing:
             # Non-reentrant checkpointing: kwargs and tensors nested in tuples get exact gradients.
             apply_activation_checkpointing(checkpoint_targets(model, fsdp),
@@ -170,7 +171,7 @@ class TorchFsdpBackend(Backend):
             return DistributedDataParallel(model, device_ids=device_ids,
                                            bucket_cap_mb=fsdp.bucket_cap_mb)
         kwargs = dict(mesh=self._mesh(), reshard_after_forward=self.plan.reshard_after_forward)
-        if fsdp.mixed_precision == "bf16":
+        if fsdp.bf16_activations:  # parameters cast to bf16 once per unit: the stream follows them
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if fsdp.offload_params:
             kwargs["offload_policy"] = CPUOffloadPolicy()
@@ -202,8 +203,10 @@ class TorchFsdpBackend(Backend):
             return self.profile.mesh((self.world,), ("shard",))
 
     def forward_context(self):
-        # FSDP2's MixedPrecisionPolicy casts parameters; DDP (NO_SHARD) needs autocast for bf16.
-        enabled = self.cfg.fsdp.mixed_precision == "bf16" and self.data_parallel
+        # FSDP2's MixedPrecisionPolicy casts parameters for bf16 activations; DDP (NO_SHARD), and an fp32 stream
+        # (fsdp.activation_dtype: float32, fp32 parameters gathered), compute in bf16 under autocast.
+        fsdp = self.cfg.fsdp
+        enabled = fsdp.mixed_precision == "bf16" and (self.data_parallel or not fsdp.bf16_activations)
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
     @contextlib.contextmanager

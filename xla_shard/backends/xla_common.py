@@ -17,6 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from xla_shard import lm_head
 from xla_shard.backends.base import Backend, Compiled, apply_activation_checkpointing
 from xla_shard.io.device import on_tpu
 from xla_shard.wrap import checkpoint_targets, wrap_targets
@@ -89,8 +90,21 @@ def compilations() -> Compiled:
     return Compiled(int(data[0]), data[1] / 1e9) if data else Compiled(0, 0.0)
 
 
+class XlaPartials(lm_head.Partials):
+    """XLA orders the chunked loss's chunks by optimization barriers (`lm_head.Partials.barrier`)."""
+
+    orders = True
+
+    def barrier(self, tensors: list[torch.Tensor]) -> None:
+        import torch_xla.core.xla_model as xm
+
+        xm.optimization_barrier_(tensors)
+
+
 class XlaBackend(Backend):
     """torch_xla, either way: lazy graphs cut once per step, compilations counted, no CPU offload."""
+
+    partials = XlaPartials()
 
     NO_OFFLOAD = "torch_xla FSDP has no CPU offload"
     # MoE experts off a TPU: one gather and batched matmuls, static shapes, one graph (transformers' grouped_mm
@@ -126,6 +140,7 @@ class XlaBackend(Backend):
         import torch_xla
 
         torch_xla.sync()
+
 
     def compilations(self) -> Compiled:
         return compilations()

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from xla_shard.backends import xla_common
+from xla_shard.backends.base import prepare
 from xla_shard.backends.processes import Processes
 from xla_shard.backends.state import BackendState, optimizer_state
 from xla_shard.capabilities import Capabilities
@@ -183,12 +184,21 @@ class XlaFsdpBackend(xla_common.XlaBackend):
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
 
+        fsdp = self.cfg.fsdp
+        prepare(self, model)
         policy = self.prepare_wrap(model)
-        settings = dict(self.cfg.fsdp.xla_settings)
+        settings = dict(fsdp.xla_settings)
         settings["reshard_after_forward"] = self.plan.reshard_after_forward
-        if self.cfg.fsdp.mixed_precision == "bf16":
+        if fsdp.bf16_activations:  # parameters cast to bf16 for compute; an fp32 stream runs under autocast
             settings["compute_dtype"] = torch.bfloat16
         return XlaFullyShardedDataParallel(self.to_device(model), auto_wrap_policy=policy, **settings)
+
+    def forward_context(self):
+        """bf16 activations: the wrapper computes with bf16 parameters (compute_dtype). An fp32 stream
+        (fsdp.activation_dtype: float32) runs under autocast instead."""
+        fsdp = self.cfg.fsdp
+        return torch.autocast("xla", dtype=torch.bfloat16,
+                              enabled=fsdp.mixed_precision == "bf16" and not fsdp.bf16_activations)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """The root wrapper's own clipping: the norm over every rank's flat shards."""

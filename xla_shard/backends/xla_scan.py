@@ -65,7 +65,10 @@ def scan_stack(model: nn.Module, fsdp: FsdpSection, checkpoint: bool) -> int:
         raise ConfigError(KEY, f"the layers of {type(model).__name__}.{name} are not one repeated layer "
                                f"({difference}): scan runs one layer's program for all; set it to false")
     parent_name, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(parent_name), attr, ScannedLayers(list(stack), recompute_all if checkpoint else None))
+    parent = model.get_submodule(parent_name)
+    rotary = getattr(parent, "rotary_emb", None)
+    setattr(parent, attr, ScannedLayers(list(stack), recompute_all if checkpoint else None,
+                                        rotary if isinstance(rotary, nn.Module) else None))
     return len(stack)
 
 
@@ -105,10 +108,13 @@ class ScannedLayers(nn.Module):
     stack their parameters in every step, and the optimizer would update each layer's tensors apart.
     Checkpoints and pretrained loads still see one tensor per layer (`layer_names`)."""
 
-    def __init__(self, layers: list[nn.Module], partition_fn: Callable | None):
+    def __init__(self, layers: list[nn.Module], partition_fn: Callable | None, rotary: nn.Module | None = None):
         super().__init__()
         self._count = len(layers)
         self._partition_fn = partition_fn
+        # The model's rotary embedding (its `rotary_emb`, beside the layers): the rotary tables are computed
+        # inside each layer from the positions, as MaxText does, not stacked per layer as scan inputs.
+        self._rotary = [rotary] if rotary is not None else []  # in a list: the model holds it, not the stack
         # {stacked tensor's name: what one layer's slice becomes before the layer uses it}: a backend's layout
         # hint (XLA SPMD: gathered whole, its gradient reduce-scattered), none by default.
         self.in_layer: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
@@ -156,35 +162,57 @@ class ScannedLayers(nn.Module):
 
         if len(chosen) == 0:
             return hidden_states
+        rotary = self._rotary_inside(kwargs)
+        if rotary is not None:
+            kwargs = {**kwargs, "position_embeddings": None}
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensor_at = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
         statics = tuple(None if i in tensor_at else leaf for i, leaf in enumerate(leaves))
-        body = self._body(spec, tensor_at, statics)
+        body = self._body(spec, tensor_at, statics, rotary)
         every = chosen == range(self._count)
         stacked = {name: tensor if every else tensor[chosen.start:chosen.stop:chosen.step]
                    for name, tensor in [*self.named_parameters(), *self.named_buffers()]}
-        # Inputs every layer shares (mask, rotary tables, positions) ride along each layer's slice: scan traces
-        # its carry with gradients, which integer tensors cannot have.
-        shared = [leaves[i].unsqueeze(0).expand(len(chosen), *leaves[i].shape) for i in tensor_at]
-        out, _ = scan(body, hidden_states, (stacked, shared), partition_fn=self._partition_fn or default_partition,
-                      is_fn_pure=True)
+
+        def per_layer(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.unsqueeze(0).expand(len(chosen), *tensor.shape)
+
+        # Inputs every layer shares (mask, positions) ride along each layer's slice: scan traces its carry with
+        # gradients, which integer tensors cannot have. So do the rotary module's buffers, small.
+        shared = [per_layer(leaves[i]) for i in tensor_at]
+        buffers = {name: per_layer(b) for name, b in rotary.named_buffers()} if rotary is not None else {}
+        out, _ = scan(body, hidden_states, (stacked, shared, buffers),
+                      partition_fn=self._partition_fn or default_partition, is_fn_pure=True)
         return out
 
-    def _body(self, spec, tensor_at: tuple[int, ...], statics: tuple) -> Callable:
-        key = (str(spec), tensor_at, repr(statics), self.training)
+    def _rotary_inside(self, kwargs: dict) -> nn.Module | None:
+        """The rotary module, where the layers get (cos, sin) from it and their positions: those tables (fp32
+        or the stream's dtype, [batch, tokens, head_dim] each) are then computed in the layer, not stacked once
+        per layer. None where the model passes something else."""
+        tables, positions = kwargs.get("position_embeddings"), kwargs.get("position_ids")
+        if not self._rotary or not isinstance(positions, torch.Tensor) or not (
+                isinstance(tables, tuple) and len(tables) == 2 and all(isinstance(t, torch.Tensor) for t in tables)):
+            return None
+        return self._rotary[0]
+
+    def _body(self, spec, tensor_at: tuple[int, ...], statics: tuple, rotary: nn.Module | None) -> Callable:
+        key = (str(spec), tensor_at, repr(statics), self.training, rotary is not None)
         if key not in self._bodies:
             template, training, in_layer = self._template[0], self.training, dict(self.in_layer)
 
             def body(hidden, per_layer):
-                tensors, shared = per_layer
+                tensors, shared, buffers = per_layer
                 tensors = {name: in_layer[name](t) if name in in_layer else t for name, t in tensors.items()}
                 leaves = list(statics)
                 for index, tensor in zip(tensor_at, shared):
                     leaves[index] = tensor
                 args, kwargs = pytree.tree_unflatten(leaves, spec)
+                if rotary is not None:
+                    kwargs["position_embeddings"] = torch.func.functional_call(
+                        rotary, buffers, (hidden, kwargs["position_ids"]), strict=True)
                 template.train(training)
                 out = torch.func.functional_call(template, tensors, (hidden, *args), kwargs, strict=True)
-                return (out[0] if isinstance(out, tuple) else out), None
+                out = out[0] if isinstance(out, tuple) else out
+                return out.to(hidden.dtype), None  # the carry keeps its dtype (bf16 activations: the stream's)
 
             self._bodies[key] = body
         return self._bodies[key]

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from xla_shard.backends import xla_common, xla_scan
-from xla_shard.backends.base import on_meta, retie
+from xla_shard.backends.base import on_meta, prepare, retie
 from xla_shard.backends.processes import GroupProcesses, Processes, forming_a_group
 from xla_shard.backends.state import BackendState
 from xla_shard.capabilities import Capabilities
@@ -88,6 +88,76 @@ class _UsedWhole(torch.autograd.Function):
         return _aot_mark_sharding(grad, ctx.mesh, ctx.grads), None, None
 
 
+def _annotated(tensor: torch.Tensor, sharding) -> torch.Tensor:
+    """A copy of `tensor` whose value is annotated with `sharding` (an OpSharding), as XLA's partitioner is to lay
+    it out. Annotated rather than marked: marking lays out data, and refuses a tensor already laid out."""
+    import torch_xla
+
+    copy = tensor.clone()
+    torch_xla._XLAC._xla_annotate_custom_sharding(copy, sharding)
+    return copy
+
+
+class _Gathered(torch.autograd.Function):
+    """A sharded weight whole on every device (forward), its gradient annotated with the gradient's own layout
+    (backward): one gather, and one reduction where the gradient arrives summed."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, whole, grads) -> torch.Tensor:
+        ctx.grads = grads
+        return _annotated(tensor, whole)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _annotated(grad, ctx.grads), None, None
+
+
+class SpmdPartials(xla_common.XlaPartials):
+    """The chunked loss under SPMD (`lm_head.Partials`): each device scores its own rows against the head's
+    weight gathered whole once (`_Gathered`), and keeps its partial sum of the weight's gradient until one sum
+    over the devices after the last chunk. Where the gradient's layout splits one dimension over every device,
+    that sum is an all-to-all of each device's partial sum, a block per device, and a local sum: a
+    reduce-scatter's bytes. Left to itself, the partitioner keeps the head split over the vocabulary and gathers
+    every chunk's hidden states from all devices (on Llama-3-8B's shape, 3 GiB more gathers per step), or
+    reduce-scatters the weight's gradient once per chunk (32 times the bytes); a sum over devices left to the
+    TPU compiler is an all-reduce of the whole table (docs/planner.md)."""
+
+    def __init__(self, backend: XlaSpmdBackend):
+        self.backend = backend
+        self.devices = backend.num_devices
+        self.axes = tuple(backend._batch_axes)
+
+    def _split(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        spec = [None] * tensor.dim()
+        spec[dim] = self.axes
+        return _annotated(tensor, self.backend.mesh.get_op_sharding(tuple(spec)))
+
+    def rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._split(tensor.reshape(self.devices, tensor.shape[0] // self.devices, *tensor.shape[1:]), 0)
+
+    def whole(self, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        layouts, mesh = self.backend.layouts.get(param), self.backend.mesh
+        if layouts is None or self.backend.plan.params == 1:
+            return param.to(dtype)
+        return _Gathered.apply(param.to(dtype), mesh.get_op_sharding((None,) * param.dim()),
+                               mesh.get_op_sharding(layouts.grads))
+
+    def hold(self, partial: torch.Tensor) -> None:
+        import torch_xla
+
+        spec = (self.axes,) + (None,) * (partial.dim() - 1)
+        torch_xla._XLAC._xla_annotate_custom_sharding(partial, self.backend.mesh.get_op_sharding(spec))
+
+    def summed(self, partial: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        layouts, n = self.backend.layouts.get(param), self.devices
+        split = next((d for d, axes in enumerate(layouts.grads) if axes is not None), None) if layouts else None
+        shape = partial.shape[1:]
+        if split is None or self.backend.plan.grads != n or shape[split] % n:
+            return partial.sum(0)  # the gradient is not split one block per device: the sum is XLA's to lay out
+        blocks = partial.reshape(n, *shape[:split], n, shape[split] // n, *shape[split + 1:])
+        return self._split(blocks, 1 + split).sum(0).reshape(shape)
+
+
 @dataclass(frozen=True)
 class Layouts:
     """One parameter's partition specs over `MESH_AXES`: nested, so every shard lies inside the one before."""
@@ -97,17 +167,19 @@ class Layouts:
     optimizer: tuple
 
     @classmethod
-    def of(cls, param: torch.Tensor, stacked: bool = False) -> Layouts:
-        """FSDPv2's rule: the largest dimension is split. A stacked parameter ([layers, ...], scanned layers) is
-        split inside each layer, as that layer alone would be: the scan slices the first dimension."""
+    def of(cls, param: torch.Tensor, stacked: bool = False, dim: int | None = None) -> Layouts:
+        """FSDPv2's rule: the largest dimension is split (or `dim`, where given). A stacked parameter ([layers,
+        ...], scanned layers) is split inside each layer, as that layer alone would be: the scan slices the
+        first dimension."""
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
 
         shape, lead = tuple(param.shape), int(stacked)
-        # FSDPv2's own rule (the largest dim), asked of one layer's shape for a stack.
-        spec = _prepare_spmd_partition_spec(torch.empty(shape[lead:], device="meta"), shard_maximal=True)
-        if not spec:
-            return cls((None,) * len(shape), (None,) * len(shape), (None,) * len(shape))  # replicated
-        dim = lead + spec.index("fsdp")
+        if dim is None:
+            # FSDPv2's own rule (the largest dim), asked of one layer's shape for a stack.
+            spec = _prepare_spmd_partition_spec(torch.empty(shape[lead:], device="meta"), shard_maximal=True)
+            if not spec:
+                return cls((None,) * len(shape), (None,) * len(shape), (None,) * len(shape))  # replicated
+            dim = lead + spec.index("fsdp")
 
         def over(*axes):
             return tuple((axes if len(axes) > 1 else axes[0]) if d == dim else None for d in range(len(shape)))
@@ -239,6 +311,7 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         # Each host writes the shards on its own devices, and reads its part of every batch.
         self.processes = self._host_processes(xr.process_index(), xr.process_count())
         self.layouts: dict[torch.Tensor, Layouts] = {}
+        self._split_dims: dict[nn.Parameter, int] = {}  # parameters split along another dim than the largest
         self._row_marks: dict[int, Callable[[torch.Tensor], None]] = {}  # by tensor rank
         self._host_rows: dict[int, object] = {}  # by tensor rank: minibatch input shardings (several hosts)
         # One program over every device: one loss, nothing averaged over processes.
@@ -266,6 +339,7 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         super().setup(plan)
         self.mesh = self._build_mesh()
         xs.set_global_mesh(self.mesh)
+        self.partials = SpmdPartials(self)
 
     def _build_mesh(self):
         """The plan's mesh. On a multi-slice TPU pod, torch_xla's HybridMesh with the slices as the outermost
@@ -295,6 +369,7 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         import torch_xla.distributed.spmd as xs
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
 
+        prepare(self, model)
         if self.cfg.fsdp.scan_layers:
             # Activation checkpointing happens inside the scan; the root wrapper marks every parameter with
             # FSDPv2's rule, as each layer's own wrapper would have.
@@ -304,14 +379,16 @@ class XlaSpmdBackend(xla_common.XlaBackend):
             policy = self.prepare_wrap(model)
         model = self.to_device(model)
         stacked = xla_scan.stacked_parameters(model)
+        self._split_dims = self._split_by_width(model)
         if self.placeholders:  # FSDPv2 would mark them itself, which a placeholder refuses
             for param in model.parameters():
-                self.mark(param, Layouts.of(param, stacked=param in stacked).params)
+                self.mark(param, self._layouts_of(param, stacked).params)
         if self.plan.params == 1:
             wrapped = model  # replicated parameters; the sharded batch makes it data-parallel
         else:
-            for param in stacked - self._marked(model):  # FSDPv2 marks only the parameters nobody has marked yet
-                xs.mark_sharding(param, self.mesh, Layouts.of(param, stacked=True).params)
+            own_rule = stacked | {p for p in model.parameters() if p in self._split_dims}
+            for param in own_rule - self._marked(model):  # FSDPv2 marks only the parameters nobody has marked yet
+                xs.mark_sharding(param, self.mesh, self._layouts_of(param, stacked).params)
             wrapped = SpmdFullyShardedDataParallel(
                 model, mesh=self.mesh, shard_output=self._shard_output, auto_wrap_policy=policy,
                 extra_data_axis="replica")
@@ -320,6 +397,23 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         if self.plan.params > 1:
             self._gather_scanned_layers(wrapped)
         return wrapped
+
+    def _split_by_width(self, model: nn.Module) -> dict[nn.Parameter, int]:
+        """Parameters split along another dimension than FSDPv2's largest: the input embedding along its width
+        (hidden), where the output head does not share it. Split over its vocabulary, the lookup needs the whole
+        table on every device (XLA gathers it, in fp32) and its gradient, a scatter-add, is all-reduced whole;
+        split over its width, each device looks up its columns of every row and the rows move to their devices
+        (an all-to-all of the looked-up activations, in bf16 under bf16 activations), and the gradient stays
+        where its columns are, as MaxText shards it."""
+        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        weight = getattr(embedding, "weight", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 2 or (head is not None and head.weight is weight):
+            return {}
+        return {weight: 1}
+
+    def _layouts_of(self, param: torch.Tensor, stacked: set[nn.Parameter]) -> Layouts:
+        return Layouts.of(param, stacked=param in stacked, dim=self._split_dims.get(param))
 
     def _gather_scanned_layers(self, model: nn.Module) -> None:
         """Inside a scanned loop, each layer's weights are used whole and their gradients leave reduce-scattered,
@@ -370,7 +464,7 @@ class XlaSpmdBackend(xla_common.XlaBackend):
 
         marked = self._marked(model)
         for param in model.parameters():
-            layouts = self.layouts[param] = Layouts.of(param, stacked=param in stacked)
+            layouts = self.layouts[param] = self._layouts_of(param, stacked)
             if param not in marked:  # by FSDPv2 (P > 1), or as placeholders
                 self.mark(param, layouts.params)
             if param.requires_grad:  # frozen weights (LoRA's base) have no gradient

@@ -119,11 +119,28 @@ class FsdpSection(_Section):
     scan_layers: bool = False
     offload_params: bool = False
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    # Under bf16 mixed precision, the dtype of what flows between the layers: the embedding's output and each
+    # decoder layer's output (the residual stream, which activation checkpointing keeps). bfloat16 (null's
+    # choice): as FSDP2's MixedPrecisionPolicy(param_dtype=bf16) and MaxText compute, half the memory. float32:
+    # torch autocast's own rule (matmuls in bf16, the stream in fp32), twice the memory (docs/backends.md).
+    activation_dtype: Literal["bfloat16", "float32"] | None = None
     state_dict_type: Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"] = "SHARDED_STATE_DICT"
     # NO_SHARD on torch_fsdp runs DDP; this is its gradient bucket.
     bucket_cap_mb: float = Field(default=25.0, gt=0)
     # Passed unchanged to XlaFullyShardedDataParallel (xla_fsdp only), as transformers' `xla_fsdp_settings`.
     xla_settings: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _activations_need_mixed_precision(self) -> FsdpSection:
+        if self.activation_dtype == "bfloat16" and self.mixed_precision != "bf16":
+            raise ValueError(f"fsdp.activation_dtype bfloat16 needs fsdp.mixed_precision: bf16 (it is "
+                             f"{self.mixed_precision}: everything computes in fp32)")
+        return self
+
+    @property
+    def bf16_activations(self) -> bool:
+        """Whether the residual stream between layers is bf16 (see `activation_dtype`)."""
+        return self.mixed_precision == "bf16" and self.activation_dtype != "float32"
 
     @field_validator("sharding_strategy", mode="before")
     @classmethod
@@ -262,6 +279,11 @@ class TrainSection(_Section):
     max_grad_norm: float | None = Field(default=None, gt=0)
     # Micro-batches per optimizer step: the same update as one batch of global_batch_size rows, in less memory.
     grad_accum_steps: int = Field(default=1, ge=1)
+    # A causal LM's loss (and DPO's log-probabilities, evaluation's loss and accuracy) computed over this many
+    # chunks of the positions, the output head inside each, so its logits are never whole. auto: as many chunks
+    # as the vocabulary is wider than the hidden states (a chunk's logits take about what the hidden states do);
+    # 0: the model's own loss over its whole logits.
+    loss_chunks: Literal["auto"] | int = "auto"
     # torch.compile each wrapped block (the units fsdp.auto_wrap_policy picks; the whole model if none), as
     # torchtitan does: one graph per layer, reused by every layer. FSDP2 backends only (torch_fsdp, torch_tpu):
     # torch_xla compiles each step into one XLA graph already.
@@ -287,6 +309,13 @@ class TrainSection(_Section):
                         "train.lr_warmup_steps)",
         "warmup_ratio": "train.lr_warmup_steps (a number of steps)",
     }
+
+    @field_validator("loss_chunks")
+    @classmethod
+    def _chunks(cls, value: Any) -> Any:
+        if isinstance(value, int) and value < 0:
+            raise ValueError("must be auto, 0 (the logits whole) or a count of chunks")
+        return value
 
     @model_validator(mode="before")
     @classmethod

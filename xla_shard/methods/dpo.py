@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xla_shard import lm_head
 from xla_shard.data import Batch
 from xla_shard.data.tokenize import IGNORE
 from xla_shard.methods.adapter import Adapter
-from xla_shard.methods.objective import Objective
+from xla_shard.methods.objective import Objective, scored_forward
 
 
 # TRL's names for what each step reports beside the loss (evaluation: the same with eval_ before them).
@@ -73,10 +74,14 @@ class Dpo(Objective):
     def log_probs(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's chosen and rejected completion log-probabilities ([rows] each), summed over their tokens."""
         rows, length = batch["input_ids"].shape[0], batch["input_ids"].shape[-1]
-        inputs = {key: value.reshape(2 * rows, length) for key, value in batch.items() if key != "labels"}
-        labels = batch["labels"].reshape(2 * rows, length)[:, 1:]
-        logits = model(**inputs).logits[:, :-1].float()
-        picked = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+        both = {key: value.reshape(2 * rows, length) for key, value in batch.items()}
+        labels = both["labels"][:, 1:]
+        head = lm_head.scorer(model)
+        if head is not None:  # the output head scored chunk by chunk: the logits are never whole
+            picked = scored_forward(model, head, both)[0].logps
+        else:
+            logits = model(**{k: v for k, v in both.items() if k != "labels"}).logits[:, :-1].float()
+            picked = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
         summed = (picked * (labels != IGNORE)).sum(-1).view(rows, 2)
         return summed[:, 0], summed[:, 1]
 

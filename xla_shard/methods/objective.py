@@ -11,6 +11,7 @@ import math
 import torch
 from torch import nn
 
+from xla_shard import lm_head
 from xla_shard.data import Batch
 from xla_shard.data.batches import scored
 
@@ -102,16 +103,27 @@ class ModelLoss(Objective):
         self.causal = causal
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        return model(**batch).loss
+        head = lm_head.scorer(model) if self.causal else None
+        if head is None:
+            return model(**batch).loss
+        request, out = scored_forward(model, head, batch)
+        counted = scored(batch["labels"], True)
+        loss = -(request.logps * counted).sum() / counted.sum()  # the mean over labelled tokens, as transformers'
+        return loss + router_loss(head, out)
 
     def counted(self, batch: Batch) -> torch.Tensor:
         return scored(batch["labels"], self.causal)
 
     def eval_batch(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
-        out = model(**batch)
         labels = batch["labels"]
         counts = scored(labels, self.causal)
         n = counts.sum().float()
+        head = lm_head.scorer(model) if self.causal else None
+        if head is not None:
+            request, out = scored_forward(model, head, batch, hits=True)
+            loss = -(request.logps * counts).sum() + router_loss(head, out) * n
+            return {"loss": loss.detach().float(), "count": n, "correct": (request.correct & counts).sum().float()}
+        out = model(**batch)
         # A process whose rows are all filler gets a NaN mean (0/0): it contributes 0, not NaN.
         loss = torch.where(n > 0, out.loss.detach().float() * n, torch.zeros_like(n))
         predicted, wanted = (out.logits[:, :-1].argmax(-1), labels[:, 1:]) if self.causal else \
@@ -124,6 +136,22 @@ class ModelLoss(Objective):
             return {"eval_loss": loss, "eval_accuracy": sums["correct"] / sums["count"]}
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)),
                 "eval_mean_token_accuracy": sums["correct"] / sums["count"]}
+
+
+def scored_forward(model: nn.Module, head: lm_head.Scorer, batch: Batch, hits: bool = False):
+    """The model's forward on `batch`, its output head scoring the labels chunk by chunk: (the request, holding
+    each position's log-probability of its next label [and whether it is the most likely], the model's output)."""
+    with head.scoring(batch["labels"], hits=hits) as request:
+        out = model(**{key: value for key, value in batch.items() if key != "labels"})
+    request.tie(getattr(out, "logits", None))
+    return request, out
+
+
+def router_loss(head: lm_head.Scorer, out) -> torch.Tensor | float:
+    """What an MoE model adds to its own loss (the router's load-balancing loss, where its config asks), added
+    back where the loss is computed outside it."""
+    aux = getattr(out, "aux_loss", None)
+    return 0.0 if aux is None or not head.router_aux_loss_coef else head.router_aux_loss_coef * aux
 
 
 class CustomLoss(ModelLoss):

@@ -255,7 +255,14 @@ _DCN_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SC
 _WHILE = re.compile(r"\bwhile\(.*?condition=%?([\w.-]+), body=%?([\w.-]+)")
 _CONSTANT = re.compile(r"%([\w.-]+) = [su]\d+\[\][^ ]* constant\((\d+)\)")
 _LESS_THAN = re.compile(r"compare\(%([\w.-]+), %([\w.-]+)\), direction=LT")  # counter, bound
-_COMPUTATION = re.compile(r"^((?:ENTRY )?%?([\w.-]+) [^\n]*)\{\n(.*?)^\}", re.M | re.S)
+# A computation: its header, then its instructions up to a line that starts with its closing brace (and may go on
+# with the computation's attributes: `}, execution_thread="sparsecore"`), followed by a blank line, the next
+# computation's header (at the line's start, where instructions are indented) or the end. An instruction's
+# attribute may span lines (newer jax's `kernel_metadata`), its own closing brace at a line's start: the
+# instruction goes on after it, so that does not end the computation.
+_COMPUTATION = re.compile(
+    r"^((?:ENTRY )?%?([\w.-]+) [^\n]*)\{\n(.*?)^\}[^\n]*$"
+    r"(?=\n[ \t]*\n|\n(?:ENTRY )?%?[\w.-]+ [^\n]*\{[ \t]*\n|\n?\Z)", re.M | re.S)
 # A call site and its callees: one (`calls=%f`) or a list (`branch_computations={%a, %b}`: each branch counted as
 # if it ran, an upper bound).
 _CALL = re.compile(r"\b(calls|body|condition|to_apply|branch_computations|called_computations)=(\{[^}]*\}|%[\w.-]+)")
