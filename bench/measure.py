@@ -94,7 +94,8 @@ def bytes_after_backward(trainer, step: int) -> dict[str, int]:
 def attribute(found: dict[tuple[str, int, int], dict[str, int]], params: int, grads: int, update: int,
               devices: int, after_forward: int | None = None) -> dict[str, float]:
     """The collectives of a compiled step (`hlo.collectives`) as the cost model's kinds (`cost.collectives`:
-    params, params_backward, grads, replicas, update), in tensor bytes; `other` is what fits none of them.
+    params, params_backward, grads, replicas, update; its all-to-alls, lookup and head, together), in tensor
+    bytes; `other` is what fits none of them.
     `update`: the degree the optimizer updates at (OS; G for an optimizer without state); `after_forward`: the
     devices parameters stay split over until backward (default: params).
 
@@ -112,7 +113,9 @@ def attribute(found: dict[tuple[str, int, int], dict[str, int]], params: int, gr
            "params_backward": take("all-gather", kept, 1) if kept < params else 0,
            "update": take("all-gather", update // params, params),
            "grads": take("reduce-scatter", grads, 1) * grads + take("all-reduce", grads, 1) + whole,
-           "replicas": take("all-reduce", devices // grads, grads) + whole / grads}
+           "replicas": take("all-reduce", devices // grads, grads) + whole / grads,
+           # the embedding's looked-up rows (over P) and the chunked loss's head gradient (over G), both moved
+           "all-to-all": take("all-to-all", params, 1) + (take("all-to-all", grads, 1) if grads != params else 0)}
     out["other"] = sum(remaining.values())
     return out
 
@@ -145,6 +148,7 @@ def compare(overrides: list[str], triples: list[tuple[int, int, int]], steps: in
         work, triple = workload(cfg, devices, trainer.backend.capabilities), Triple(p, g, o)
         held = memory(work, triple)
         predicted = {x.name: x.tensor_bytes for x in predicted_collectives(work, triple, devices)}
+        predicted["all-to-all"] = predicted.pop("lookup", 0) + predicted.pop("head", 0)
         update = update_degree(cfg.train.optimizer, triple)
         if hlo_dump:
             # (P, G, update degree) fix every annotation: a layout met before compiles to the program XLA cached.

@@ -132,24 +132,46 @@ def test_placeholders_trace_the_program_real_parameters_do(tmp_path):
         assert (result["real"]["kernels"] > 0) == (run[0] != "model=tiny-llama"), run
 
 
+PREFERENCE = ["data.kind=preference", f"data.path={FIXTURES / 'preference_chat.jsonl'}", "train.seq_len=64"]
+# packed chat rows at a length the flash kernel's blocks tile (transformers' chat rows of the fixture: ~6 a row)
+PACKED_CHAT = ["data.kind=chat", f"data.path={FIXTURES / 'chat.jsonl'}", "train.seq_len=256"]
+
+
+@pytest.fixture(scope="module")
+def chat_model_traces(model_dirs, tmp_path_factory):
+    """A chat model's steps traced and compiled for a v5p-8 in one process: DPO fully fine-tuned, DPO with LoRA,
+    and SFT on packed chat rows."""
+    pytest.importorskip("jax")
+    runs = {"dpo": PREFERENCE, "dpo_lora": [*PREFERENCE, "model.lora.r=4"], "packed_chat": PACKED_CHAT}
+    results = traces("v5p-8", f"model.name={model_dirs.llama_chat}", "train.global_batch_size=4",
+                     runs=list(runs.values()), cwd=tmp_path_factory.mktemp("chat_traces"))
+    return dict(zip(runs, results))
+
+
 @pytest.mark.e2e
-def test_a_dpo_step_compiles_with_its_reference_model_sharded_as_the_policy(model_dirs, tmp_path):
+def test_a_dpo_step_compiles_with_its_reference_model_sharded_as_the_policy(chat_model_traces):
     """DPO on a v5p-8, fully fine-tuned (its reference: a second copy of the starting weights, built beside the
     policy and never read in a trace: reading it into placeholders crashed the process) and with LoRA (its
     reference: the policy with its adapters off, nothing held). The trace shards the reference as it shards the
     policy, and the compiled program takes those shards as arguments. (The planner's 2% is held on lane-aligned
     shapes, as the tests above hold it: this fixture's 64-wide tensors take twice their bytes in the TPU's
     128-lane tiles.)"""
-    pytest.importorskip("jax")
-    runs = [[], ["model.lora.r=4"]]
-    results = traces("v5p-8", f"model.name={model_dirs.llama_chat}", "data.kind=preference",
-                      f"data.path={FIXTURES / 'preference_chat.jsonl'}", "train.global_batch_size=4",
-                      "train.seq_len=64", runs=runs, cwd=tmp_path)
-    for run, result in zip(runs, results):
-        compiled = result["placeholders"]
+    for run in ("dpo", "dpo_lora"):
+        compiled = chat_model_traces[run]["placeholders"]
         parameters, optimizer, batch, reference = compiled["traced"]
-        assert reference == (0 if run else parameters), run
+        assert reference == (0 if run == "dpo_lora" else parameters), run
         assert compiled["memory"][0] >= parameters + optimizer + batch + reference, run
+
+
+@pytest.mark.e2e
+def test_packed_chat_rows_compile_onto_the_flash_kernel_for_a_tpu(chat_model_traces):
+    """Chat examples packed into 256-token rows (several a row, told apart by their restarting positions) reach
+    the Pallas flash kernel in the program compiled for a TPU, forward and backward in each layer, with segment
+    ids in place of a mask: before, transformers' block-diagonal mask sent every packed row to SDPA. (The 8K
+    figures, beside synthetic rows: bench/aot_compile.py --packed-chat.)"""
+    compiled = chat_model_traces["packed_chat"]["placeholders"]
+    layers = 2  # tests/model_dirs.py's llama
+    assert compiled["kernels"] >= 2 * layers, compiled["kernels"]
 
 
 def test_a_buffer_larger_than_a_devices_hbm_is_the_compilers_out_of_hbm_verdict_naming_the_buffer():

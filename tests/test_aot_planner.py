@@ -22,7 +22,7 @@ def test_the_planner_is_held_to_the_tpu_compiler(tmp_path):
     runs = [[f"fsdp.sharding={{params: {p}, grads: {g}, optimizer: {o}}}"]
             for p, g, o in [(4, 4, 4), (2, 2, 2), (1, 2, 4), (2, 4, 4)]]
     runs.append(["fsdp.activation_checkpointing=true", "fsdp.mixed_precision=bf16"])
-    runs.append(["fsdp.activation_checkpointing=true", "fsdp.mixed_precision=bf16", "fsdp.scan_layers=true"])
+    runs.append(["fsdp.activation_checkpointing=true", "fsdp.mixed_precision=bf16"])
     results = traces("v5p-8", "model=small-llama", "train.global_batch_size=8", "train.seq_len=256", runs=runs,
                       cwd=tmp_path)
     for run, result in zip(runs, results):
@@ -49,7 +49,7 @@ def test_a_multislice_step_reduces_across_slices_over_dcn_as_the_planner_says():
     from xla_shard.planner import cost
 
     sets = ["model=small-llama", "train.global_batch_size=16", "train.seq_len=512",
-            "fsdp.sharding={params: 4, grads: 4, optimizer: 4}"]
+            "fsdp.sharding={params: 4, grads: 4, optimizer: 4}", "fsdp.mixed_precision=bf16"]
     report = compile_json("--tpu", "v5p-8", "--slices", "2", *[a for s in sets for a in ("--set", s)])
     assert (report["slices"], report["devices"], report["chips"]) == (2, 8, 8) and report["fits"]
     work = planner.workload(config.load(None, sets), 8, backends.capabilities("xla_spmd"), target.parse("v5p-8").chip)
@@ -64,10 +64,10 @@ def test_a_multislice_step_reduces_across_slices_over_dcn_as_the_planner_says():
 
 @pytest.mark.e2e
 def test_the_planners_logits_are_what_the_tpu_compiler_holds_for_them(tmp_path):
-    """The planner's memory has a term for a causal LM's logits and their gradient ([tokens, vocabulary] each):
-    doubling small-llama's vocabulary from 32k to 64k grows the compiled program's temporaries per device by
-    what that term grows, within 5%, in bf16 (fp32 was measured as well: 7.9 bytes per token and entry, as
-    predicted; not compiled here, to keep the tier's time). One layer: the logits do not depend on the depth."""
+    """The planner's memory has a term for a causal LM's logits, computed in chunks (`train.loss_chunks`): one
+    chunk's logits and their gradient, the head whole, each device's partial sum of its gradient and that sum's
+    all-to-all destination, all in bf16. Doubling small-llama's vocabulary from 32k to 64k grows the compiled program's
+    temporaries per device by what that term grows, within 5%. One layer: the logits do not depend on the depth."""
     pytest.importorskip("jax")
     runs = [[f"model.overrides={{vocab_size: {vocab}, num_hidden_layers: 1}}", f"fsdp.mixed_precision={precision}"]
             for precision in ("bf16",) for vocab in (32768, 65536)]

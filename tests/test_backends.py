@@ -54,8 +54,13 @@ def backend_runs(tmp_path_factory):
     for name, (sets, nproc) in runnable(BACKENDS).items():
         root = tmp_path_factory.mktemp(name)
         tied = [*TIED, "train.steps=3", f"checkpoint.dir={root / 'tied' / 'ck'}"]
-        runs[name] = root, run_trainings(root, sets, {"sgd": SGD, "tied": tied}, nproc)
+        runs[name] = root, run_trainings(root, sets, {"sgd": SGD, "tied": tied, **PRECISIONS}, nproc)
     return runs
+
+
+# bf16 mixed precision, its residual stream in bf16 (the default) and in fp32 (autocast's own rule)
+PRECISIONS = {f"bf16_{dtype}": [*SGD, "fsdp.mixed_precision=bf16", f"fsdp.activation_dtype={dtype}"]
+              for dtype in ("bfloat16", "float32")}
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +96,18 @@ def test_metrics_lines(sgd_runs, backend):
         after_warmup = [r["compilations"] for r in records[1:]]
         assert len(set(after_warmup)) == 1, after_warmup
         assert not any("recompiles" in r for r in records)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend", backend_params(BACKENDS))
+def test_bf16_activations_stay_within_bf16_tolerance_of_autocasts_fp32_stream(backend_runs, backend):
+    """`fsdp.activation_dtype`: the stream between layers in bf16 (the default) and in fp32 give losses within bf16
+    tolerance of each other and of fp32 training, step after step, and not the same ones: the mode changes what
+    is computed, on every backend."""
+    records = backend_runs[backend][1]
+    bf16, fp32_stream, fp32 = ([r["loss"] for r in records[run]] for run in ("bf16_bfloat16", "bf16_float32", "sgd"))
+    assert bf16 == pytest.approx(fp32_stream, rel=2e-2) and bf16 == pytest.approx(fp32, rel=2e-2), (bf16, fp32)
+    assert bf16 != fp32_stream
 
 
 @pytest.fixture(scope="module")

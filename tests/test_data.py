@@ -177,3 +177,26 @@ def test_streaming_packs_documents_as_read_and_repeats_exactly(model_dirs):
         "input_ids"])  # rewound and read again: the same rows
     assert torch.equal(shuffled.global_batch(9)["input_ids"], later["input_ids"])
     assert shuffled.global_batch(0)["input_ids"].tolist() != [stream[i * 32:(i + 1) * 32] for i in range(8)]
+
+
+def test_padded_rows_cut_to_their_longest_give_the_same_loss():
+    """Eager backends take each micro-batch cut to its longest row (`batches.trimmed`): the padding no row uses
+    goes, and the model's loss is what it was (padding is masked and unlabelled); rows without a mask stay."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from xla_shard.data.batches import trimmed
+
+    ids = torch.randint(3, 64, (3, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.zeros(3, 16, dtype=torch.long)
+    for row, length in enumerate((9, 5, 11)):
+        mask[row, :length] = 1
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    cut = trimmed(batch)
+    assert {k: tuple(v.shape) for k, v in cut.items()} == {k: (3, 11) for k in batch}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(**cut).loss, model(**batch).loss, rtol=1e-6, atol=0)
+    packed = {"input_ids": ids, "labels": ids}
+    assert trimmed(packed) is packed

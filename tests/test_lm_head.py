@@ -48,7 +48,7 @@ def test_the_loss_in_chunks_is_the_models_own_loss_and_gradients(family):
     objective = ModelLoss(causal=True)
     want = objective.loss(whole, batch)
     want.backward()
-    for chunks in (1, 4, "auto"):
+    for chunks in (1, 4, 24, "auto"):
         chunked = copy.deepcopy(whole)
         chunked.zero_grad()
         assert lm_head.install(chunked, chunks, 24) is None
@@ -57,7 +57,7 @@ def test_the_loss_in_chunks_is_the_models_own_loss_and_gradients(family):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
         for name, grad in _grads(whole).items():
             torch.testing.assert_close(_grads(chunked)[name], grad, rtol=1e-5, atol=1e-7, msg=f"{name} ({chunks})")
-    assert lm_head.scorer(chunked).chunks == lm_head.chunks_for("auto", whole.config, 24) > 1
+    assert lm_head.scorer(chunked).chunks == lm_head.chunks_for("auto", whole.config, 24) == 1  # rows of 24
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "mixtral"])
@@ -110,3 +110,12 @@ def test_an_unknown_post_processing_keeps_the_models_own_loss_and_says_so():
     why = lm_head.install(model, 4, 24)
     assert why and "clamp" in why and lm_head.scorer(model) is None
     assert "the model's own, over its whole logits" in lm_head.describe(model)
+
+
+def test_auto_chunks_hold_about_the_hidden_states_and_a_tiles_positions():
+    from transformers import LlamaConfig
+
+    llama3 = LlamaConfig(vocab_size=128256, hidden_size=4096)
+    assert lm_head.chunks_for("auto", llama3, 8192) == 32  # vocabulary / width
+    assert lm_head.chunks_for("auto", llama3, 1024) == 8  # 128 positions each at least
+    assert lm_head.chunks_for("auto", llama3, 100) == 1 and lm_head.chunks_for(7, llama3, 4) == 4

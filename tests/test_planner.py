@@ -512,7 +512,7 @@ def _planned_within_5_percent(planned: dict, compiled: dict, kinds) -> None:
         assert abs(planned[kind] - compiled[kind]["bytes"]) <= 0.05 * compiled[kind]["bytes"], (kind, planned)
 
 
-# A program libtpu 0.0.20 compiled (`xla-shard compile`'s trace, Nov 27 2026): Llama-3-8B's width with two layers,
+# A program libtpu 0.0.20 compiled (`xla-shard compile`'s trace, Nov 28 2026): Llama-3-8B's width with two layers,
 # scanned and checkpointed, bf16, 64 x 8192 tokens, FULL_SHARD over the 64 devices of a v5p-128. Too slow to
 # compile in CI (75 s on the 2-core machine, 64 virtual devices traced), so its optimized HLO is kept.
 V5P_128_PROGRAM = FIXTURES / "tpu_programs" / "llama-8b-width-2-layers-v5p-128.hlo.gz"
@@ -523,10 +523,11 @@ V5P_128_SETS = ["model=small-llama", "model.overrides={hidden_size: 4096, interm
 
 
 def test_on_64_devices_of_a_v5p_the_tpu_compiler_all_reduces_each_gradient_whole():
-    """At 64 devices (v5p-128; v6e-64 too) the TPU compiler all-reduces every gradient whole and slices it, the
-    embedding's in fp32 (its gradient a scatter-add into the stored weight), and gathers as an all-reduce of
-    shards laid into zeros; at 32 it reduce-scatters. The planner prices that program's reductions and gathers
-    within 5%, as they were compiled."""
+    """At 64 devices (v5p-128; v6e-64 too) the TPU compiler all-reduces every layer's gradient whole and slices
+    it, and gathers as an all-reduce of shards laid into zeros (moved by async copies, or converted, first); at
+    32 it reduce-scatters. The embedding and the head, split over their width, reduce nothing whole: the lookup's
+    rows and the head's summed gradient move by all-to-alls. The planner prices that program's reductions,
+    gathers and all-to-alls within 5%, as they were compiled."""
 
     from xla_shard import backends
     from xla_shard.planner import cost
@@ -536,17 +537,19 @@ def test_on_64_devices_of_a_v5p_the_tpu_compiler_all_reduces_each_gradient_whole
     cfg = config.load(None, V5P_128_SETS)
     work = workload(cfg, 64, backends.capabilities("xla_spmd"), accelerator("v5p"))
     planned = cost.result_bytes(cost.collectives(work, Triple(64, 64, 64), 64))
-    assert set(planned) == {"all-gather", "all-reduce"}
+    assert set(planned) == {"all-gather", "all-reduce", "all-to-all"}
     _planned_within_5_percent(planned, compiled, planned)
+    # the lookup's rows (bf16 forward, fp32 gradient) and the head's gradient (bf16, summed over the devices once)
+    assert planned["all-to-all"] == (2 + 4) * 8192 * 4096 + 32000 * 4096 * 2
     # at 32 devices the planner reduce-scatters the weights' gradients, as the compiler did for the same model on
-    # a v5p-64, and all-reduces only the embedding's whole, in fp32 (rows x width x 4 bytes)
+    # a v5p-64, and all-reduces nothing whole
     half = cost.result_bytes(cost.collectives(workload(cfg, 32, backends.capabilities("xla_spmd"),
                                                        accelerator("v5p")), Triple(32, 32, 32), 32))
-    assert half["reduce-scatter"] > 0 and half["all-reduce"] == 32000 * 4096 * 4
+    assert half["reduce-scatter"] > 0 and "all-reduce" not in half
 
 
 # A two-layer Qwen3-MoE (16 experts, width 1024, 4096-token vocabulary), scanned and checkpointed in bf16, 16 x 512
-# tokens, compiled by libtpu 0.0.20 for a v5p-16 (8 devices; 44 s here): its optimized HLO, kept.
+# tokens, compiled by libtpu 0.0.20 for a v5p-16 (8 devices; 16 s here, Nov 28): its optimized HLO, kept.
 V5P_16_MOE_PROGRAM = FIXTURES / "tpu_programs" / "qwen3-moe-16-experts-2-layers-v5p-16.hlo.gz"
 V5P_16_MOE = dict(hidden_size=1024, intermediate_size=4096, moe_intermediate_size=256, num_experts=16,
                   num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
@@ -556,9 +559,10 @@ V5P_16_MOE = dict(hidden_size=1024, intermediate_size=4096, moe_intermediate_siz
 
 def test_on_8_devices_of_a_v5p_the_tpu_compiler_all_reduces_the_gradients_no_matmul_computes(tmp_path):
     """From 8 devices of a v5p the TPU compiler all-reduces whole the gradients XLA's partitioner sums with an
-    all-reduce and a slice: the grouped-matmul experts' (in bf16) and the input embedding's (split along its
-    rows; fp32), and reduce-scatters the matmuls' (windowed: the attention's, the router's, the head's). The
-    planner prices that program's gathers, all-reduces and reduce-scatters within 5%."""
+    all-reduce and a slice: the grouped-matmul experts' (in bf16), and reduce-scatters the matmuls' (windowed:
+    the attention's, the router's). The input embedding, split over its width, reduces nothing (an embedding
+    split along its rows was all-reduced whole, in fp32). The planner prices that program's gathers,
+    all-reduces, reduce-scatters and all-to-alls within 5%."""
 
     from transformers import AutoConfig
 
@@ -573,24 +577,25 @@ def test_on_8_devices_of_a_v5p_the_tpu_compiler_all_reduces_the_gradients_no_mat
     capabilities = backends.capabilities("xla_spmd")
     work = workload(cfg, 8, capabilities, accelerator("v5p"))
     planned = cost.result_bytes(cost.collectives(work, Triple(8, 8, 8), 8))
-    _planned_within_5_percent(planned, compiled, ("all-gather", "all-reduce", "reduce-scatter"))
-    # 16 x (1024 x 512 + 256 x 1024) per layer, in bf16, and 4096 x 1024 in fp32
-    assert planned["all-reduce"] == 2 * 16 * (1024 * 512 + 256 * 1024) * 2 + 4096 * 1024 * 4
+    _planned_within_5_percent(planned, compiled, ("all-gather", "all-reduce", "reduce-scatter", "all-to-all"))
+    # 16 x (1024 x 512 + 256 x 1024) per layer, in bf16
+    assert planned["all-reduce"] == 2 * 16 * (1024 * 512 + 256 * 1024) * 2
     # on 4 devices it reduce-scatters them, as it did 512-wide experts and a 4096 x 1024 embedding on a v5p-8
     four = cost.result_bytes(cost.collectives(workload(cfg, 4, capabilities, accelerator("v5p")), Triple(4, 4, 4), 4))
     assert "all-reduce" not in four
 
 
 # Llama-3-8B (32 layers, scanned and checkpointed, bf16), 64 x 8192 tokens, compiled by libtpu 0.0.42 for a
-# tpu7x-64 (64 devices; `python bench/aot_planner.py --rows 8b-tpu7x`): its optimized HLO, kept.
+# tpu7x-64 (Nov 28; 64 devices; `python bench/aot_planner.py --rows 8b-tpu7x`): its optimized HLO, kept.
 TPU7X_64_PROGRAM = FIXTURES / "tpu_programs" / "llama-8b-tpu7x-64.hlo.gz"
 
 
-def test_on_64_devices_of_a_tpu7x_weights_split_to_narrow_columns_are_all_reduced_whole():
-    """TPU7x's compiler all-reduces whole the gradient of a weight split along its last dimension to fewer than
-    128 columns per device (8B's k and v projections: 4096 / 64), and reduce-scatters the rest (the down
-    projection's 224 columns too), the embedding's in fp32. The planner prices that program's gathers,
-    all-reduces and reduce-scatters within 5% (it planned 0.23 GiB of reductions against 0.75 before)."""
+def test_on_64_devices_of_a_tpu7x_the_narrow_columns_reduce_scatter_with_bf16_activations():
+    """TPU7x's compiler all-reduced whole the gradient of a weight split along its last dimension to fewer than
+    128 columns per device (8B's k and v projections: 4096 / 64) while the residual stream was fp32 and the
+    embedding split along its rows; the program as it is now (bf16 activations, embedding and head split by
+    width) reduce-scatters them with the rest. The planner prices that program's gathers, reduce-scatters and
+    all-to-alls within 5%, and all-reduces nothing."""
 
     from xla_shard import backends
     from xla_shard.planner import cost
@@ -603,8 +608,8 @@ def test_on_64_devices_of_a_tpu7x_weights_split_to_narrow_columns_are_all_reduce
     compiled = _kept_program(TPU7X_64_PROGRAM, 32)
     work = workload(cfg, 64, backends.capabilities("xla_spmd"), accelerator("tpu7x"))
     planned = cost.result_bytes(cost.collectives(work, Triple(64, 64, 64), 64))
-    _planned_within_5_percent(planned, compiled, ("all-gather", "all-reduce", "reduce-scatter"))
-    assert planned["all-reduce"] == 32 * 2 * 1024 * 4096 * 2  # k and v, each layer, in bf16
+    _planned_within_5_percent(planned, compiled, ("all-gather", "reduce-scatter", "all-to-all"))
+    assert "all-reduce" not in planned and compiled["all-reduce"]["bytes"] < 2**21  # norms' scalars, not weights
 
 
 def test_on_a_tpu_xla_spmd_gathers_as_the_tpu_compiler_does():
@@ -850,9 +855,10 @@ def test_each_triple_allocates_communicates_and_trains_as_predicted(triples_run,
     for kind in ("params", "grads", "optimizer"):
         assert memory[kind] == row["predicted_memory"][kind], (kind, memory, row["predicted_memory"])
     found, predicted = row["measured_comm"], row["predicted_comm"]
-    for kind in ("params", "grads", "replicas", "update"):
-        assert math.isclose(found[kind], predicted.get(kind, 0), rel_tol=0.05, abs_tol=64), (kind, found, predicted)
-    assert found["other"] == 0, found
+    for kind in ("params", "grads", "replicas", "update", "all-to-all"):
+        assert math.isclose(found[kind], predicted.get(kind, 0), rel_tol=0.05, abs_tol=64), \
+            f"{kind} {found} {predicted}"
+    assert found["other"] == 0, f"{found} {predicted}"
     baseline = rows[(8, 8, 8)]["measured"]["losses"]
     assert len(baseline) == 4 and baseline[0] != baseline[-1]
     assert row["measured"]["losses"] == pytest.approx(baseline, rel=1e-5)
@@ -865,13 +871,16 @@ def test_with_micro_batches_xla_reduces_gradients_for_each_and_the_model_says_so
     """Gradient accumulation (4 micro-batches) under xla_spmd: XLA reduce-scatters the gradients of every
     micro-batch (its sharding propagation carries the annotation back through the sum), which the model counts
     for this backend; gradient, replica and update traffic within 5%. Parameter gathers come out a little under
-    the model's micro-batches x (forward + backward): XLA gathers a few small or unchanged tensors once."""
+    the model's micro-batches x (forward + backward), or a little over (1%): XLA gathers a few small or
+    unchanged tensors once (the model counts the chunked loss's head so), some of them not."""
     rows = run_triples(tmp_path, [(8, 8, 8), (2, 4, 8)], "train.global_batch_size=32", "train.grad_accum_steps=4")
     for row in rows.values():
         found, predicted = row["measured_comm"], row["predicted_comm"]
         for kind in ("grads", "replicas", "update"):
-            assert math.isclose(found[kind], predicted.get(kind, 0), rel_tol=0.05, abs_tol=64), (kind, found, predicted)
-        assert 0.9 * predicted["params"] <= found["params"] <= predicted["params"] and found["other"] == 0, found
+            assert math.isclose(found[kind], predicted.get(kind, 0), rel_tol=0.05, abs_tol=64), \
+            f"{kind} {found} {predicted}"
+        assert 0.9 * predicted["params"] <= found["params"] <= 1.01 * predicted["params"] and found["other"] == 0, \
+            f"{found} {predicted}"
     assert rows[(2, 4, 8)]["measured"]["losses"] == pytest.approx(rows[(8, 8, 8)]["measured"]["losses"], rel=1e-5)
 
 

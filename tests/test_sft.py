@@ -11,7 +11,7 @@ from model_dirs import CHAT_TEMPLATE_MARKED
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from xla_shard import config
-from xla_shard.data import build, sft
+from xla_shard.data import build, packing, sft
 from xla_shard.data.files import read_rows
 from xla_shard.data.tokenize import IGNORE
 from xla_shard.errors import ConfigError
@@ -98,19 +98,19 @@ def test_completion_only_loss_false_labels_every_token_as_trl_does(model_dirs, p
 
 
 def test_packing_keeps_examples_whole_and_apart(model_dirs):
-    """Every packed row is seq_len tokens of whole examples in order, positions restarting at each one; and the
-    model's logits for a packed row equal those of each example run alone, so no example attends to another."""
+    """Every packed row is seq_len tokens of whole examples, positions restarting at each one, then filler; and
+    the model's logits for a packed row equal those of each example run alone, so no example attends to another."""
     examples, _ = _examples(model_dirs.llama_chat, CHAT, 96, "data.kind=chat")
-    rows = sft.packed(examples, 192, 0, None)
+    rows = packing.pack(examples, 192, 0, None)
     assert len(rows) < len(examples)
     unpacked = []
-    for ids, labels, positions in zip(rows["input_ids"], rows["labels"], rows["position_ids"]):
-        assert len(ids) == len(labels) == len(positions) == 192
-        starts = [i for i, p in enumerate(positions) if p == 0] + [192]
-        pieces = [(ids[a:b], labels[a:b]) for a, b in zip(starts, starts[1:])]
-        unpacked += pieces[:-1] if set(pieces[-1][1]) == {IGNORE} and pieces[-1][0][0] == 0 else pieces
-    assert [ids for ids, _ in unpacked] == examples["input_ids"]
-    assert [labels for _, labels in unpacked] == [[IGNORE] + labels[1:] for labels in examples["labels"]]
+    for ids, labels, positions, real in zip(rows["input_ids"], rows["labels"], rows["position_ids"],
+                                            rows["real_tokens"]):
+        assert len(ids) == len(labels) == len(positions) == 192 and set(labels[real:]) <= {IGNORE}
+        starts = [i for i, p in enumerate(positions[:real]) if p == 0] + [real]
+        unpacked += [(ids[a:b], labels[a:b]) for a, b in zip(starts, starts[1:])]
+    assert sorted(unpacked) == sorted((ids, [IGNORE] + labels[1:])
+                                      for ids, labels in zip(examples["input_ids"], examples["labels"]))
 
     # use_cache=False, as xla_shard trains: with a KV cache transformers does not look for packed examples
     model = AutoModelForCausalLM.from_pretrained(model_dirs.llama_chat, attn_implementation="eager",
@@ -126,6 +126,25 @@ def test_packing_keeps_examples_whole_and_apart(model_dirs):
             torch.testing.assert_close(packed_logits[a:b], alone, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("strategy", ["bfd", "bfd_split"])
+def test_best_fit_decreasing_packs_the_rows_trls_pack_dataset_packs(strategy):
+    """The same lengths give TRL's rows, example for example and in its order: 2,500 examples of a long-tailed
+    length distribution (some past seq_len), over two and a half of the thousand-example batches both pack in."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    torch.manual_seed(3)
+    lengths = (torch.distributions.LogNormal(3.5, 1.2).sample((2500,)).long() + 1).clamp(max=700).tolist()
+    ids = [[index] * n for index, n in enumerate(lengths)]  # an example is told by its tokens
+    examples = Dataset.from_dict({"input_ids": ids, "labels": ids})
+    ours = packing.pack(examples, 512, 0, None, split=strategy == "bfd_split")
+    theirs = trl.pack_dataset(Dataset.from_dict({"input_ids": ids}), 512, strategy=strategy)
+    assert len(ours) == len(theirs)
+    for row, real, want in zip(ours["input_ids"], ours["real_tokens"], theirs["input_ids"]):
+        assert row[:real] == want and real == len(want)
+    assert 0.9 < packing.fill_rate(ours, 512) <= 1.0
+
+
 def test_padded_examples_mask_the_padding(model_dirs):
     examples, _ = _examples(model_dirs.llama_chat, PROMPTS, 64, "data.kind=prompt_completion")
     rows = sft.padded(examples, 64, 0, None)
@@ -138,7 +157,7 @@ def test_padded_examples_mask_the_padding(model_dirs):
 def test_a_run_describes_what_it_trains_on(model_dirs):
     cfg = _cfg(model_dirs.llama_chat, f"data.path={CHAT}", "data.kind=chat", "train.seq_len=40")
     data = build(cfg, model_config(cfg.model), resolve_source(cfg.model).directory)
-    assert "packed chat examples" in data.description and "assistant turns" in data.description
+    assert "chat examples packed best-fit decreasing" in data.description and "assistant turns" in data.description
     assert "dropped" in data.description and data.uneven_labels
     batch = data.train.global_batch(0)
     assert set(batch) == {"input_ids", "labels", "position_ids"} and batch["input_ids"].shape == (8, 40)
@@ -211,7 +230,11 @@ def test_chat_training_follows_plain_transformers_on_every_backend(model_dirs, t
     extra = ["--nproc-per-node", str(nproc)] if nproc else []
     done = run_cli("train", *[a for s in [*common, *sets, f"output_dir={out}"] for a in ("--set", s)], *extra)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "loss on the assistant turns" in done.stderr
-    got = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert "loss on the assistant turns" in done.stderr and "best-fit decreasing (bfd)" in done.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     want = plain_sgd_losses(model_dirs.llama_chat, _cfg(model_dirs.llama_chat, *common), 3)
-    assert got == pytest.approx(want, rel=2e-6), (backend, got, want)
+    assert [r["loss"] for r in records] == pytest.approx(want, rel=2e-6), (backend, records, want)
+    # every record says how many of the tokens it computed were examples', not packing's filler (this fixture's
+    # conversations, cut at 64 tokens, fill their rows: the counts themselves are held in the packing tests above)
+    assert all(0 < r["real_tokens_per_s"] <= r["tokens_per_s"] for r in records), [
+        (r["real_tokens_per_s"], r["tokens_per_s"]) for r in records]

@@ -111,3 +111,29 @@ def test_a_model_without_no_split_modules_or_a_layer_list_is_refused_naming_the_
     with pytest.raises(ConfigError) as err:
         wrap_targets(Flat(), _fsdp())
     assert err.value.key == "fsdp.transformer_layer_cls_to_wrap" and "no list of repeated blocks" in str(err.value)
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_bf16_activations_make_the_stream_between_layers_bf16(bf16):
+    """Under autocast the embedding's output and the residual adds are fp32 (not autocast ops): with
+    `cast_activations` what each layer takes and gives is bf16, what activation checkpointing keeps."""
+    import torch
+
+    from xla_shard.wrap import cast_activations
+
+    cfg = config.load(None, ["model=tiny-llama", "fsdp.mixed_precision=bf16",
+                             f"fsdp.activation_dtype={'bfloat16' if bf16 else 'float32'}"])
+    model = build_model(cfg.model, 0)
+    if cfg.fsdp.bf16_activations:
+        cast_activations(model, cfg.fsdp)
+    seen = []
+    for layer in checkpoint_targets(model, cfg.fsdp):
+        layer.register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=torch.randint(0, 256, (2, 16)))
+    assert seen == [torch.bfloat16 if bf16 else torch.float32] * len(seen) and len(seen) == 2
+
+
+def test_bf16_activations_without_bf16_compute_are_refused_naming_the_key():
+    with pytest.raises(ConfigError, match="fsdp.activation_dtype"):
+        config.load(None, ["fsdp.activation_dtype=bfloat16"])

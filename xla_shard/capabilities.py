@@ -55,6 +55,9 @@ class Capabilities:
     # gradient reduction per micro-batch (GSPMD cannot keep partial sums: see the README).
     gathers_per_tensor: bool = False
     reduces_every_micro_batch: bool = False
+    # Whether a step may take rows of another length than the last (eager execution: padded rows are cut to
+    # their micro-batch's longest); a compiler that traces one program per shape takes seq_len always.
+    varying_shapes: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "strategies", MappingProxyType(dict(self.strategies)))

@@ -49,13 +49,17 @@ def _soft_cap(cap: float | None):
     return lambda x: torch.tanh(x / cap) * cap
 
 
+MIN_CHUNK = 128  # positions per chunk `auto` keeps at least: a TPU tile's lanes
+
+
 def chunks_for(requested: int | str, config, tokens: int) -> int:
     """How many chunks the positions are scored in: `auto` takes as many as the vocabulary is wider than the
-    hidden states (a chunk's logits then take about what the hidden states take), at most one per position."""
+    hidden states (a chunk's logits then take about what the hidden states take), each of at least `MIN_CHUNK`
+    positions (shorter rows' logits are small: more chunks would only lengthen the compiled program)."""
     if requested != "auto":
-        return min(int(requested), tokens)
+        return max(1, min(int(requested), tokens))
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return max(1, min(tokens, math.ceil(text.vocab_size / text.hidden_size)))
+    return max(1, min(tokens // MIN_CHUNK, math.ceil(text.vocab_size / text.hidden_size)))
 
 
 def _tail_lines(model: nn.Module, head_name: str) -> tuple[str, ...] | None:
@@ -252,7 +256,12 @@ class _State:
 
 
 def _label_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    picked = logits.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    """Each position's log-probability of its target. The target's logit is picked by comparing each vocabulary
+    index with it (a select and a sum, as cheap as the logsumexp beside it), not by a gather: XLA's partitioner
+    moves a gather's index tuples between devices, a select stays with its rows."""
+    vocabulary = torch.arange(logits.shape[-1], device=logits.device)
+    picked = torch.where(vocabulary == targets.unsqueeze(-1), logits, torch.zeros((), dtype=logits.dtype,
+                                                                                  device=logits.device)).sum(-1)
     return picked - logits.logsumexp(-1)
 
 
@@ -357,7 +366,7 @@ def install(model: nn.Module, chunks: int | str, tokens: int, partials: Partials
     forward gives the hidden states' label log-probabilities inside `scorer(model).scoring(...)`, and is the
     head elsewhere. Returns why it cannot (the model keeps its own loss), or None; `describe` says which.
     `chunks`: a count, or auto (see `chunks_for`) for sequences of `tokens`."""
-    why = _unscorable(model)
+    why = unscorable(model)
     if why is None:
         head_name = next(name for name, child in model.named_children() if child is model.get_output_embeddings())
         tail, _ = tail_of(model, head_name)
@@ -367,7 +376,8 @@ def install(model: nn.Module, chunks: int | str, tokens: int, partials: Partials
     return why
 
 
-def _unscorable(model: nn.Module) -> str | None:
+def unscorable(model: nn.Module) -> str | None:
+    """Why `model`'s loss cannot be computed in chunks (it keeps its own), or None."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     names = [name for name, child in model.named_children() if child is head]
     if head is None or len(names) != 1:

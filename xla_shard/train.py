@@ -24,6 +24,7 @@ from xla_shard.backends.base import Backend
 from xla_shard.checkpoint import Checkpointer, CheckpointError, NoCheckpoints, finished_message, hf_dir
 from xla_shard.config.schema import ShardConfig, TrainSection
 from xla_shard.data import Batch, micro_rows
+from xla_shard.data.batches import trimmed
 from xla_shard.errors import ConfigError, UserError, file_in_the_way, redact
 from xla_shard.hostmem import mib
 from xla_shard.io.overlap import Protected, refuse_overlap
@@ -183,6 +184,8 @@ class Trainer:
         self.clock: StepClock | None = None  # run()'s
         self._graphs = 0  # graphs compiled before the first step and for evaluation: not the steps' own
         self._graphs_after_warmup: int | None = None  # the steps' graphs at the end of the warm-up
+        # Real tokens (not packing's filler or padding) of the steps since the last record, and where they began.
+        self._real_tokens, self._real_since = 0, 0
         self._evaluated = False
 
     def setup(self) -> Trainer:
@@ -373,8 +376,9 @@ class Trainer:
         weights = self.objective.weights(micro_batches, backend.processes, backend.world, self.uneven_labels)
         equal = all(w == 1.0 / k for w in weights)  # the plain mean (a process's own shares can be equal, not 1/k)
         total = None
+        trim = backend.capabilities.varying_shapes and not train.compile  # one length a graph under torch.compile
         for j, rows in enumerate(micro_batches):
-            batch = backend.place(rows)
+            batch = backend.place(trimmed(rows) if trim else rows)
             with backend.grad_sync(self.model, enabled=j == k - 1):
                 with backend.forward_context():
                     loss = self.objective.loss(self.model, batch)
@@ -411,6 +415,7 @@ class Trainer:
             with PreemptionGuard(cfg.checkpoint.preemption_grace_s) as preemption:
                 for step in range(self.start_step, self.total_steps):
                     loss = self.step(step, prefetch.get(step))
+                    self._real_tokens += self.source.real_tokens(step)
                     done = step + 1
                     record = self._record(done, loss, logger)
                     logger.advance(record)
@@ -439,6 +444,7 @@ class Trainer:
         compiled = self.backend.compilations()
         self.clock = StepClock(lambda: None if compiled is None else self.backend.compilations().seconds,
                                self.start_step, self.cfg.train.recompile_warmup_steps)
+        self._real_tokens, self._real_since = 0, self.start_step
         if compiled is None:
             return
         self._graphs = compiled.graphs
@@ -502,7 +508,11 @@ class Trainer:
         lap = self.clock.lap(done)
         tokens = cfg.train.global_batch_size * cfg.train.seq_len * self.objective.sequences_per_row
         tokens_per_s = tokens / lap.step_time_s
-        record = {"step": done, "loss": mean_loss, "step_time_s": lap.step_time_s, "tokens_per_s": tokens_per_s}
+        steps = done - self._real_since
+        real = self._real_tokens / steps / lap.step_time_s if steps else tokens_per_s
+        self._real_tokens, self._real_since = 0, done
+        record = {"step": done, "loss": mean_loss, "step_time_s": lap.step_time_s, "tokens_per_s": tokens_per_s,
+                  "real_tokens_per_s": real}
         record.update(self.objective.step_metrics(backend.mean_loss))
         if lap.compile_time_s:
             record["compile_time_s"] = lap.compile_time_s

@@ -22,7 +22,7 @@ def compiled(cfg, tpu, placeholders: bool) -> dict:
     traced = trace.trace(cfg, tpu, placeholders=placeholders)
     program = tpu.compile(traced.proto)
     return {"traced": [traced.parameters, traced.optimizer_state, traced.batch, traced.reference],
-            "memory": [program.argument_bytes, program.output_bytes, program.temp_bytes],
+            "memory": [program.argument_bytes, program.output_bytes, program.temporaries],
             "flops": program.flops, "collectives": hlo.collective_totals(program.hlo_text, traced.loop_trips),
             "kernels": traced.kernels}
 
@@ -32,7 +32,7 @@ def predicted(cfg, devices: int, chip) -> dict:
     by kind (a reduce-scatter's result is one shard of the tensor it reduces), as the compiled program counts."""
     work = planner.workload(cfg, devices, XlaSpmdBackend.capabilities, chip)
     triple = settle(cfg, devices, XlaSpmdBackend.capabilities, "cpu").degrees
-    held = cost.memory(work, triple)
+    held = cost.memory(work, triple, devices)
     return {"params_and_optimizer": held["params"] + held["optimizer"], "logits": held["logits"],
             "collectives": cost.result_bytes(cost.collectives(work, triple, devices))}
 

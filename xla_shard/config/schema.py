@@ -365,9 +365,14 @@ class DataSection(_Section):
     # (integers, or strings mapped through the model config's label2id).
     text_fields: list[str] = Field(default_factory=lambda: ["text"], min_length=1, max_length=2)
     label_field: str = "label"
-    # causal_lm: join documents with EOS and cut seq_len blocks (true), or pad each document to seq_len (false).
+    # causal_lm: several examples to a row of seq_len tokens (true), or one example per row, padded (false).
     # Preference rows are always padded: the chosen and rejected sequences of a row stand side by side.
     packing: bool = True
+    # How: bfd (best-fit decreasing, as TRL's pack_dataset: examples kept apart, each truncated at seq_len),
+    # bfd_split (the same, long examples cut into pieces first: no token lost), or wrapped (documents joined with
+    # EOS and cut into seq_len blocks, attending across documents: text only). null: bfd for chat and
+    # prompt_completion, wrapped for text.
+    packing_strategy: Literal["bfd", "bfd_split", "wrapped"] | None = None
     # Evaluation rows: another file (same format rules), or a seeded fraction held out of the training rows.
     eval_path: str | None = None
     eval_fraction: float = Field(default=0.0, ge=0, lt=1)
@@ -376,6 +381,13 @@ class DataSection(_Section):
     # causal_lm: tokenize while reading (nothing prepared up front), shuffling within a buffer of this many rows.
     streaming: bool = False
     shuffle_buffer: int = Field(default=10_000, ge=1)
+
+    @property
+    def packs(self) -> str | None:
+        """The packing strategy rows are packed with, None where they are not."""
+        if not self.packing or self.kind == "preference":
+            return None
+        return self.packing_strategy or ("wrapped" if self.kind == "text" else "bfd")
 
     @model_validator(mode="after")
     def _one_eval_source(self) -> DataSection:
@@ -388,6 +400,12 @@ class DataSection(_Section):
         if self.kind == "text" and self.completion_only_loss:
             raise ValueError("data.completion_only_loss applies to data.kind chat and prompt_completion; a text row "
                              "has no prompt to leave out of the loss")
+        if self.packing_strategy is not None and (not self.packing or self.kind == "preference"):
+            raise ValueError(f"data.packing_strategy {self.packing_strategy} packs rows, but "
+                             + ("data.packing is false" if not self.packing else "preference rows are always padded"))
+        if self.packing_strategy == "wrapped" and self.kind != "text":
+            raise ValueError(f"data.packing_strategy wrapped cuts rows across examples; data.kind {self.kind} keeps "
+                             "each example whole: use bfd or bfd_split")
         if self.kind != "text" and self.streaming:
             raise ValueError(f"data.streaming reads plain text only; data.kind {self.kind} rows are prepared up front "
                              "(set data.streaming: false)")
@@ -397,6 +415,9 @@ class DataSection(_Section):
         if self.kind == "preference" and self.completion_only_loss is not None:
             raise ValueError("data.completion_only_loss applies to chat and prompt_completion; DPO's log-probabilities "
                              "are always the completions' (drop the key)")
+        if self.streaming and self.packing and self.packs != "wrapped":
+            raise ValueError(f"data.streaming packs documents as it reads them (wrapped); data.packing_strategy "
+                             f"{self.packing_strategy} packs a thousand at a time from prepared rows: drop one")
         if self.streaming and self.eval_fraction:
             raise ValueError("data.streaming reads the rows once, in order: hold evaluation rows out in a file "
                              "(data.eval_path), not data.eval_fraction")

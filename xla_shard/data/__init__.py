@@ -68,23 +68,42 @@ def build(cfg, model_config, model_directory: str | None = None) -> DataSources:
     if rows < train.global_batch_size:
         raise ConfigError("data.path", f"{data.path} gives {rows} training rows of {train.seq_len} tokens, fewer "
                                        f"than one batch of train.global_batch_size={train.global_batch_size}")
-    what = "rows"
     if data.kind == "preference":
-        what = "preference rows (prompt + chosen, prompt + rejected), padded"
-    elif task == "causal_lm" and data.packing:
-        what = "blocks of packed tokens" if data.kind == "text" else f"rows of packed {data.kind} examples"
-    elif data.kind != "text":
-        what = f"{data.kind} examples, padded"
+        what = "prompt + chosen and prompt + rejected, padded"
+    elif task == "causal_lm" and data.packs == "wrapped":
+        what = "documents joined and cut into rows (wrapped packing)"
+    elif task == "causal_lm" and data.packs:
+        what = (f"{'documents' if data.kind == 'text' else data.kind + ' examples'} packed best-fit decreasing "
+                f"({data.packs})")
+    else:
+        what = f"{'documents' if data.kind == 'text' else data.kind + ' examples'}, one a row, padded"
+    filled = real_fraction(train_rows, train.seq_len)
+    fill = "" if filled is None else (f", {100 * filled:.1f}% of their tokens real (the rest "
+                                      f"{'filler' if data.packs else 'padding'})")
     scope = {"text": "", "chat": "; loss on the assistant turns", "prompt_completion": "; loss on the completions",
              "preference": f"; DPO ({cfg.dpo.loss_type}, beta {cfg.dpo.beta:g}) on the completions' log-probabilities"}
     # A DPO loss is a mean over rows, every one of which counts: no tokens to weigh.
-    uneven = task == "causal_lm" and data.kind != "preference" and (data.kind != "text" or not data.packing)
+    uneven = task == "causal_lm" and data.kind != "preference" and (data.kind != "text" or data.packs != "wrapped")
     return DataSources(DatasetSource(train_rows, train.global_batch_size, train.seed), evaluation,
-                       f"{data.path}: {rows} training {what} of {train.seq_len} tokens"
+                       f"{data.path}: {rows} training rows of {train.seq_len} tokens: {what}{fill}"
                        + (f", {len(eval_rows)} for evaluation" if eval_rows is not None else "")
                        + (scope[data.kind] if data.completion_only_loss is not False else "")
                        + (f"; {dropped} example(s) dropped: nothing to learn within train.seq_len" if dropped else ""),
                        uneven_labels=uneven)
+
+
+def real_fraction(rows, seq_len: int) -> float | None:
+    """The share of the rows' tokens that are not filler or padding (None: every token is real)."""
+    if "real_tokens" in rows.column_names:
+        from xla_shard.data import packing
+
+        return packing.fill_rate(rows, seq_len)
+    if "attention_mask" in rows.column_names:
+        import numpy as np
+
+        mask = np.asarray(rows.with_format("numpy")["attention_mask"])
+        return float(mask.mean()) if mask.size else None
+    return None
 
 
 def _streamed(cfg, tokenizer, model_config) -> DataSources:
@@ -114,7 +133,7 @@ def _streamed(cfg, tokenizer, model_config) -> DataSources:
         from xla_shard.data import tokenize
 
         raw_eval = files.read_rows(data.eval_path, data.format, "data.eval_path")
-        evaluation = EvalSource(tokenize.causal_lm(raw_eval, tokenizer, data.text_field, train.seq_len, data.packing,
+        evaluation = EvalSource(tokenize.causal_lm(raw_eval, tokenizer, data.text_field, train.seq_len, data.packs,
                                                    data.num_proc, data.eval_path), train.global_batch_size)
     return DataSources(source, evaluation, f"{data.path}: streamed, tokenized as read (shuffle buffer "
                                            f"{data.shuffle_buffer} rows)", uneven_labels=not data.packing)
@@ -146,7 +165,7 @@ def _tokenized(cfg, tokenizer, model_config, task):
             dropped += cut
             return rows
         if task == "causal_lm":
-            return tokenize.causal_lm(rows, tokenizer, data.text_field, train.seq_len, data.packing, data.num_proc,
+            return tokenize.causal_lm(rows, tokenizer, data.text_field, train.seq_len, data.packs, data.num_proc,
                                       path)
         return tokenize.classification(rows, tokenizer, data.text_fields, data.label_field,
                                        dict(model_config.label2id or {}), model_config.num_labels, train.seq_len,
@@ -158,15 +177,15 @@ def _tokenized(cfg, tokenizer, model_config, task):
 
 def _sft_rows(cfg, tokenizer, model_config, rows, path):
     """Chat or prompt/completion rows, tokenized as TRL does, then packed or padded to seq_len."""
-    from xla_shard.data import sft, tokenize
+    from xla_shard.data import packing, sft, tokenize
 
     data, seq_len = cfg.data, cfg.train.seq_len
     workers = tokenize.worker_count(len(rows), data.num_proc)
     examples, dropped = sft.examples(rows, tokenizer, sft.fields_of(data), seq_len, workers, path)
     pad = sft.pad_id(tokenizer)
-    if data.packing:
+    if data.packs:
         sft.require_position_ids(model_config)
-        return sft.packed(examples, seq_len, pad, workers), dropped
+        return packing.pack(examples, seq_len, pad, workers, split=data.packs == "bfd_split"), dropped
     return sft.padded(examples, seq_len, pad, workers), dropped
 
 

@@ -35,3 +35,24 @@ def scored(labels: torch.Tensor, causal: bool) -> torch.Tensor:
     """Where a label counts in the model's own loss, which is a mean over these: a causal LM's from the second
     position on (it shifts them: the first is never predicted), a classifier's every row; never IGNORE."""
     return (labels[:, 1:] if causal else labels) != IGNORE
+
+
+def real_tokens(batch: Batch) -> int:
+    """Tokens of a batch that are not padding (its attention mask), all of them where it has none."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
+
+
+def trimmed(batch: Batch) -> Batch:
+    """A right-padded batch cut to its longest row: the positions no row uses (its attention mask's) dropped from
+    every tensor laid out by position. Nothing a row computes changes: padding is masked and unlabelled. Rows
+    without a mask (packed, or cut to one length) are left as they are."""
+    mask = batch.get("attention_mask")
+    if mask is None:
+        return batch
+    used = mask.reshape(-1, mask.shape[-1]).any(0)
+    length = int(used.nonzero().max()) + 1 if used.any() else 1
+    if length == mask.shape[-1]:
+        return batch
+    return {key: value[..., :length] if value.shape[-1] == mask.shape[-1] and value.dim() == mask.dim() else value
+            for key, value in batch.items()}

@@ -10,11 +10,12 @@ Tokenized as TRL's `SFTTrainer` tokenizes them (the reference users know, and wh
   prompt stops being a prefix of them; prompts and completions may also be lists of messages.
 
 Each example is cut at `seq_len` (its start kept); one left with no labelled token is dropped and counted.
-Rows then get one length, so XLA compiles one step: packing puts whole examples one after the other into
-`seq_len` rows (next fit) with `position_ids` restarting at 0 per example, which transformers turns into a
-block-diagonal causal mask (eager, SDPA) or variable-length attention (flash attention 2), so an example never
-attends to another (transformers looks for packed examples only when no KV cache is in use, and training runs
-without one: `train_without_cache`); without packing each example is padded.
+Rows then get one length, so XLA compiles one step: packing (`data.packing`) puts whole examples into `seq_len`
+rows best-fit decreasing, as TRL does, with `position_ids` restarting at 0 per example, which transformers turns
+into a block-diagonal causal mask (eager, SDPA) or variable-length attention (flash attention 2), and the Pallas
+flash kernel into segment ids, so an example never attends to another (transformers looks for packed examples
+only when no KV cache is in use, and training runs without one: `train_without_cache`); without packing each
+example is padded.
 """
 
 from __future__ import annotations
@@ -66,36 +67,6 @@ def examples(rows, tokenizer, fields: SftFields, seq_len: int, num_proc: int | N
         raise ConfigError("train.seq_len", f"{path}: no row keeps a token to learn from within {seq_len} tokens "
                                            "(every answer starts past it)")
     return kept, len(tokenized) - len(kept)
-
-
-def packed(rows, seq_len: int, pad_id: int, num_proc: int | None):
-    """Whole examples placed one after another into rows of exactly `seq_len` tokens (a new row when the next
-    does not fit), the rest padded; each example's positions start at 0 and its first token is not a target
-    (it would be predicted from the previous example's last one). Padding is an example of its own, unlabelled."""
-    def pack(batch):
-        out = {"input_ids": [], "labels": [], "position_ids": []}
-        ids: list[int] = []
-        labels: list[int] = []
-        positions: list[int] = []
-
-        def flush():
-            if ids:
-                fill = seq_len - len(ids)
-                out["input_ids"].append(ids + [pad_id] * fill)
-                out["labels"].append(labels + [IGNORE] * fill)
-                out["position_ids"].append(positions + list(range(fill)))
-
-        for example_ids, example_labels in zip(batch["input_ids"], batch["labels"]):
-            if len(ids) + len(example_ids) > seq_len:
-                flush()
-                ids, labels, positions = [], [], []
-            ids = ids + example_ids
-            labels = labels + [IGNORE] + example_labels[1:]
-            positions = positions + list(range(len(example_ids)))
-        flush()
-        return out
-
-    return rows.map(pack, batched=True, batch_size=1000, remove_columns=rows.column_names, num_proc=num_proc)
 
 
 def padded(rows, seq_len: int, pad_id: int, num_proc: int | None):

@@ -49,6 +49,19 @@ class DatasetSource:
     def global_batch(self, step: int) -> Batch:
         return self.rows(step, range(self.batch))
 
+    def real_tokens(self, step: int) -> int:
+        """Tokens of the global batch of `step` that are not packing's filler or padding."""
+        return _real_tokens(self.table, self.indices(step, range(self.batch)))
+
+
+def _real_tokens(table, picked: list[int]) -> int:
+    """The real tokens of rows `picked` of a prepared table: packing's count, a padding mask's, or all of them."""
+    if "real_tokens" in table.column_names:
+        return int(np.asarray(table[picked]["real_tokens"]).sum())
+    if "attention_mask" in table.column_names:
+        return int(np.asarray(table[picked]["attention_mask"]).sum())
+    return int(np.asarray(table[picked]["input_ids"]).size)
+
 
 class EvalSource:
     """The evaluation rows, in file order, as batches of `batch` rows. Every row is evaluated: the last batch
@@ -80,8 +93,9 @@ class EvalSource:
 
 
 def _as_batch(picked: dict) -> Batch:
-    """Columns as int64 tensors; packed causal-LM rows predict their own tokens (the model shifts them)."""
-    batch = {key: torch.from_numpy(np.asarray(value)).long() for key, value in picked.items()}
+    """Columns as int64 tensors, the model's arguments (packing's `real_tokens` count is not one); packed
+    causal-LM rows predict their own tokens (the model shifts them)."""
+    batch = {key: torch.from_numpy(np.asarray(value)).long() for key, value in picked.items() if key != "real_tokens"}
     if "labels" not in batch:
         batch["labels"] = batch["input_ids"]
     return batch

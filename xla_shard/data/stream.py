@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-from xla_shard.data.batches import Batch
+from xla_shard.data.batches import Batch, real_tokens
 from xla_shard.data.tokenize import IGNORE, with_eos
 from xla_shard.errors import ConfigError
 
@@ -90,3 +90,7 @@ class StreamSource:
 
     def rows(self, step: int, rows: range) -> Batch:
         return {key: value[rows.start:rows.stop] for key, value in self.global_batch(step).items()}
+
+    def real_tokens(self, step: int) -> int:
+        """Tokens of the global batch of `step` that are not padding."""
+        return real_tokens(self.global_batch(step))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from xla_shard.data.batches import Batch
+from xla_shard.data.batches import Batch, real_tokens
 
 
 class SyntheticSource:
@@ -29,3 +29,7 @@ class SyntheticSource:
 
     def rows(self, step: int, rows: range) -> Batch:
         return {key: value[rows.start:rows.stop] for key, value in self.global_batch(step).items()}
+
+    def real_tokens(self, step: int) -> int:
+        """Tokens of the global batch of `step` that are not padding."""
+        return real_tokens(self.global_batch(step))

@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from xla_shard.data import packing as packer
+from xla_shard.data.packing import IGNORE
 from xla_shard.errors import ConfigError
 
-IGNORE = -100  # label transformers' losses skip
 _PARALLEL_FROM = 10_000  # rows: below this, worker processes cost more than they save
 
 
@@ -32,9 +33,11 @@ def require_columns(rows, columns: list[str], key: str, path: str) -> None:
         raise ConfigError(key, f"{path} has no column {missing[0]!r} (its columns: {', '.join(rows.column_names)})")
 
 
-def causal_lm(rows, tokenizer, text_field: str, seq_len: int, packing: bool, num_proc: int | None, path: str):
-    """Packing: each document's tokens, then EOS, all joined and cut into `seq_len` blocks (the tail of each
-    group of 1,000 documents that does not fill a block is dropped). Padding: one document per row, cut at
+def causal_lm(rows, tokenizer, text_field: str, seq_len: int, packing: str | None, num_proc: int | None,
+              path: str):
+    """Packing `wrapped`: each document's tokens, then EOS, all joined and cut into `seq_len` blocks (the tail of
+    each group of 1,000 documents that does not fill a block is dropped). `bfd` / `bfd_split`: each document and
+    its EOS an example, packed best-fit decreasing (`data.packing`). Padding (None): one document per row, cut at
     `seq_len`, padded, with the padding masked and left out of the loss."""
     require_columns(rows, [text_field], "data.text_field", path)
     _require_text(rows, text_field, path, "data.text_field")
@@ -48,6 +51,14 @@ def causal_lm(rows, tokenizer, text_field: str, seq_len: int, packing: bool, num
         def tokenize(batch: dict[str, list]) -> dict[str, list]:
             ids = tokenizer(batch[text_field])["input_ids"]
             return {"ids": [with_eos(doc, eos) for doc in ids]}
+
+        if packing != "wrapped":
+            def examples(batch: dict[str, list]) -> dict[str, list]:
+                ids = tokenize(batch)["ids"]
+                return {"input_ids": ids, "labels": ids}
+
+            documents = rows.map(examples, batched=True, remove_columns=rows.column_names, num_proc=workers)
+            return packer.pack(documents, seq_len, eos, workers, split=packing == "bfd_split")
 
         def blocks(batch: dict[str, list]) -> dict[str, list]:
             stream = [token for doc in batch["ids"] for token in doc]

@@ -120,6 +120,16 @@ def _split_weights(model, grouped) -> dict:
     return {"grouped_expert_params": sum(experts.values()), "last_dim_splits": last}
 
 
+def _chunked_head(cfg, model) -> tuple[int, int]:
+    """(the chunks a causal LM's loss is computed in, 0 for its logits whole; its output head's parameters)."""
+    from xla_shard import lm_head
+
+    if cfg.model.task != "causal_lm" or cfg.train.loss_chunks == 0 or lm_head.unscorable(model):
+        return 0, 0
+    head = model.get_output_embeddings()
+    return lm_head.chunks_for(cfg.train.loss_chunks, model.config, cfg.train.seq_len), head.weight.numel()
+
+
 def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerator | None = None) -> Workload:
     """The step of a config, from its model built on the meta device (no memory, nothing downloaded), as the
     backend with `capabilities` runs it on `hardware` (per-tensor gathers skip the embedding in backward and
@@ -152,7 +162,9 @@ def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerato
     flops *= 1 + objective.forwards_without_grad / 3
     tpu_compiler = capabilities.gathers_per_tensor and hardware is not None and hardware.tpu
     grouped = tpu_compiler and experts.choose(capabilities.experts, "tpu") == experts.XLA_GMM
+    chunks, head = _chunked_head(cfg, model)
     return Workload(params=params, units=units, trained_params=trained, frozen_bytes=frozen_bytes,
+                    embedding_by_width=bool(embedding), loss_chunks=chunks, head_params=head if embedding else 0,
                     tpu_compiler=tpu_compiler,
                     reductions=hardware.reductions if tpu_compiler else None,
                     **_split_weights(model, experts.grouped_modules(model) if grouped else []),

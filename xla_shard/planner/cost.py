@@ -86,6 +86,16 @@ class Workload:
     grouped_expert_params: int = 0  # MoE experts run as grouped matmuls (`xla_shard.experts`, on a TPU)
     # weights split along their last dimension: (parameters, its size, a grouped expert's), for `WholeReductions`
     last_dim_splits: tuple[tuple[int, int, bool], ...] = ()
+    # xla_spmd splits an untied input embedding (and the output head) over its width where gradients are split
+    # as parameters are (`by_width`): the lookup's rows move to their devices by an all-to-all (forward in the
+    # compute dtype, their gradient back in fp32), the table is never gathered and its gradient summed over
+    # replicas only (`xla_spmd._split_by_width`).
+    embedding_by_width: bool = False
+    # The causal LM's loss in chunks (`train.loss_chunks`): how many (0: the logits whole), and the output
+    # head's parameters, which the TPU compiler's program gathers once and whose gradient, summed over the
+    # devices once, moves by an all-to-all where gradients split over every device (`xla_spmd.SpmdPartials`).
+    loss_chunks: int = 0
+    head_params: int = 0
 
     @property
     def trained(self) -> int:
@@ -108,12 +118,23 @@ class Workload:
         per_layer = (2 if self.activation_checkpointing else 34) * tokens * self.hidden
         return per_layer * self.layers * self.compute_bytes / 2
 
-    def logits_bytes(self) -> float:
-        """Per device, for one micro-batch: the logits and their gradient, [tokens, vocab] each in the compute
-        dtype, outside any layer (checkpointing does not drop them). What the TPU compiler holds per extra
+    def logits_bytes(self, summed_by_all_to_all: bool = False) -> float:
+        """Per device, for one micro-batch. Whole: the logits and their gradient, [tokens, vocab] each in the
+        compute dtype, outside any layer (checkpointing does not drop them); what the TPU compiler held per extra
         vocabulary entry and token, parameters' share included, for small-llama on a v5p-8 (2048 tokens per
-        device, vocabularies of 32k and 64k): 4.0 bytes in bf16, 7.9 in fp32."""
-        return 2 * self.compute_bytes * self.tokens_per_device / self.micro_batches * self.vocab
+        device, vocabularies of 32k and 64k): 4.0 bytes in bf16, 7.9 in fp32. In chunks, eagerly: one chunk's
+        logits in the compute dtype, their fp32 copy and its gradient. The TPU compiler fuses the upcast into the
+        reductions, so one chunk's logits and their gradient in the compute dtype, beside the head whole and each
+        device's partial sum of its gradient, and, where that sum moves by an all-to-all, its destination
+        (small-llama, 16 x 512 tokens on a v5p-8, vocabularies of 32k and 64k: 112.1 MiB more, as here)."""
+        tokens = self.tokens_per_device / self.micro_batches
+        if not self.loss_chunks:
+            return 2 * self.compute_bytes * tokens * self.vocab
+        chunk = tokens / self.loss_chunks * self.vocab
+        if not self.tpu_compiler:
+            return (self.compute_bytes + 8) * chunk
+        head = self.vocab * self.hidden * self.compute_bytes
+        return (3 if summed_by_all_to_all else 2) * head + 2 * self.compute_bytes * chunk
 
 
 @dataclass(frozen=True)
@@ -141,15 +162,30 @@ def update_degree(optimizer: str, triple: Triple) -> int:
     return triple.optimizer if OPTIMIZER_BYTES[optimizer] else triple.grads
 
 
-def memory(work: Workload, triple: Triple) -> dict[str, float]:
-    """Bytes per device: params, grads, optimizer, activations, logits, gathered, kept, total."""
+def by_width(work: Workload, triple: Triple) -> bool:
+    """Whether `triple` splits the embedding and head over their width (`Workload.embedding_by_width`): where
+    parameters are split (P > 1) and gradients no further (G = P)."""
+    return work.embedding_by_width and triple.params == triple.grads > 1
+
+
+def _head_by_all_to_all(work: Workload, triple: Triple, devices: int | None) -> bool:
+    """Whether the chunked loss's head gradient is summed by an all-to-all over the devices its gradient is
+    split over (along the dimension split: its width or its vocabulary, which they divide), then all-reduced
+    over the replicas, not reduced whole."""
+    split = work.hidden if by_width(work, triple) else work.vocab
+    return work.loss_chunks > 0 and work.head_params > 0 and devices is not None and split % triple.grads == 0
+
+
+def memory(work: Workload, triple: Triple, devices: int | None = None) -> dict[str, float]:
+    """Bytes per device: params, grads, optimizer, activations, logits, gathered, kept, total (`devices`: the
+    run's, where known: whether the chunked loss's head gradient moves by an all-to-all)."""
     psi, c, trained = work.params, work.gather_bytes, work.trained
     p, g, os_, k = triple.params, triple.grads, triple.optimizer, triple.kept
     stored = 4 * trained + work.frozen_bytes * (psi - trained) + 4 * work.reference_params
     found = {"params": stored / p, "grads": 4 * trained / g,
              "optimizer": OPTIMIZER_BYTES[work.optimizer] * trained / os_,
              "activations": work.activation_bytes(),
-             "logits": work.logits_bytes(),
+             "logits": work.logits_bytes(_head_by_all_to_all(work, triple, devices)),
              # a unit in use + one prefetched (the reference's units run apart from the policy's)
              "gathered": 2 * c * max(psi, work.reference_params) / max(1, work.units - 1) if p > 1 else 0.0,
              "kept": c * psi / k if k < p else 0.0}  # every unit's parameters, held from forward for backward
@@ -167,18 +203,31 @@ def collectives(work: Workload, triple: Triple, devices: int) -> list[Collective
     # matmul). Backward gathers all but the embedding again, and for the TPU compiler not what forward gathered
     # last; checkpointing's recompute gathers the layers again there, the last one's shared with its backward.
     stored = (4 if work.trained_params is None else work.frozen_bytes) if work.tpu_compiler else c
-    forward = ((psi - embedding) * c + embedding * stored) * micro
+    if by_width(work, triple):
+        stored = 0  # looked up where its columns are: the rows move instead (`lookup`, below)
+    # the chunked loss's head: gathered whole once a step, the same weight for every micro-batch
+    head_once = work.head_params if work.loss_chunks else 0
+    forward = ((psi - embedding - head_once) * c + embedding * stored) * micro + head_once * c
     # what forward gathered last and backward still holds (a scanned loop holds no layer past its iteration)
     last = 0 if work.scanned else work.last_unit_params
-    kept = work.root_params + last if work.tpu_compiler else 0
+    # (the chunked loss's head, gathered whole once for all chunks, is held for backward whatever compiles it)
+    kept = work.root_params + last if work.tpu_compiler else (work.head_params if work.loss_chunks else 0)
     again = (psi - embedding - kept) * c * micro  # backward's gather
     if work.tpu_compiler and work.activation_checkpointing and not work.scanned:
         again += (psi - embedding - work.root_params) * c * micro
+    head = work.head_params if _head_by_all_to_all(work, triple, devices) and work.trained_params is None else 0
+    if head and work.tpu_compiler and g < devices and p > 1:
+        # with replicas, the TPU compiler gathers the chunked loss's head again for backward (v5p-8: 2/2/2; two
+        # v5p-8 slices: 4/4/4), in the compute dtype; on one slice's N/N/N it keeps forward's
+        again += head * work.compute_bytes * micro
     whole = _reduced_whole(work, triple, devices)
-    summed = _summed_whole(work, whole, g)  # parameters all-reduced over every device: (compute dtype, fp32)
+    # parameters all-reduced over every device: (compute dtype, fp32)
+    summed = _summed_whole(work, whole, g, by_width(work, triple))
     rest = trained - sum(summed)
+    split_by_width = by_width(work, triple) and work.trained_params is None
+    rest -= (embedding if split_by_width else 0) + head  # a gradient that stays where it is, one summed by all-to-all
     grads = rest * reduced
-    if work.trained_params is None and not summed[1]:
+    if work.trained_params is None and not summed[1] and not split_by_width:
         # the embedding's gradient (a lookup's: a scatter-add into the stored weight's dtype) is reduced in fp32,
         # where the weights' are in the compute dtype
         grads += embedding * (4 - work.reduce_bytes) * work.grad_reductions
@@ -187,12 +236,21 @@ def collectives(work: Workload, triple: Triple, devices: int) -> list[Collective
              Collective("params_backward", "all-gather", k, 1, again if 1 < k < p else 0, units * micro),
              Collective("grads", "all-reduce" if whole else "reduce-scatter", g, 1, grads,
                         units * work.grad_reductions),
-             Collective("replicas", "all-reduce", devices // g, g, rest * reduced / g, units * work.grad_reductions),
+             # replicas sum every shard, the embedding's too (by width: its columns' whole gradient, in fp32)
+             Collective("replicas", "all-reduce", devices // g, g,
+                        (rest * reduced + head * work.compute_bytes * work.grad_reductions
+                         + (embedding * 4 * work.grad_reductions if split_by_width else 0)) / g,
+                        units * work.grad_reductions),
              Collective("summed", "all-reduce", devices, 1, (summed[0] * work.reduce_bytes + summed[1] * 4)
                         * work.grad_reductions, units * work.grad_reductions),
              Collective("update", "all-gather", update // p, p, trained * 4 / p, units),
              Collective("reference", "all-gather", p, 1, (work.reference_params or psi) * c * micro
-                        * work.reference_forwards, units * micro * work.reference_forwards)]
+                        * work.reference_forwards, units * micro * work.reference_forwards),
+             # the looked-up rows to their devices (compute dtype) and their gradient back (fp32)
+             Collective("lookup", "all-to-all", p, 1, (work.compute_bytes + 4) * work.tokens_per_device
+                        * work.hidden if by_width(work, triple) else 0, 2 * micro),
+             Collective("head", "all-to-all", g, 1, head * work.compute_bytes * work.grad_reductions,
+                        work.grad_reductions)]
     return [x for x in found if x.size > 1 and x.tensor_bytes > 0]
 
 
@@ -209,7 +267,7 @@ def _reduced_whole(work: Workload, triple: Triple, devices: int) -> bool:
     return work.tpu_compiler and (1 < triple.params < triple.grads == devices or many)
 
 
-def _summed_whole(work: Workload, whole: bool, grads: int) -> tuple[int, int]:
+def _summed_whole(work: Workload, whole: bool, grads: int, split_by_width: bool) -> tuple[int, int]:
     """The parameters whose gradients the TPU compiler all-reduces whole over every device where the rest are
     reduce-scattered (`WholeReductions`), as (in the compute dtype, in fp32): grouped experts' (their partial
     sums come from no matmul: XLA's partitioner sums them with an all-reduce and a slice), weights split along
@@ -227,7 +285,7 @@ def _summed_whole(work: Workload, whole: bool, grads: int) -> tuple[int, int]:
             summed += params
         elif not grouped and width / grads < _LANES and rules.reaches(rules.narrow_last_dim, grads):
             summed += params
-    by_rows = work.embedding_params >= work.hidden ** 2
+    by_rows = work.embedding_params >= work.hidden ** 2 and not split_by_width
     embedding = work.embedding_params if by_rows and rules.reaches(rules.embedding, grads) else 0
     return summed, embedding
 
@@ -287,7 +345,7 @@ def compute_bound(estimates: list[Estimate]) -> bool:
 
 def estimate(work: Workload, triple: Triple, devices: int, acc: Accelerator, domain: int,
              efficiency: float = 0.7) -> Estimate:
-    held = memory(work, triple)
+    held = memory(work, triple, devices)
     traffic = {acc.fast_name: 0.0, acc.slow_name: 0.0}
     seconds = 0.0
     for x in collectives(work, triple, devices):

@@ -29,8 +29,10 @@ class WholeReductions:
     0.0.42) goes by the dimension a weight is split along: `experts_last_dim`, grouped experts' split along
     their last (`gate_up_proj`, [experts, 2 x intermediate, width]), whole on 8 and 64 devices where those
     split along another are reduce-scattered; `narrow_last_dim`, a matmul weight split along its last dimension
-    to fewer than 128 columns (a TPU tile's lanes) per device, whole on 64 devices (Llama-3-8B's k and v
-    projections, Qwen3-30B-A3B's attention output), where 224 columns (8B's down projection) reduce-scatter."""
+    to fewer than 128 columns (a TPU tile's lanes) per device: whole on 64 devices (Llama-3-8B's k and v
+    projections, Qwen3-30B-A3B's attention output) while the residual stream was fp32 and the embedding split by
+    its rows; with bf16 activations and the embedding split by its width the same program reduce-scatters them
+    (Llama-3-8B on a tpu7x-64, Nov 28), so no chip sets it now."""
 
     every: int | None = None
     experts: int | None = None
@@ -78,7 +80,7 @@ ACCELERATORS: dict[str, Accelerator] = {
     # (4,614 fp8); ICI 1.2 TB/s per chip both ways, as v5p (Google Cloud's Ironwood announcement, April 2025).
     # Its DCN per chip is not published there: v5p's is assumed.
     "tpu7x": Accelerator("TPU7x", 192 * GiB, 2307e12, 600e9, 6.25e9, "ICI", "DCN", None, hbm_bw=7370e9,
-                         reductions=WholeReductions(experts_last_dim=8, narrow_last_dim=64)),
+                         reductions=WholeReductions(experts_last_dim=8)),
     # NVIDIA SXM: NVLink 4 at 900 GB/s both ways; one 400 Gb/s NIC per GPU (an 8-GPU node, as A3/DGX).
     "h100": Accelerator("H100 80GB", 80e9, 989e12, 450e9, 50e9, "NVLink", "network", 8),
     "h200": Accelerator("H200 141GB", 141e9, 989e12, 450e9, 50e9, "NVLink", "network", 8),

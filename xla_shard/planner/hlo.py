@@ -14,6 +14,8 @@ _BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "s32": 4, "u32": 4,
           "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
 _OP = re.compile(r"= \(?([a-z0-9]+)\[([0-9,]*)\][^ ]* (all-gather|all-reduce|reduce-scatter)(?:-start)?\("
                  r".*?replica_groups=(\{\{[0-9,{} ]*\}\}|\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?)")
+_ALL_TO_ALL = re.compile(r"= (\([^)]*\)|\S+) all-to-all\(.*?replica_groups=(\{\{[0-9,{} ]*\}\}|\[[0-9,]+\]<=\[[0-9,]+\]"
+                         r"(?:T\([0-9,]+\))?)")
 
 
 def _tensor_bytes(dtype: str, dims: str) -> int:
@@ -23,16 +25,19 @@ def _tensor_bytes(dtype: str, dims: str) -> int:
 
 def collectives(hlo_text: str) -> dict[tuple[str, int, int], dict[str, int]]:
     """{(op, group size, stride): {"count", "bytes"}}; bytes of each op's result (the whole gathered or reduced
-    tensor for all-gather and all-reduce, one shard for reduce-scatter). The stride is the distance between
-    neighbouring device ids of the first group, sorted (1: consecutive devices, the inner mesh axis)."""
+    tensor for all-gather and all-reduce, one shard for reduce-scatter, every piece an all-to-all sends: XLA's
+    CPU compiler spells one as a tuple of them). The stride is the distance between neighbouring device ids of
+    the first group, sorted (1: consecutive devices, the inner mesh axis)."""
     totals: dict[tuple[str, int, int], dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
-    for match in _OP.finditer(hlo_text):
-        dtype, dims, op, groups = match.groups()
+    found = [(match.group(3), match.group(4), _tensor_bytes(*match.group(1, 2))) for match in _OP.finditer(hlo_text)]
+    found += [("all-to-all", match.group(2), sum(_tensor_bytes(*t) for t in _TENSOR.findall(match.group(1))))
+              for match in _ALL_TO_ALL.finditer(hlo_text)]
+    for op, groups, size_bytes in found:
         first = sorted(_first_group(groups))
         size, stride = len(first), (first[1] - first[0] if len(first) > 1 else 1)
         entry = totals[(op, size, stride)]
         entry["count"] += 1
-        entry["bytes"] += _tensor_bytes(dtype, dims)
+        entry["bytes"] += size_bytes
     return dict(totals)
 
 
@@ -139,11 +144,16 @@ class _Program:
     def laid_into_zeros(self, computation: str, value: str, depth: int = 2) -> bool:
         op, operands, rest = self.made.get(computation, {}).get(value, ("", "", ""))
         args = _CALLEE.findall(operands)
+        while op in ("copy-done", "copy-start", "copy", "bitcast") and args:  # moved, not computed
+            op, operands, rest = self.made.get(computation, {}).get(args[0], ("", "", ""))
+            args = _CALLEE.findall(operands)
         if op == "dynamic-update-slice" and args:
             return self._made_by(computation, args[0], "broadcast", depth)
-        if op == "fusion":  # a fused dynamic-update-slice whose base is one of the fusion's operands
+        if op == "fusion":  # a fused dynamic-update-slice (maybe converted) whose base is one of the fusion's operands
             fused = next((c.lstrip("%") for site, c in _CALL.findall(rest) if site == "calls"), "")
             root = self.made.get(fused, {}).get(self.roots.get(fused, ""), ("", "", ""))
+            while root[0] in ("convert", "bitcast", "copy") and _CALLEE.findall(root[1]):
+                root = self.made.get(fused, {}).get(_CALLEE.findall(root[1])[0], ("", "", ""))
             base = _CALLEE.findall(root[1])[:1] if root[0] == "dynamic-update-slice" else []
             index = self._parameter(fused, base[0]) if base else None
             return index is not None and index < len(args) and self._made_by(computation, args[index], "broadcast",
