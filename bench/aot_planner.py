@@ -6,7 +6,8 @@ Each row traces a config's step as `xla-shard compile` does (placeholders: nothi
 compiles it with libtpu for the slice, and prints, per device, what the planner predicts beside what the
 compiled program holds and moves: parameters + optimizer state (against the compiled arguments less the
 batch), gradient reductions (reduce-scatter + all-reduce result bytes), parameter all-gathers, and what else
-moves (all-to-all, collective-permutes outside a windowed einsum). Llama-3-8B
+moves (all-to-all, collective-permutes outside a windowed einsum), and the compiled total per device (arguments,
+the buffer assignment's heap of temporaries, code: what `xla-shard compile` fits). Llama-3-8B
 and -70B shapes, and a Qwen3-30B-A3B shape (mixture of experts: grouped-matmul experts on a TPU). Scanned layers,
 activation checkpointing, bf16 and flash attention, as a large run is configured. TPU7x rows need the isolated
 compiler (XLA_SHARD_TPU_COMPILER, see docs/planner.md); each row runs in a fresh process (the device count is
@@ -77,7 +78,7 @@ def row(name: str) -> dict:
             "compiled_reductions": got["reduce-scatter"]["bytes"] + got["all-reduce"]["bytes"],
             "planned_gathers": predicted.get("all-gather", 0), "compiled_gathers": got["all-gather"]["bytes"],
             "compiled_other": got["all-to-all"]["bytes"] + got["collective-permute"]["bytes"],
-            "compiled_total": compiled.argument_bytes + compiled.temp_bytes + compiled.code_bytes}
+            "compiled_total": compiled.argument_bytes + compiled.temporaries + compiled.code_bytes}
 
 
 def _moe_dir(shape: dict) -> str:
