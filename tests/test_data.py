@@ -179,6 +179,31 @@ def test_streaming_packs_documents_as_read_and_repeats_exactly(model_dirs):
     assert shuffled.global_batch(0)["input_ids"].tolist() != [stream[i * 32:(i + 1) * 32] for i in range(8)]
 
 
+def test_a_stream_is_read_once_in_order_while_the_next_steps_are_prefetched(model_dirs, monkeypatch):
+    """The trainer reads a step's rows and its real-token count together, in the prefetch thread
+    (`Trainer._read`): a stream asked for a step behind the one it last read starts again from the top."""
+    import functools
+    import types
+
+    from xla_shard.data import Prefetcher
+    from xla_shard.data.stream import StreamSource
+    from xla_shard.train import Trainer
+
+    source = sources(model_dirs.llama, f"data.path={CORPUS}", "data.streaming=true",
+                     "train.global_batch_size=2").train
+    rewinds = []
+    rewind = StreamSource._rewind
+    monkeypatch.setattr(StreamSource, "_rewind", lambda self: (rewinds.append(1), rewind(self)))
+    reader = types.SimpleNamespace(source=source, micro_batches=lambda step: [source.rows(step, range(2))])
+    prefetch = Prefetcher(functools.partial(Trainer._read, reader), range(6))
+    got = [prefetch.get(step) for step in range(6)]
+    assert not rewinds
+    assert all(real == 2 * 32 for _, real in got)  # packed blocks: every token real
+    fresh = sources(model_dirs.llama, f"data.path={CORPUS}", "data.streaming=true", "train.global_batch_size=2").train
+    for step, (batches, _) in enumerate(got):  # each step's own rows, as a stream read in order gives them
+        assert torch.equal(batches[0]["input_ids"], fresh.global_batch(step)["input_ids"])
+
+
 def test_padded_rows_cut_to_their_longest_give_the_same_loss():
     """Eager backends take each micro-batch cut to its longest row (`batches.trimmed`): the padding no row uses
     goes, and the model's loss is what it was (padding is masked and unlabelled); rows without a mask stay."""

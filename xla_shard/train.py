@@ -368,6 +368,11 @@ class Trainer:
         return [self.source.rows(step, micro_rows(train.global_batch_size, j, k, *backend.processes.batch_part))
                 for j in range(k)]
 
+    def _read(self, step: int) -> tuple[list[Batch], int]:
+        """`step`'s micro-batches and its global batch's real tokens, read together in the prefetch thread: a
+        stream's rows are read once, in order (asked for an earlier step, a stream starts again from the top)."""
+        return self.micro_batches(step), self.source.real_tokens(step)
+
     def step(self, step: int, micro_batches: list[Batch] | None = None) -> torch.Tensor:
         """One optimizer step over `grad_accum_steps` micro-batches; the mean loss (a device tensor)."""
         backend, train = self.backend, self.cfg.train
@@ -410,12 +415,13 @@ class Trainer:
         for advisory in self.backend.advisories():
             logger.warn(advisory)
         self._start_clock()
-        prefetch = datalib.Prefetcher(self.micro_batches, range(self.start_step, self.total_steps))
+        prefetch = datalib.Prefetcher(self._read, range(self.start_step, self.total_steps))
         try:
             with PreemptionGuard(cfg.checkpoint.preemption_grace_s) as preemption:
                 for step in range(self.start_step, self.total_steps):
-                    loss = self.step(step, prefetch.get(step))
-                    self._real_tokens += self.source.real_tokens(step)
+                    micro_batches, real_tokens = prefetch.get(step)
+                    loss = self.step(step, micro_batches)
+                    self._real_tokens += real_tokens
                     done = step + 1
                     record = self._record(done, loss, logger)
                     logger.advance(record)

@@ -203,7 +203,8 @@ def collectives(work: Workload, triple: Triple, devices: int) -> list[Collective
     # matmul). Backward gathers all but the embedding again, and for the TPU compiler not what forward gathered
     # last; checkpointing's recompute gathers the layers again there, the last one's shared with its backward.
     stored = (4 if work.trained_params is None else work.frozen_bytes) if work.tpu_compiler else c
-    if by_width(work, triple):
+    width = by_width(work, triple)
+    if width:
         stored = 0  # looked up where its columns are: the rows move instead (`lookup`, below)
     # the chunked loss's head: gathered whole once a step, the same weight for every micro-batch
     head_once = work.head_params if work.loss_chunks else 0
@@ -222,9 +223,9 @@ def collectives(work: Workload, triple: Triple, devices: int) -> list[Collective
         again += head * work.compute_bytes * micro
     whole = _reduced_whole(work, triple, devices)
     # parameters all-reduced over every device: (compute dtype, fp32)
-    summed = _summed_whole(work, whole, g, by_width(work, triple))
+    summed = _summed_whole(work, whole, g, width)
     rest = trained - sum(summed)
-    split_by_width = by_width(work, triple) and work.trained_params is None
+    split_by_width = width and work.trained_params is None
     rest -= (embedding if split_by_width else 0) + head  # a gradient that stays where it is, one summed by all-to-all
     grads = rest * reduced
     if work.trained_params is None and not summed[1] and not split_by_width:
@@ -248,7 +249,7 @@ def collectives(work: Workload, triple: Triple, devices: int) -> list[Collective
                         * work.reference_forwards, units * micro * work.reference_forwards),
              # the looked-up rows to their devices (compute dtype) and their gradient back (fp32)
              Collective("lookup", "all-to-all", p, 1, (work.compute_bytes + 4) * work.tokens_per_device
-                        * work.hidden if by_width(work, triple) else 0, 2 * micro),
+                        * work.hidden if width else 0, 2 * micro),
              Collective("head", "all-to-all", g, 1, head * work.compute_bytes * work.grad_reductions,
                         work.grad_reductions)]
     return [x for x in found if x.size > 1 and x.tensor_bytes > 0]
