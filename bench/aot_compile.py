@@ -111,6 +111,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=None, help="global batch, in sequences (default 32; "
                                                                   "--packed-chat: 4)")
+    parser.add_argument("--context", type=int, default=1, help="mesh.context: devices each sequence is split over")
     parser.add_argument("--scan", action="store_true", help="fsdp.scan_layers: true")
     parser.add_argument("--checkpointing", action="store_true", help="fsdp.activation_checkpointing: true")
     args = parser.parse_args()
@@ -122,13 +123,14 @@ def main() -> None:
     if small:
         return packed_chat(args, tpu_name)
     llama3_8b = (tpu_name, args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate, args.vocab,
-                 args.seq_len, args.batch, args.scan, args.checkpointing) == (
-                     "v5p-64", 4096, 32, 32, 8, 14336, 128256, 8192, 32, True, True)
+                 args.seq_len, args.batch, args.scan, args.checkpointing, args.context) == (
+                     "v5p-64", 4096, 32, 32, 8, 14336, 128256, 8192, 32, True, True, 1)
     overrides = (f"{{hidden_size: {args.hidden}, intermediate_size: {args.intermediate}, num_hidden_layers: "
                  f"{args.layers}, num_attention_heads: {args.heads}, num_key_value_heads: {args.kv_heads}, "
                  f"vocab_size: {args.vocab}, max_position_embeddings: {args.seq_len}}}")
     cfg = config.load(None, ["model=small-llama", f"model.overrides={overrides}", f"train.seq_len={args.seq_len}",
                              f"train.global_batch_size={args.batch}", "fsdp.mixed_precision=bf16",
+                             f"mesh.context={args.context}",
                              f"fsdp.scan_layers={str(args.scan).lower()}",
                              f"fsdp.activation_checkpointing={str(args.checkpointing).lower()}"])
     chosen = target.parse(tpu_name)
@@ -142,7 +144,8 @@ def main() -> None:
     report = Report(chosen, traced, compiled, chosen.per_device(tpu.count))
     params = traced.parameters * tpu.count / 4  # fp32 master weights, whole
     print(f"{tpu_name} ({tpu.count} devices): a {params / 1e9:.2f}B-parameter Llama, {args.batch} x {args.seq_len} "
-          f"tokens, bf16, scan_layers {args.scan}, activation checkpointing {args.checkpointing}")
+          f"tokens, bf16, scan_layers {args.scan}, activation checkpointing {args.checkpointing}, sequences split "
+          f"{args.context}-way")
     print("| trace s | host peak after trace GiB | compile s | host peak after compile GiB | model fp32 + AdamW GiB "
           "| per device GiB (of HBM) | fits |")
     print("|---|---|---|---|---|---|---|")
@@ -151,6 +154,13 @@ def main() -> None:
           f"{report.fits} |")
     if llama3_8b:
         beside_maxtext(report)
+    else:
+        print(f"temporaries {report.compiled.temporaries / GIB:.2f} GiB, arguments "
+              f"{report.compiled.argument_bytes / GIB:.2f} GiB; collectives GiB per device: "
+              + ", ".join(f"{kind} {v.get('bytes', 0) / GIB:.2f}" for kind, v in report.collectives.items()))
+        largest = "; ".join(f"{slot.bytes / GIB:.2f} {what} ({slot.spelled})"
+                            for what, slot in report.largest_temporaries())
+        print(f"largest temporaries: {largest}")
 
 
 if __name__ == "__main__":

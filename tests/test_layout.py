@@ -17,7 +17,7 @@ LAYERS = [
     ("config", ["xla_shard.config"]),
     ("plan", ["xla_shard.plan", "xla_shard.capabilities", "xla_shard.planner.cost", "xla_shard.planner.hardware",
               "xla_shard.planner.hlo", "xla_shard.schedule", "xla_shard.preemption",
-              "xla_shard.attention", "xla_shard.experts", "xla_shard.metrics"]),
+              "xla_shard.attention", "xla_shard.sequence", "xla_shard.experts", "xla_shard.metrics"]),
     ("storage formats and data", ["xla_shard.checkpoint", "xla_shard.data"]),
     ("model", ["xla_shard.models", "xla_shard.wrap", "xla_shard.lm_head", "xla_shard.methods"]),
     ("loading and planning", ["xla_shard.pretrained", "xla_shard.planner"]),

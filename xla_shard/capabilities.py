@@ -55,6 +55,9 @@ class Capabilities:
     # gradient reduction per micro-batch (GSPMD cannot keep partial sums: see the README).
     gathers_per_tensor: bool = False
     reduces_every_micro_batch: bool = False
+    # A sequence axis (mesh.context > 1): each sequence split over several devices.
+    context: str | None = ("it has no sequence axis (each device holds whole sequences); use backend xla_spmd, or "
+                           "set it to 1")
     # Whether a step may take rows of another length than the last (eager execution: padded rows are cut to
     # their micro-batch's longest); a compiler that traces one program per shape takes seq_len always.
     varying_shapes: bool = False
@@ -81,6 +84,8 @@ class Capabilities:
             self.refuse("model.lora", f"{self.lora}; use backend xla_spmd or torch_fsdp")
         if cfg.train.compile and self.compile:
             self.refuse("train.compile", f"{self.compile}; set it to false")
+        if cfg.mesh.context > 1 and self.context:
+            self.refuse("mesh.context", f"{cfg.mesh.context}: {self.context}")
         if fsdp.xla_settings and self.xla_settings:
             self.refuse("fsdp.xla_settings", self.xla_settings)
         if self.launcher != "torchrun" and (cfg.launch.nproc_per_node is not None or cfg.launch.nnodes != 1

@@ -111,13 +111,13 @@ def _experts_op(hidden: torch.Tensor, index: torch.Tensor, route: torch.Tensor, 
                 down: torch.Tensor, layout: str) -> torch.Tensor:
     """An op, not Python the tracer walks into: under `scan_layers` torch_xla traces each layer with
     AOTAutograd, and the manual SPMD region needs real XLA tensors."""
-    mesh, axes = _spmd_mesh()
+    mesh, axes = spmd_mesh()
     if mesh is None:
         return _experts(hidden, index, route, up, down, layout)
     rows = (axes, None)
-    out = _experts(*(_to_local(t, mesh, rows) for t in (hidden, index, route)),
+    out = _experts(*(to_local(t, mesh, rows) for t in (hidden, index, route)),
                    *(_whole(w, mesh) for w in (up, down)), layout)
-    return _to_global(out, mesh, rows, hidden.shape)
+    return to_global(out, mesh, rows, hidden.shape)
 
 
 @_experts_op.register_fake
@@ -130,16 +130,16 @@ def _experts_backward_op(grad: torch.Tensor, hidden: torch.Tensor, index: torch.
                          up: torch.Tensor, down: torch.Tensor, layout: str) -> list[torch.Tensor]:
     """Gradients of all four inputs, from the inputs alone: the grouped matmuls are recomputed (no per-pair
     activations are kept from forward) and differentiated by hand (an op's body records no autograd graph)."""
-    mesh, axes = _spmd_mesh()
+    mesh, axes = spmd_mesh()
     if mesh is None:
         d_hidden, d_route, d_up, d_down = _experts_grads(grad, hidden, index, route, up, down, layout)
         return [d_hidden, d_route, d_up.to(up.dtype), d_down.to(down.dtype)]
     rows = (axes, None)
-    d_hidden, d_route, d_up, d_down = _experts_grads(*(_to_local(t, mesh, rows) for t in (grad, hidden, index, route)),
+    d_hidden, d_route, d_up, d_down = _experts_grads(*(to_local(t, mesh, rows) for t in (grad, hidden, index, route)),
                                                      *(_whole(w, mesh) for w in (up, down)), layout)
     # the weights' gradients summed over the devices in the compute dtype, as XLA reduces every other weight's,
     # then in the weights' own (fp32 under bf16 mixed precision: summed in it, they moved twice the bytes)
-    return [_to_global(d_hidden, mesh, rows, hidden.shape), _to_global(d_route, mesh, rows, route.shape),
+    return [to_global(d_hidden, mesh, rows, hidden.shape), to_global(d_route, mesh, rows, route.shape),
             _summed(d_up, mesh, axes, up).to(up.dtype), _summed(d_down, mesh, axes, down).to(down.dtype)]
 
 
@@ -309,14 +309,14 @@ def _gmm(lhs, rhs, sizes, transposed):
 
     outer = rhs.shape[1] if transposed else rhs.shape[2]
     kwargs = {"tiling": _tiling(lhs.shape[0], lhs.shape[1], outer), "transpose_rhs": transposed,
-              "interpret": _interpret()}
+              "interpret": interpreted()}
     return xb.call_jax(_megablox_gmm, (lhs, rhs, sizes), kwargs)
 
 
 def _tgmm(lhs_t, rhs, sizes):
     import torch_xla.core.xla_builder as xb
 
-    kwargs = {"tiling": _tiling(lhs_t.shape[1], lhs_t.shape[0], rhs.shape[1]), "interpret": _interpret()}
+    kwargs = {"tiling": _tiling(lhs_t.shape[1], lhs_t.shape[0], rhs.shape[1]), "interpret": interpreted()}
     return xb.call_jax(_megablox_tgmm, (lhs_t, rhs, sizes), kwargs)
 
 
@@ -332,7 +332,12 @@ def _megablox_tgmm(lhs_t, rhs, sizes, *, tiling, interpret):
     return tgmm(lhs_t, rhs, sizes, lhs_t.dtype, tiling, interpret=interpret)
 
 
-def _interpret() -> bool:
+def lowered_kernels() -> bool:
+    """Whether Pallas kernels run compiled here: on a TPU, or traced for one (`xla-shard compile`)."""
+    return not interpreted()
+
+
+def interpreted() -> bool:
     """Interpret the kernel unless it runs on a TPU or is lowered for one. Asked of torch_xla's runtime, not
     jax's: on a TPU VM torch_xla holds the chips."""
     if _for_tpu.get():
@@ -342,7 +347,7 @@ def _interpret() -> bool:
     return xr.device_type() != "TPU"
 
 
-def _spmd_mesh():
+def spmd_mesh():
     """(mesh, its axis names) under SPMD with a global mesh, else (None, None)."""
     try:
         import torch_xla.distributed.spmd as xs
@@ -353,14 +358,14 @@ def _spmd_mesh():
     return (mesh, tuple(mesh.axis_names)) if mesh is not None else (None, None)
 
 
-def _to_local(tensor: torch.Tensor, mesh, spec) -> torch.Tensor:
+def to_local(tensor: torch.Tensor, mesh, spec) -> torch.Tensor:
     """This device's piece of a global tensor split by `spec`: the entry to a manual SPMD region."""
     import torch_xla.distributed.spmd as xs
 
     return xs.enable_manual_sharding(tensor, spec, mesh=mesh).global_tensor
 
 
-def _to_global(tensor: torch.Tensor, mesh, spec, shape) -> torch.Tensor:
+def to_global(tensor: torch.Tensor, mesh, spec, shape) -> torch.Tensor:
     import torch_xla.distributed.spmd as xs
 
     return xs.disable_manual_sharding(tensor, spec, shape, mesh=mesh).global_tensor
@@ -382,7 +387,7 @@ def _summed(grad: torch.Tensor, mesh, axes, weight: torch.Tensor) -> torch.Tenso
     sum is given the weight's own layout."""
     import torch_xla
 
-    stacked = _to_global(grad.unsqueeze(0), mesh, (axes,) + (None,) * grad.dim(), (mesh.size(), *grad.shape))
+    stacked = to_global(grad.unsqueeze(0), mesh, (axes,) + (None,) * grad.dim(), (mesh.size(), *grad.shape))
     summed = stacked.sum(0)
     layout = torch_xla._XLAC._get_xla_op_sharding(weight)
     if layout is not None:

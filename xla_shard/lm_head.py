@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from xla_shard import sequence
+
 IGNORE = -100
 _ATTRIBUTE = "_xla_shard_scorer"  # on the causal LM: its Scorer
 _WHY = "_xla_shard_unscored"  # ... or why it has none
@@ -126,6 +128,9 @@ class Partials:
     reduces each chunk's weight gradient apart, or gathers every chunk's hidden states from all devices)."""
 
     orders = False  # whether `barrier` does anything
+    # Pieces each row's tokens are split into by a sequence axis, each scored as a row of its own; the tokens
+    # come reordered (`sequence.reorder`).
+    shards = 1
 
     def rows(self, tensor: torch.Tensor) -> torch.Tensor:
         """[rows, ...] -> [devices, rows per device, ...]."""
@@ -199,15 +204,24 @@ class Scorer:
         if request is None or self._inside or args or kwargs:
             return self._forward(hidden, *args, **kwargs)
         state = _State(self, hidden.device.type, request.hits)
+        rows, tokens = hidden.shape[:2]
+        targets, shards = request.targets, self.partials.shards
+        if shards > 1:  # a split sequence: its pieces scored as rows of their own, the targets reordered alike
+            targets = sequence.reorder(targets, shards).reshape(rows * shards, tokens // shards)
+            hidden = hidden.reshape(rows * shards, tokens // shards, *hidden.shape[2:])
         if self.linear:
             weight = self.partials.whole(self.head.weight, _compute_dtype(self.head.weight, state))
-            logps = _ChunkedLinear.apply(state, hidden, request.targets, weight, self.head.bias)
+            logps = _ChunkedLinear.apply(state, hidden, targets, weight, self.head.bias)
         else:
             tensors = [_attribute(self.head, name) for name in self.names]
-            logps = _ChunkedModule.apply(state, hidden, request.targets, *tensors)
+            logps = _ChunkedModule.apply(state, hidden, targets, *tensors)
+        correct = state.correct
+        if shards > 1:  # back to the labels' order
+            logps = sequence.restore(logps.reshape(rows, tokens), shards)
+            correct = sequence.restore(correct.reshape(rows, tokens), shards) if request.hits else None
         request.logps = logps[:, :-1]
         if request.hits:
-            request.correct = state.correct[:, :-1]
+            request.correct = correct[:, :-1]
         # The model gets [rows, tokens, 1] in place of its logits, computed from the scores: a wrapper's hooks on
         # the model's outputs (FSDP's pre-backward gather of the head) run before the scores' backward needs them,
         # once the loss depends on it (`Request.tie`).

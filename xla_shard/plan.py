@@ -9,7 +9,7 @@ model in `xla_shard.planner`); the named strategies set all three alike.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from xla_shard.config.schema import FsdpSection, MeshSection, ShardingStrategy
@@ -51,6 +51,7 @@ class ShardingPlan:
     grads: int  # ... a gradient
     optimizer: int  # ... an optimizer state tensor
     reason: str | None = None  # why this plan (fsdp.sharding: auto says what the cost model predicted)
+    context: int = 1  # devices each sequence is split over (mesh.context), inside the P devices of a parameter
 
     @property
     def replicate_only(self) -> bool:
@@ -83,13 +84,22 @@ class ShardingPlan:
     def hybrid(self) -> bool:
         return self.strategy.is_hybrid
 
+    @property
+    def rows_split(self) -> int:
+        """Devices a batch's rows are split over: the sequence axis splits each row instead."""
+        return self.devices // self.context
+
     def describe(self) -> dict[str, Any]:
-        return {**asdict(self), "strategy": self.strategy.value, "triple": self.triple}
+        described = {**asdict(self), "strategy": self.strategy.value, "triple": self.triple}
+        if self.context == 1:
+            del described["context"]  # as manifests wrote plans before the sequence axis
+        return described
 
     def __str__(self) -> str:
         return (f"{self.strategy.value}: {self.replicas} replica(s) x {self.shard}-way shards over {self.devices} "
                 f"device(s); params/grads/optimizer split {self.params}/{self.grads}/{self.optimizer}-way, "
                 f"reshard after forward: {str(self.reshard_after_forward).lower()}"
+                + (f"; sequences split {self.context}-way (mesh.context)" if self.context > 1 else "")
                 + (f" ({self.reason})" if self.reason else ""))
 
 
@@ -117,6 +127,19 @@ def resolve(fsdp: FsdpSection, mesh: MeshSection, devices: int) -> ShardingPlan:
         replicas, shard = devices, 1
     return ShardingPlan(strategy, devices, replicas, shard, strategy.reshards_after_forward,
                         params=shard, grads=shard, optimizer=shard)
+
+
+def with_context(plan: ShardingPlan, context: int) -> ShardingPlan:
+    """`plan` with each sequence split over `context` devices; PlanError unless they lie inside the devices a
+    parameter is split over (so the sequence axis multiplies no state) and the parameter's group splits into
+    them."""
+    if context == 1:
+        return plan
+    if plan.params % context:
+        raise PlanError("mesh.context", f"{context} must divide the devices each parameter is split over "
+                                        f"({plan.params}, {plan.triple}): the sequence axis lies inside them, so "
+                                        "parameters, gradients and optimizer state stay sharded over it")
+    return replace(plan, context=context)
 
 
 def from_planner(triple: Triple, devices: int, reason: str | None = None) -> ShardingPlan:

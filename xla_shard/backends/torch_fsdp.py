@@ -88,7 +88,10 @@ class TorchFsdpBackend(Backend):
         offload_params=None,  # FSDP2's CPUOffloadPolicy, on a machine with GPUs
         nonuniform_triple="FSDP2 keeps gradients and optimizer state in the parameters' DTensor layout and cannot "
                           "shard them wider: pytorch/pytorch#148257",
-        group_after_forward=None, compile=None, varying_shapes=True)  # fully_shard(reshard_after_forward=k)
+        group_after_forward=None, compile=None, varying_shapes=True,  # fully_shard(reshard_after_forward=k)
+        context="torch's context parallelism (torch.distributed.tensor.experimental.context_parallel) replaces "
+                "SDPA's CUDA kernels with a ring that takes no document mask, so packed rows would attend across "
+                "their examples; xla_shard does not run it: use backend xla_spmd, or set it to 1")
     wrapper_prefixes = ("module",)  # DistributedDataParallel (NO_SHARD); fully_shard keeps names as they are
     state_type = Fsdp2State
 

@@ -27,7 +27,8 @@ class TorchTpuBackend(TorchFsdpBackend):
         "torch_tpu", launcher="torchrun", platforms=("tpu",), unit="torchrun processes",
         offload_params="TorchTPU has no pinned host memory for FSDP2's CPUOffloadPolicy",
         nonuniform_triple=TorchFsdpBackend.capabilities.nonuniform_triple,
-        group_after_forward=None, compile=None, tpu_setup="torchtpu", varying_shapes=False)  # one program a shape
+        group_after_forward=None, compile=None, tpu_setup="torchtpu", varying_shapes=False,  # one program a shape
+        context=TorchFsdpBackend.capabilities.context)
 
     @property
     def profile(self) -> DeviceProfile:

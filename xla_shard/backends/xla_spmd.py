@@ -34,7 +34,8 @@ from xla_shard.capabilities import Capabilities
 from xla_shard.checkpoint.contract import Box, Chunk
 from xla_shard.config.schema import ShardingStrategy
 
-MESH_AXES = ("replica", "optimizer", "grads", "fsdp")  # outermost (slowest links) first
+MESH_AXES = ("replica", "optimizer", "grads", "fsdp", "context")  # outermost (slowest links) first
+ROW_AXES = MESH_AXES[:-1]  # what a batch's rows are split over; `context` splits each row's tokens
 _NOT_UNDER_SPMD = ("is not expressible under SPMD (XLA's partitioner schedules the all-gathers); use FULL_SHARD, "
                    "HYBRID_SHARD or NO_SHARD")
 
@@ -141,7 +142,10 @@ class SpmdPartials(xla_common.XlaPartials):
     def __init__(self, backend: XlaSpmdBackend):
         self.backend = backend
         self.devices = backend.num_devices
-        self.axes = tuple(backend._batch_axes)
+        self.shards = backend.plan.context
+        # what the chunked loss's rows are split over: a row's tokens are split over `context`, and scored as
+        # that many rows of their own (`lm_head.Scorer`)
+        self.axes = MESH_AXES if self.shards > 1 else ROW_AXES
 
     def _split(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         spec = [None] * tensor.dim()
@@ -193,10 +197,11 @@ class Layouts:
     optimizer: tuple
 
     @classmethod
-    def of(cls, param: torch.Tensor, stacked: bool = False, dim: int | None = None) -> Layouts:
-        """FSDPv2's rule: the largest dimension is split (or `dim`, where given). A stacked parameter ([layers,
-        ...], scanned layers) is split inside each layer, as that layer alone would be: the scan slices the
-        first dimension."""
+    def of(cls, param: torch.Tensor, stacked: bool = False, dim: int | None = None,
+           axes: tuple[str, ...] = ("fsdp",)) -> Layouts:
+        """FSDPv2's rule: the largest dimension is split (or `dim`, where given), over `axes` (`fsdp`, and
+        `context` where the sequence is split: parameters span it). A stacked parameter ([layers, ...], scanned
+        layers) is split inside each layer, as that layer alone would be: the scan slices the first dimension."""
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
 
         shape, lead = tuple(param.shape), int(stacked)
@@ -207,10 +212,10 @@ class Layouts:
                 return cls((None,) * len(shape), (None,) * len(shape), (None,) * len(shape))  # replicated
             dim = lead + spec.index("fsdp")
 
-        def over(*axes):
-            return tuple((axes if len(axes) > 1 else axes[0]) if d == dim else None for d in range(len(shape)))
+        def over(*names):
+            return tuple((names if len(names) > 1 else names[0]) if d == dim else None for d in range(len(shape)))
 
-        return cls(over("fsdp"), over("fsdp", "grads"), over("fsdp", "grads", "optimizer"))
+        return cls(over(*axes), over(*axes, "grads"), over(*axes, "grads", "optimizer"))
 
 
 class SpmdState(BackendState):
@@ -308,7 +313,7 @@ class XlaSpmdBackend(xla_common.XlaBackend):
                     ShardingStrategy.HYBRID_SHARD_ZERO2: _NOT_UNDER_SPMD},
         nonuniform_triple=None,  # per-tensor annotations: any nested triple
         group_after_forward="XLA's partitioner decides what it keeps from forward for backward",
-        scan_layers=None, gathers_per_tensor=True, reduces_every_micro_batch=True,
+        scan_layers=None, gathers_per_tensor=True, reduces_every_micro_batch=True, context=None,
         experts=xla_common.XlaBackend.EXPERTS, router_aux_loss=xla_common.XlaBackend.ROUTER_AUX_LOSS)
     wrapper_prefixes = ("_orig_module",)
     state_type = SpmdState
@@ -338,11 +343,11 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         self.processes = self._host_processes(xr.process_index(), xr.process_count())
         self.layouts: dict[torch.Tensor, Layouts] = {}
         self._split_dims: dict[nn.Parameter, int] = {}  # parameters split along another dim than the largest
-        self._row_marks: dict[int, Callable[[torch.Tensor], None]] = {}  # by tensor rank
-        self._host_rows: dict[int, object] = {}  # by tensor rank: minibatch input shardings (several hosts)
+        self._row_marks: dict[tuple, Callable[[torch.Tensor], None]] = {}  # by tensor rank and token dim
+        self._host_rows: dict[tuple, object] = {}  # the same: minibatch input shardings (several hosts)
         # One program over every device: one loss, nothing averaged over processes.
         self.rank, self.world = 0, 1
-        self._batch_axes = MESH_AXES
+        self._batch_axes = ROW_AXES
 
     @staticmethod
     def _host_processes(index: int, count: int) -> Processes:
@@ -366,6 +371,8 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         self.mesh = self._build_mesh()
         xs.set_global_mesh(self.mesh)
         self.partials = SpmdPartials(self)
+        # a parameter's P devices are fsdp x context: the sequence axis adds no state per device
+        self._param_axes = ("fsdp", "context") if plan.context > 1 else ("fsdp",)
 
     def _build_mesh(self):
         """The plan's mesh. On a multi-slice TPU pod, torch_xla's HybridMesh with the slices as the outermost
@@ -375,8 +382,8 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
 
-        p, g, o, n = self.plan.params, self.plan.grads, self.plan.optimizer, self.num_devices
-        shape = (n // o, o // g, g // p, p)
+        p, g, o, n, c = self.plan.params, self.plan.grads, self.plan.optimizer, self.num_devices, self.plan.context
+        shape = (n // o, o // g, g // p, p // c, c)
         attributes = xr.global_runtime_device_attributes() if xla_common.on_tpu() else []
         slices = self.traced_slices if self.traced_for else len({a.get("slice_index", 0) for a in attributes}) or 1
         if slices == 1:
@@ -396,6 +403,8 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
 
         prepare(self, model)
+        if self.plan.context > 1:
+            self._split_sequences(model)
         if self.cfg.fsdp.scan_layers:
             # Activation checkpointing happens inside the scan; the root wrapper marks every parameter with
             # FSDPv2's rule, as each layer's own wrapper would have.
@@ -415,6 +424,8 @@ class XlaSpmdBackend(xla_common.XlaBackend):
             wrapped = model  # replicated parameters; the sharded batch makes it data-parallel
         else:
             own_rule = stacked | {p for p in model.parameters() if p in self._split_dims}
+            if self.plan.context > 1:
+                own_rule = set(model.parameters())  # over fsdp x context, where FSDPv2 would take fsdp alone
             for param in own_rule - self._marked(model):  # FSDPv2 marks only the parameters nobody has marked yet
                 xs.mark_sharding(param, self.mesh, self._layouts_of(param, stacked).params)
             wrapped = SpmdFullyShardedDataParallel(
@@ -453,11 +464,11 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         the layers take it: XLA moves the looked-up rows to their devices between the two, after the cast the
         output gets under bf16 activations (an all-to-all in bf16, not in fp32), and their gradient back in bf16
         before the scatter-add, which stays in fp32 on each device's columns."""
-        width = Layouts.of(model.get_input_embeddings().weight, dim=1).params[1]
+        width = Layouts.of(model.get_input_embeddings().weight, dim=1, axes=self._param_axes).params[1]
         split = {width} if isinstance(width, str) else set(width)
         rows = tuple(axis for axis in self._batch_axes if axis not in split)  # replicas keep their own rows
         by_width = self.mesh.get_op_sharding((rows or None, None, width))
-        by_rows = self.mesh.get_op_sharding((self._batch_axes, None, None))
+        by_rows = self.mesh.get_op_sharding(self._token_spec(3))
 
         def split_by_width(module, args, output):
             if not (isinstance(output, torch.Tensor) and output.dim() == 3):
@@ -467,7 +478,29 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         model.get_input_embeddings().register_forward_hook(split_by_width)
 
     def _layouts_of(self, param: torch.Tensor, stacked: set[nn.Parameter]) -> Layouts:
-        return Layouts.of(param, stacked=param in stacked, dim=self._split_dims.get(param))
+        return Layouts.of(param, stacked=param in stacked, dim=self._split_dims.get(param), axes=self._param_axes)
+
+    def _split_sequences(self, model: nn.Module) -> None:
+        """The sequence axis: attention across the split sequence (`xla_shard.sequence`), for every module
+        sharing the model's config (the reference of DPO is wrapped here too)."""
+        from xla_shard import lm_head, sequence
+
+        if lm_head.scorer(model) is None:
+            self.capabilities.refuse("mesh.context", f"{self.plan.context}: the loss is scored per piece of the "
+                                                     f"split sequence, and {lm_head.unscorable(model)}")
+        from xla_shard.attention import plain_causal
+
+        if not plain_causal(model.config):
+            self.capabilities.refuse("mesh.context", f"{self.plan.context}: {type(model).__name__} attends through "
+                                                     "sliding windows or chunks, which the split sequence's mask "
+                                                     "does not express; set it to 1")
+        if self.cfg.fsdp.scan_layers and sequence.use_kernel():
+            self.capabilities.refuse("mesh.context", f"{self.plan.context} with fsdp.scan_layers on a TPU: the splash "
+                                                     "kernel's mask data cannot yet enter torch_xla's scanned loop "
+                                                     "body; set fsdp.scan_layers to false")
+        sequence.register()
+        for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
+            config._attn_implementation = sequence.XLA_CONTEXT
 
     def _gather_scanned_layers(self, model: nn.Module) -> None:
         """Inside a scanned loop, each layer's weights are used whole and their gradients leave reduce-scattered,
@@ -477,7 +510,7 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         mesh = str(self.mesh)
         for stack in (m for m in model.modules() if isinstance(m, xla_scan.ScannedLayers)):
             for name, param in stack.named_parameters():
-                grads = str(Layouts.of(param, stacked=True).grads[1:])
+                grads = str(Layouts.of(param, stacked=True, axes=self._param_axes).grads[1:])
                 stack.in_layer[name] = lambda t, grads=grads: _UsedWhole.apply(t, mesh, grads)
 
     def to_device(self, model: nn.Module, device=None) -> nn.Module:
@@ -551,11 +584,20 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         optimizer.register_step_post_hook(shard_state)
         return optimizer
 
-    def _by_rows(self, tensor: torch.Tensor) -> None:
-        """Shard a tensor by its first dimension (rows of the batch) over every mesh axis."""
-        if tensor.dim() not in self._row_marks:
-            self._row_marks[tensor.dim()] = annotator(self.mesh, (self._batch_axes,) + (None,) * (tensor.dim() - 1))
-        self._row_marks[tensor.dim()](tensor)
+    def _token_spec(self, rank: int, tokens: int | None = 1) -> tuple:
+        """A batch tensor's layout: rows over the row axes, and its tokens (dim `tokens`: 1 for hidden states,
+        the last for a row's ids) over the sequence axis where it splits them."""
+        spec = [self._batch_axes] + [None] * (rank - 1)
+        if tokens is not None and 0 < tokens < rank and self.plan.context > 1:
+            spec[tokens] = "context"
+        return tuple(spec)
+
+    def _by_rows(self, tensor: torch.Tensor, tokens: int | None = 1) -> None:
+        """Shard a tensor by its rows over the row axes (and its tokens over the sequence axis)."""
+        key = (tensor.dim(), tokens)
+        if key not in self._row_marks:
+            self._row_marks[key] = annotator(self.mesh, self._token_spec(tensor.dim(), tokens))
+        self._row_marks[key](tensor)
 
     def _shard_output(self, output, mesh) -> None:
         """Inner layers return hidden states, the root a ModelOutput: shard whichever tensor leads, by batch."""
@@ -567,21 +609,28 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         the whole batch and marks it; several hand torch_xla their parts as minibatch input shardings, which
         it lays out as one global tensor (each host's rows on its own devices; nothing crosses hosts)."""
         if isinstance(rows, dict):
-            return {key: self.place(value) for key, value in rows.items()}
+            from xla_shard import sequence
+
+            rows = sequence.reorder_rows(rows, self.plan.context, self.cfg.train.seq_len)
+            return {key: self._place_one(value) for key, value in rows.items()}
+        return self._place_one(rows)
+
+    def _place_one(self, rows: torch.Tensor) -> torch.Tensor:
+        tokens = rows.dim() - 1 if rows.dim() >= 2 and rows.shape[-1] == self.cfg.train.seq_len else None
         if self.processes.count > 1:
-            return self._place_host_rows(rows)
+            return self._place_host_rows(rows, tokens)
         batch = rows.to(self.device)
-        self._by_rows(batch)
+        self._by_rows(batch, tokens)
         return batch
 
-    def _place_host_rows(self, rows: torch.Tensor) -> torch.Tensor:
+    def _place_host_rows(self, rows: torch.Tensor, tokens: int | None) -> torch.Tensor:
         import torch_xla.core.xla_model as xm
         import torch_xla.distributed.spmd as xs
 
-        if rows.dim() not in self._host_rows:
-            spec = (self._batch_axes,) + (None,) * (rows.dim() - 1)
-            self._host_rows[rows.dim()] = xs.ShardingSpec(self.mesh, spec, minibatch=True)
-        return xm.send_cpu_data_to_device(rows, self.device, input_sharding=self._host_rows[rows.dim()])[0]
+        key = (rows.dim(), tokens)
+        if key not in self._host_rows:
+            self._host_rows[key] = xs.ShardingSpec(self.mesh, self._token_spec(rows.dim(), tokens), minibatch=True)
+        return xm.send_cpu_data_to_device(rows, self.device, input_sharding=self._host_rows[key])[0]
 
     def forward_context(self):
         return torch.autocast("xla", dtype=torch.bfloat16, enabled=self.cfg.fsdp.mixed_precision == "bf16")

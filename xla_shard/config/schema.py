@@ -175,10 +175,16 @@ class MeshSection(_Section):
 
     `fsdp: -1` means "all devices left after the replica axis". torch_fsdp uses the same two numbers for
     its 2-D DeviceMesh under HYBRID_SHARD.
+
+    `context`: the sequence axis (xla_spmd). Each sequence is split over that many devices (a divisor of the
+    devices parameters are split over, which still span them: the axis adds no state per device); attention
+    gathers keys and values along it, and each device holds an early and a late chunk of every sequence, so the
+    causal work is balanced.
     """
 
     fsdp: int = -1
     replica: int = Field(default=1, ge=1)
+    context: int = Field(default=1, ge=1)
 
     @field_validator("fsdp")
     @classmethod
@@ -666,6 +672,25 @@ class ShardConfig(_Section):
         if self.data.kind != "text" and self.model.task != "causal_lm":
             raise ValueError(f"data.kind {self.data.kind} trains a causal LM on answers; model.task is "
                              f"{self.model.task} (its rows are data.text_fields and data.label_field)")
+        return self
+
+    @model_validator(mode="after")
+    def _sequence_axis(self) -> ShardConfig:
+        context = self.mesh.context
+        if context == 1:
+            return self
+        if self.model.task != "causal_lm":
+            raise ValueError(f"mesh.context={context} splits a causal LM's sequences; model.task is {self.model.task}")
+        if self.train.seq_len % (2 * context):
+            raise ValueError(f"mesh.context={context}: train.seq_len {self.train.seq_len} must split into "
+                             f"{2 * context} equal chunks (each device holds an early and a late one)")
+        if self.train.loss_chunks == 0:
+            raise ValueError(f"mesh.context={context} scores the loss per piece of the split sequence: "
+                             "train.loss_chunks 0 (the model's own loss, over whole logits) cannot; set auto")
+        if self.model.attn_implementation not in ("auto", "eager", "xla_pallas"):
+            raise ValueError(f"mesh.context={context} computes attention across the sequence's shards itself "
+                             f"(splash attention on TPUs, eager elsewhere): model.attn_implementation "
+                             f"{self.model.attn_implementation} cannot; set auto")
         return self
 
     @field_validator("model", mode="before")

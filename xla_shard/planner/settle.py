@@ -20,21 +20,22 @@ def settle(cfg: ShardConfig, devices: int, capabilities: Capabilities, device_ki
             resolved = auto(cfg, devices, capabilities, device_kind)
         else:
             resolved = planlib.resolve(cfg.fsdp, cfg.mesh, devices)
+        resolved = planlib.with_context(resolved, cfg.mesh.context)
     except PlanError as exc:
         refuse(exc.key, f"{exc}" + ("" if unit == "devices" else f" ({unit})"))
     refusal = capabilities.triple_refusal(resolved)
     if refusal and cfg.fsdp.sharding is not None:
         refuse("fsdp.sharding", refusal)
-    train = cfg.train
-    if train.global_batch_size % devices:
-        refuse("train.global_batch_size", f"{train.global_batch_size} does not split evenly over {devices} {unit}")
+    train, rows = cfg.train, resolved.rows_split
+    over = f"{rows} {unit}" + (f" ({devices} over mesh.context={resolved.context})" if resolved.context > 1 else "")
+    if train.global_batch_size % rows:
+        refuse("train.global_batch_size", f"{train.global_batch_size} does not split evenly over {over}")
     micro = train.global_batch_size // train.grad_accum_steps
-    if micro % devices:
+    if micro % rows:
         # Each micro-batch is split over the devices like a whole batch: uneven, a process would drop rows
         # (FSDP2) or XLA would replicate the batch (SPMD).
         refuse("train.grad_accum_steps", f"{train.grad_accum_steps} micro-batches of {micro} rows: each must split "
-                                         f"evenly over the {devices} {unit} (global_batch_size "
-                                         f"{train.global_batch_size})")
+                                         f"evenly over {over} (global_batch_size {train.global_batch_size})")
     return resolved
 
 

@@ -1,0 +1,154 @@
+"""The sequence axis (`mesh.context`): each sequence split over devices in a balanced causal order, attention
+across the pieces, the loss scored per piece; a run with it trains as the same run without it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import FIXTURES, run_trainings, run_worker
+from model_dirs import CHAT_TEMPLATE, llama_dir
+from xla_shard import config, sequence
+from xla_shard.attention import segment_mask, segments
+from xla_shard.backends.torch_fsdp import TorchFsdpBackend
+from xla_shard.backends.torchtpu import TorchTpuBackend
+from xla_shard.backends.xla_fsdp import XlaFsdpBackend
+from xla_shard.backends.xla_spmd import XlaSpmdBackend
+from xla_shard.errors import ConfigError
+from xla_shard.plan import PlanError, resolve, with_context
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4])
+def test_each_shard_holds_an_early_and_a_late_chunk_and_the_order_comes_back(shards):
+    tokens = 32
+    placed = sequence.reorder(torch.arange(tokens), shards)
+    assert sorted(placed.tolist()) == list(range(tokens))
+    assert torch.equal(sequence.restore(placed, shards), torch.arange(tokens))
+    chunk = tokens // (2 * shards)
+    work = {int((piece + 1).sum()) for piece in placed.view(shards, -1)}  # keys each shard's queries see
+    assert len(work) == 1
+    for shard, piece in enumerate(placed.view(shards, -1)):
+        assert sorted({int(t) // chunk for t in piece}) == sorted({shard, 2 * shards - 1 - shard})
+
+
+@pytest.mark.parametrize("shards", [2, 4])
+def test_the_split_sequences_mask_is_the_packed_rows_causal_mask_in_the_new_order(shards):
+    tokens = 32
+    positions = torch.tensor([list(range(10)) + list(range(7)) + list(range(15)),
+                              list(range(32))])
+    padding = torch.ones(2, tokens, dtype=torch.bool)
+    padding[1, 28:] = False
+    seen = sequence.allowed(sequence.reorder(positions, shards), sequence.reorder(padding, shards), shards)
+    back = sequence.restore(sequence.restore(seen.squeeze(1), shards, dim=1), shards, dim=2)
+    wanted = segment_mask(segments(positions, 2), tokens, tokens).squeeze(1) & padding[:, None, :]
+    wanted |= torch.eye(tokens, dtype=torch.bool)
+    assert torch.equal(back, wanted)
+
+
+def test_rows_are_reordered_but_their_labels_are_not_and_positions_are_added():
+    rows = {"input_ids": torch.arange(16).view(2, 8), "labels": torch.arange(16).view(2, 8),
+            "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    placed = sequence.reorder_rows(rows, 2, 8)
+    assert torch.equal(placed["labels"], rows["labels"])
+    assert placed["input_ids"][0].tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    assert placed["position_ids"][1].tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    preference = {"input_ids": torch.arange(32).view(2, 2, 8), "labels": torch.zeros(2, 2, 8)}
+    assert sequence.reorder_rows(preference, 2, 8)["input_ids"][1, 1].tolist() == [24, 25, 30, 31, 26, 27, 28, 29]
+
+
+@pytest.mark.parametrize("backend", [TorchFsdpBackend, XlaFsdpBackend, TorchTpuBackend])
+def test_backends_without_a_sequence_axis_refuse_it_naming_the_key(backend):
+    cfg = config.load(None, ["model.name=tiny-llama", "mesh.context=2", "train.seq_len=64"])
+    with pytest.raises(ConfigError, match=r"mesh\.context") as refused:
+        backend.capabilities.check(cfg)
+    assert "\n" not in str(refused.value)
+    XlaSpmdBackend.capabilities.check(cfg)  # runs it
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["train.seq_len=66", "mesh.context=2"], "4 equal chunks"),
+    (["mesh.context=2", "train.loss_chunks=0"], "loss_chunks"),
+    (["mesh.context=2", "model.attn_implementation=sdpa"], "attn_implementation"),
+    (["mesh.context=2", "model.name=tiny-bert", "model.task=sequence_classification", "model.num_labels=2"],
+     "causal LM"),
+])
+def test_a_sequence_axis_it_cannot_split_is_refused_in_one_line(sets, words):
+    with pytest.raises(ConfigError, match=words) as refused:
+        config.load(None, ["model.name=tiny-llama", "train.seq_len=64", *sets])
+    assert "mesh.context" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_the_sequence_axis_lies_inside_a_parameters_devices():
+    cfg = config.load(None, ["fsdp.sharding_strategy=HYBRID_SHARD", "mesh.replica=4", "mesh.context=4"])
+    plan = resolve(cfg.fsdp, cfg.mesh, 8)  # 2-way shards: 4 does not divide them
+    with pytest.raises(PlanError, match="must divide") as refused:
+        with_context(plan, 4)
+    assert refused.value.key == "mesh.context"
+    plan = with_context(resolve(cfg.fsdp, cfg.mesh.model_copy(update={"replica": 2}), 8), 4)
+    assert (plan.context, plan.rows_split, plan.params) == (4, 2, 4)
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    return llama_dir(tmp_path_factory.mktemp("context_model") / "model", chat_template=CHAT_TEMPLATE, positions=512)
+
+
+def _exact(runs: dict, base: str, rel: float = 1e-5) -> None:
+    for name, records in runs.items():
+        assert len(records) == len(runs[base])
+        for got, want in zip(records, runs[base]):
+            for key in ("loss", "grad_norm"):
+                assert got[key] == pytest.approx(want[key], rel=rel), (name, got["step"], key)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.xla
+def test_a_split_sequence_trains_packed_chat_as_the_whole_one_and_its_checkpoints_cross_meshes(tmp_path, chat_model):
+    """Full fine-tuning of packed chat rows, 2 and 4 ways with fsdp beside (4 devices), then each checkpoint
+    resumed on the other mesh."""
+    common = ["backend=xla_spmd", "cpu_devices=4", f"model.name={chat_model}", "train.steps=4", "train.seq_len=256",
+              "train.global_batch_size=4", "train.lr=1e-3", "train.max_grad_norm=1e6", "data.kind=chat",
+              f"data.path={FIXTURES / 'chat.jsonl'}", "checkpoint.every_steps=2", "checkpoint.async=false"]
+    ckpt = {name: f"checkpoint.dir={tmp_path / name / 'ckpt'}" for name in ("whole", "two", "four")}
+    runs = run_trainings(tmp_path, common, {
+        "whole": [ckpt["whole"]], "two": ["mesh.context=2", ckpt["two"]], "four": ["mesh.context=4", ckpt["four"]],
+        "two_from_whole": ["mesh.context=2", f"checkpoint.dir={tmp_path / 'a'}",
+                           f"checkpoint.resume={tmp_path / 'whole' / 'ckpt' / 'step-00000002'}"],
+        "whole_from_four": [f"checkpoint.dir={tmp_path / 'b'}",
+                            f"checkpoint.resume={tmp_path / 'four' / 'ckpt' / 'step-00000002'}"]})
+    assert "sequences split 2-way" in (tmp_path / "train_runs.log").read_text()
+    assert "attention xla_context" in (tmp_path / "train_runs.log").read_text()
+    _exact({name: runs[name] for name in ("whole", "two", "four")}, "whole")
+    assert [r["step"] for r in runs["two_from_whole"]] == [3, 4]
+    _exact({"two_from_whole": runs["two_from_whole"], "whole": runs["whole"][2:]}, "whole")
+    _exact({"whole_from_four": runs["whole_from_four"], "four": runs["four"][2:]}, "four")
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.xla
+def test_a_split_sequence_trains_lora_on_scanned_layers_and_dpo_as_the_whole_one(tmp_path, chat_model):
+    common = ["backend=xla_spmd", "cpu_devices=4", f"model.name={chat_model}", "train.steps=3",
+              "train.global_batch_size=4", "train.lr=1e-3", "train.max_grad_norm=1e6"]
+    lora = ["model.lora.r=4", "fsdp.scan_layers=true", "data.kind=chat", f"data.path={FIXTURES / 'chat.jsonl'}",
+            "train.seq_len=256"]
+    dpo = ["data.kind=preference", f"data.path={FIXTURES / 'preference_chat.jsonl'}", "train.seq_len=64"]
+    runs = run_trainings(tmp_path, common, {"lora": lora, "lora_two": [*lora, "mesh.context=2"],
+                                            "dpo": dpo, "dpo_four": [*dpo, "mesh.context=4"]})
+    _exact({"lora_two": runs["lora_two"], "lora": runs["lora"]}, "lora")
+    _exact({"dpo_four": runs["dpo_four"], "dpo": runs["dpo"]}, "dpo")
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.xla
+def test_the_splash_kernel_over_a_split_sequence_computes_the_eager_attention(tmp_path):
+    """The TPU's path (jax's splash kernel in a manual SPMD region, its mask data split over the sequence axis),
+    interpreted on the CPU, against the eager path: packed rows of two documents, 2 ways."""
+    done = run_worker("context_kernel.py", str(tmp_path / "run"), cwd=tmp_path)
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["kernel"]["loss"] == pytest.approx(found["eager"]["loss"], rel=1e-5)
+    assert found["kernel"]["grad_norm"] == pytest.approx(found["eager"]["grad_norm"], rel=1e-5)

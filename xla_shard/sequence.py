@@ -1,0 +1,303 @@
+"""The sequence (context) axis: every sequence split over `mesh.context` devices, with attention computed across
+the pieces, as MaxText's context parallelism (its default all_gather strategy) does.
+
+Causal attention over a split sequence is unbalanced if each device holds one contiguous piece: the last
+piece attends to everything, the first to itself. So the rows are reordered before they are placed: the sequence
+is cut into 2c chunks and device i holds chunks i and 2c-1-i (MaxText's and torchtitan's load balancing); every
+device then does the same causal work. Positions travel with their tokens (`position_ids`, the rotary's input);
+labels stay in their own order, and the chunked loss reorders the targets to meet the hidden states
+(`lm_head`). Attention gathers keys and values along the axis and masks by the tokens' places in the original
+order and by their documents (packed rows' segments, found from the positions in that order), so the result is
+the unsplit model's, whatever the reordering.
+
+On a TPU (or traced for one) attention is jax's splash attention kernel, given each device's part of the mask
+as data (`_splash`); elsewhere the model's own eager attention with that mask.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+
+XLA_CONTEXT = "xla_context"  # the transformers attention implementation a split sequence runs
+CONTEXT_AXIS = "context"
+
+
+def chunk_order(shards: int) -> list[int]:
+    """The 2 x `shards` chunks of a sequence in their balanced order: shard i holds chunks i and 2 x shards - 1 - i."""
+    return [i for shard in range(shards) for i in (shard, 2 * shards - 1 - shard)]
+
+
+def _chunks_in(tensor: torch.Tensor, order: list[int], dim: int) -> torch.Tensor:
+    """`tensor` cut into len(order) equal chunks along `dim`, put together in `order`: slices and one
+    concatenation (static, so a traced loop body and XLA's partitioner take them as they are)."""
+    pieces = tensor.chunk(len(order), dim)
+    return torch.cat([pieces[i] for i in order], dim)
+
+
+def reorder(tensor: torch.Tensor, shards: int, dim: int = -1) -> torch.Tensor:
+    """Tokens along `dim` from their original order to the balanced one."""
+    return _chunks_in(tensor, chunk_order(shards), dim) if shards > 1 else tensor
+
+
+def restore(tensor: torch.Tensor, shards: int, dim: int = -1) -> torch.Tensor:
+    """Tokens along `dim` from the balanced order back to the original one."""
+    if shards == 1:
+        return tensor
+    order = chunk_order(shards)
+    return _chunks_in(tensor, sorted(range(len(order)), key=order.__getitem__), dim)
+
+
+def reorder_rows(rows: dict[str, torch.Tensor], shards: int, tokens: int) -> dict[str, torch.Tensor]:
+    """A batch's host rows with every per-token field but the labels reordered (`reorder`); positions are added
+    where the batch has none (the model would number the reordered tokens 0, 1, ... otherwise)."""
+    if shards == 1:
+        return rows
+    out = dict(rows)
+    if "position_ids" not in out:
+        out["position_ids"] = torch.arange(tokens).expand(rows["input_ids"].shape)
+    for key, value in out.items():
+        if key != "labels" and isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[-1] == tokens:
+            out[key] = reorder(value, shards)
+    return out
+
+
+def shards() -> int:
+    """The sequence axis's size on torch_xla's global mesh (1 without one)."""
+    try:
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
+    except ImportError:
+        return 1
+    mesh = xs.get_global_mesh() if xr.is_spmd() else None
+    if mesh is None or CONTEXT_AXIS not in mesh.axis_names:
+        return 1
+    return int(mesh.mesh_shape[mesh.axis_names.index(CONTEXT_AXIS)])
+
+
+@functools.cache
+def register() -> None:
+    """Make `xla_context` a transformers attention implementation, with its mask function."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(XLA_CONTEXT, context_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(XLA_CONTEXT, padding_only)
+
+
+def padding_only(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """The batch's padding mask as it is ([rows, tokens], reordered with the tokens), or None: the causal and
+    document masks are the attention's to make, from the original order (transformers' would follow the
+    reordered one)."""
+    if attention_mask is None or attention_mask.dim() != 2 or bool(attention_mask.all()):
+        return None
+    return attention_mask.bool()
+
+
+def documents(position_ids: torch.Tensor, shards: int) -> torch.Tensor:
+    """Each reordered token's document in its row ([rows, tokens], int32), numbered in the original order:
+    packed rows restart their positions at each document."""
+    from xla_shard.attention import segments
+
+    original = restore(position_ids, shards)
+    found = segments(original, original.shape[0])
+    return reorder(found if found is not None else torch.zeros_like(original, dtype=torch.int32), shards)
+
+
+def allowed(position_ids: torch.Tensor, padding: torch.Tensor | None, shards: int) -> torch.Tensor:
+    """[rows, 1, tokens, tokens] booleans over the reordered tokens: a token sees the tokens before it in the
+    original order, in its own document, that are not padding (and always itself: a padded token's row is
+    never empty)."""
+    tokens = position_ids.shape[-1]
+    place = reorder(torch.arange(tokens, device=position_ids.device), shards)
+    causal = place[:, None] >= place[None, :]
+    docs = documents(position_ids, shards)
+    seen = causal & (docs[:, :, None] == docs[:, None, :])
+    if padding is not None:
+        seen = seen & padding[:, None, :]
+    seen = seen | (place[:, None] == place[None, :])
+    return seen.unsqueeze(1)
+
+
+def context_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention over a split, reordered sequence ([rows, heads, tokens, head_dim] inputs, the tokens split
+    over the sequence axis): keys and values gathered whole along it, the mask from the original order."""
+    position_ids = kwargs.get("position_ids")
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2:
+        raise RuntimeError("mesh.context: the attention was given no per-row positions (the backend adds them)")
+    count = shards()
+    position_ids = position_ids.expand(query.shape[0], -1)
+    if use_kernel():
+        return _splash(module, query, key, value, position_ids, attention_mask, scaling, count)
+    seen = allowed(position_ids, attention_mask, count)
+    additive = torch.zeros(seen.shape, dtype=query.dtype, device=query.device).masked_fill(
+        ~seen, torch.finfo(query.dtype).min)
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as eager
+    kwargs.pop("position_ids", None)
+    return eager(module, query, key, value, additive, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def use_kernel() -> bool:
+    """Whether attention runs jax's splash kernel: on a TPU, or traced for one."""
+    from xla_shard import experts
+
+    return experts.lowered_kernels()
+
+
+def _splash(module, query, key, value, position_ids, padding, scaling, count):
+    """Splash attention over the split sequence (MaxText's all_gather strategy): each device's queries (their
+    two chunks) against the keys and values gathered whole along the axis and put back in their original order,
+    the causal mask computed in the kernel from each query's original position (a mask over 2c shards of
+    queries, each device handed its shard's part as data), packed documents by segment ids."""
+    if padding is not None:
+        raise RuntimeError("mesh.context on a TPU: padded rows reach the splash kernel with a padding mask it does "
+                           "not take; pack the rows (data.packing: true)")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    docs = documents(position_ids, count)
+    out = _SplashAttention.apply(query * scale, key, value, docs, restore(docs, count), count)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_BLOCK = 512  # the kernel's block along either sequence (MaxText's sa_block_* default)
+
+
+@functools.cache
+def _kernel(tokens: int, heads: int, count: int, interpret: bool):
+    """The splash kernel for `heads` query heads over `tokens` reordered queries (in `count` shards) and as many
+    keys in their original order: (its mask data as numpy leaves with their layouts, a function of those leaves
+    and (queries, keys, values, query segments, key segments) that runs it on one device's rows)."""
+    import jax
+    import numpy as np
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    class _ReorderedCausal(masks._ComputableMask):
+        """Causal by original position, the queries in the balanced order (`q_sequence`), keys in their own."""
+
+        def __init__(self, shape):
+            super().__init__(shape=shape, mask_function=lambda q, k: q >= k)
+            chunks = np.arange(tokens, dtype=np.int32).reshape(2 * count, -1)
+            self.q_sequence = np.concatenate([chunks[i] for i in chunk_order(count)])
+
+        def __eq__(self, other):
+            return isinstance(other, type(self)) and self.shape == other.shape
+
+        def __hash__(self):
+            return hash((type(self), self.shape, count))
+
+    block = min(_BLOCK, tokens // count)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    mask = masks.MultiHeadMask([_ReorderedCausal((tokens, tokens)) for _ in range(heads)])
+    kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=count,
+                                    interpret=interpret)
+    leaves, tree = jax.tree_util.tree_flatten(kernel)
+    # each leaf's dim split over the sequence axis (shard_map's spec of the kernel: its q blocks), or None
+    specs = jax.tree_util.tree_leaves(kernel.manual_sharding_spec(_FakeSharding(count)),
+                                      is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    split = [next((d for d, axis in enumerate(spec) if axis is not None), None) for spec in specs]
+
+    def run(leaves, query, key, value, query_docs, key_docs):
+        bound = jax.tree_util.tree_unflatten(tree, leaves)
+        one = lambda q, k, v, qs, ks: bound(q, k, v, segment_ids=splash.SegmentIds(qs, ks))  # noqa: E731
+        return jax.vmap(one)(query, key, value, query_docs, key_docs)
+
+    return [np.array(leaf) for leaf in leaves], split, run  # writable copies, for torch
+
+
+class _FakeSharding:
+    """What `SplashAttentionKernel.manual_sharding_spec` reads of a sharding: the kernel split over the query
+    sequence only (its spec), every shape divisible."""
+
+    def __init__(self, count: int):
+        import jax
+
+        self.spec = jax.sharding.PartitionSpec(None, CONTEXT_AXIS)
+        self.count = count
+
+    def shard_shape(self, shape):
+        return (shape[0], shape[1] // self.count, *shape[2:])
+
+
+class _SplashAttention(torch.autograd.Function):
+    """The kernel inside a manual SPMD region (XLA runs it per device as written), forward and backward: each
+    device's gradient of the whole keys and values is its partial sum, summed over the sequence axis on the
+    way out (a reduce-scatter, to the keys' split)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, docs, key_docs, count):
+        ctx.save_for_backward(query, key, value, docs, key_docs)
+        ctx.count = count
+        return _call(False, query, key, value, docs, key_docs, count)
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, docs, key_docs = ctx.saved_tensors
+        dq, dk, dv = _call(True, query, key, value, docs, key_docs, ctx.count, grad)
+        return dq, dk, dv, None, None, None
+
+
+def _call(backward: bool, query, key, value, docs, key_docs, count, grad=None):
+    import torch_xla.core.xla_builder as xb
+
+    from xla_shard import experts
+
+    mesh = experts.spmd_mesh()[0]
+    rows = tuple(axis for axis in mesh.axis_names if axis != CONTEXT_AXIS)
+    interpret = experts.interpreted()
+    leaves, split, run = _kernel(query.shape[2], query.shape[1], count, interpret)
+    placed = [_leaf(leaf, dim, mesh, query.device) for leaf, dim in zip(leaves, split)]
+    by_tokens, whole = (rows, None, CONTEXT_AXIS, None), (rows, None, None, None)
+    # keys and values (and their documents) gathered whole along the axis, in the original order
+    key, value = (restore(_laid_out(t, mesh, whole), count, dim=2) for t in (key, value))
+    args = [experts.to_local(query, mesh, by_tokens), experts.to_local(key, mesh, whole),
+            experts.to_local(value, mesh, whole), experts.to_local(docs, mesh, (rows, CONTEXT_AXIS)),
+            experts.to_local(key_docs, mesh, (rows, None))]
+    if not backward:
+        out = xb.call_jax(_forward, (placed, *args), {"run": run})
+        return experts.to_global(out, mesh, by_tokens, query.shape)
+    local_grad = experts.to_local(grad, mesh, by_tokens)
+    dq, dk, dv = xb.call_jax(_backward, (placed, *args, local_grad), {"run": run})
+    dq = experts.to_global(dq, mesh, by_tokens, query.shape)
+    # each device's partial sums over its queries, stacked on an axis split over the sequence axis, summed
+    stacked = (CONTEXT_AXIS, rows, None, None, None)
+    dk, dv = (experts.to_global(g.unsqueeze(0), mesh, stacked, (count, *key.shape)).sum(0) for g in (dk, dv))
+    dk, dv = (_laid_out(reorder(g, count, dim=2), mesh, by_tokens) for g in (dk, dv))
+    return dq, dk, dv
+
+
+def _forward(leaves, query, key, value, docs, key_docs, *, run):
+    return run(leaves, query, key, value, docs, key_docs)  # grouped keys and values: the kernel's own
+
+
+def _backward(leaves, query, key, value, docs, key_docs, grad, *, run):
+    import jax
+
+    _, pull = jax.vjp(lambda q, k, v: run(leaves, q, k, v, docs, key_docs), query, key, value)
+    return pull(grad)
+
+
+def _leaf(leaf, dim, mesh, device) -> torch.Tensor:
+    """A kernel's mask array on the devices, this device's part of it inside the region (split over the
+    sequence axis along `dim`, or whole)."""
+    from xla_shard import experts
+
+    tensor = torch.from_numpy(leaf).to(device)
+    spec = [None] * tensor.dim()
+    if dim is not None:
+        spec[dim] = CONTEXT_AXIS
+    return experts.to_local(_laid_out(tensor, mesh, tuple(spec)), mesh, tuple(spec))
+
+
+def _laid_out(tensor: torch.Tensor, mesh, spec) -> torch.Tensor:
+    import torch_xla
+
+    copy = tensor.clone()
+    torch_xla._XLAC._xla_annotate_custom_sharding(copy, mesh.get_op_sharding(spec))
+    return copy
