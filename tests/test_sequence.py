@@ -147,8 +147,35 @@ def test_a_split_sequence_trains_lora_on_scanned_layers_and_dpo_as_the_whole_one
 @pytest.mark.xla
 def test_the_splash_kernel_over_a_split_sequence_computes_the_eager_attention(tmp_path):
     """The TPU's path (jax's splash kernel in a manual SPMD region, its mask data split over the sequence axis),
-    interpreted on the CPU, against the eager path: packed rows of two documents, 2 ways."""
+    interpreted on the CPU, against the eager path: packed rows of two documents, 2 ways, the layers unrolled and
+    scanned (the kernel is an op AOTAutograd keeps whole)."""
     done = run_worker("context_kernel.py", str(tmp_path / "run"), cwd=tmp_path)
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    assert found["kernel"]["loss"] == pytest.approx(found["eager"]["loss"], rel=1e-5)
-    assert found["kernel"]["grad_norm"] == pytest.approx(found["eager"]["grad_norm"], rel=1e-5)
+    for path in ("kernel", "kernel scanned"):
+        for key in ("loss", "grad_norm"):
+            assert found[path][key] == pytest.approx(found["eager"][key], rel=1e-5), (path, key)
+
+
+def test_the_longest_sequence_search_tries_the_axis_sizes_the_batch_allows():
+    from xla_shard.aot.run import context_sizes
+
+    cfg = config.load(None, ["model.name=tiny-llama", "train.global_batch_size=4"])
+    assert context_sizes(cfg, 32) == [8, 16, 32]  # 4 rows split over 32 / c devices
+    cfg = config.load(None, ["model.name=tiny-llama", "train.global_batch_size=8", "train.grad_accum_steps=2",
+                             "fsdp.sharding_strategy=HYBRID_SHARD", "mesh.replica=2"])
+    assert context_sizes(cfg, 8) == [2, 4]  # inside the 4 devices a parameter spans, 4-row micro-batches
+
+
+def test_the_cost_model_prices_the_sequence_axis():
+    from xla_shard.planner.cost import Workload, collectives, memory
+    from xla_shard.plan import Triple
+
+    work = Workload(params=8_000_000, units=4, flops_per_token=1.0, tokens_per_device=8192, layers=4, hidden=512,
+                    seq_len=65536, compute_bytes=2, activation_checkpointing=True, kv_width=128, context=8)
+    kv = 2 * 128 * 8 * 8192 * 2  # keys and values of this device's row, whole along the axis
+    found = {x.name: x for x in collectives(work, Triple(32, 32, 32), 32)}
+    assert found["context_kv"].size == 8 and found["context_kv"].tensor_bytes == 3 * 4 * kv
+    assert found["context_kv_grads"].op == "all-reduce"
+    assert memory(work, Triple(32, 32, 32), 32)["context"] == 2 * kv
+    plain = Workload(**{**work.__dict__, "context": 1})
+    assert "context_kv" not in {x.name for x in collectives(plain, Triple(32, 32, 32), 32)}

@@ -102,6 +102,10 @@ def _parser() -> argparse.ArgumentParser:
                                                                   "DCN (default: the config's deploy.num_slices)")
     aot.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     aot.add_argument("--json", action="store_true", help="the report as JSON")
+    aot.add_argument("--longest", action="store_true", help="the longest sequence (doubling train.seq_len) that "
+                                                            "fits the slice, and with which mesh.context: each "
+                                                            "answer a compile")
+    aot.add_argument("--budget-minutes", type=float, default=30.0, help="--longest: stop compiling after this long")
     aot.add_argument("--no-suggest", action="store_true", help=argparse.SUPPRESS)  # a compile of a suggestion
     aot.set_defaults(func=_compile)
 
@@ -242,6 +246,15 @@ def _compile(args) -> int:
 
     cfg = cfglib.load(args.config, args.set)
     slices = args.slices or cfg.deploy.num_slices
+    if args.longest:
+        print(f"compiling for {args.tpu}, the sequence doubling from {cfg.train.seq_len} tokens:")
+        found = run.longest(cfg, args.tpu, slices, budget_s=args.budget_minutes * 60)
+        if found is None:
+            raise UserError(f"train.seq_len {cfg.train.seq_len} does not fit {args.tpu} with any mesh.context this "
+                            "batch allows: start from a shorter one, or a bigger slice")
+        seq_len, context, gib = found
+        print(f"longest: train.seq_len {seq_len} with mesh.context {context} ({gib:.2f} GiB per device)")
+        return 0
     report = run.compile_for(cfg, args.tpu, slices)
     print(json.dumps(report.as_dict(), indent=1) if args.json else report.text())
     if report.fits or args.no_suggest:

@@ -14,7 +14,6 @@ way out. On a TPU the kernel is compiled; on a CPU it is interpreted (slow, but 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import warnings
 from dataclasses import dataclass
@@ -25,7 +24,11 @@ XLA_GMM = "xla_gmm"
 _TILE = 512  # the kernel's largest tile per dimension (torch_xla's and MaxText's choice)
 _LANES = 128
 
-_for_tpu = contextvars.ContextVar("xla_shard_experts_for_tpu", default=False)
+# Set while a step is traced for a TPU (`lowered_for_tpu`). Process-wide, not a context variable: autograd runs a
+# device's backward (and activation checkpointing's recomputed forward) in threads of its own, which a context
+# variable does not reach; they then took the CPU's path (eager attention over a split sequence: 6 GiB of scores
+# per layer in the compiled program).
+_for_tpu = [False]
 
 
 def choose(default: str | None, accelerator: str | None) -> str | None:
@@ -38,11 +41,11 @@ def choose(default: str | None, accelerator: str | None) -> str | None:
 def lowered_for_tpu():
     """Kernels traced inside are compiled for a TPU (`xla-shard compile`), never interpreted, though this
     machine's jax runs on its CPU."""
-    token = _for_tpu.set(True)
+    before, _for_tpu[0] = _for_tpu[0], True
     try:
         yield
     finally:
-        _for_tpu.reset(token)
+        _for_tpu[0] = before
 
 
 @functools.cache
@@ -340,7 +343,7 @@ def lowered_kernels() -> bool:
 def interpreted() -> bool:
     """Interpret the kernel unless it runs on a TPU or is lowered for one. Asked of torch_xla's runtime, not
     jax's: on a TPU VM torch_xla holds the chips."""
-    if _for_tpu.get():
+    if _for_tpu[0]:
         return False
     import torch_xla.runtime as xr
 

@@ -160,7 +160,7 @@ def _splash(module, query, key, value, position_ids, padding, scaling, count):
                            "not take; pack the rows (data.packing: true)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     docs = documents(position_ids, count)
-    out = _SplashAttention.apply(query * scale, key, value, docs, restore(docs, count), count)
+    out = torch.ops.xla_shard.context_attention(query * scale, key, value, docs, count)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -225,62 +225,109 @@ class _FakeSharding:
         return (shape[0], shape[1] // self.count, *shape[2:])
 
 
-class _SplashAttention(torch.autograd.Function):
-    """The kernel inside a manual SPMD region (XLA runs it per device as written), forward and backward: each
-    device's gradient of the whole keys and values is its partial sum, summed over the sequence axis on the
-    way out (a reduce-scatter, to the keys' split)."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, docs, key_docs, count):
-        ctx.save_for_backward(query, key, value, docs, key_docs)
-        ctx.count = count
-        return _call(False, query, key, value, docs, key_docs, count)
-
-    @staticmethod
-    def backward(ctx, grad):
-        query, key, value, docs, key_docs = ctx.saved_tensors
-        dq, dk, dv = _call(True, query, key, value, docs, key_docs, ctx.count, grad)
-        return dq, dk, dv, None, None, None
+@torch.library.custom_op("xla_shard::context_attention", mutates_args=())
+def _splash_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, docs: torch.Tensor,
+               count: int) -> torch.Tensor:
+    """The kernel inside a manual SPMD region (XLA runs it per device as written). An op, not Python the tracer
+    walks into: under `scan_layers` torch_xla traces each layer with AOTAutograd, and the region (and the
+    kernel's mask data, made here) needs real XLA tensors."""
+    return _call(False, query, key, value, docs, count)
 
 
-def _call(backward: bool, query, key, value, docs, key_docs, count, grad=None):
+@_splash_op.register_fake
+def _(query, key, value, docs, count):
+    return torch.empty_like(query)
+
+
+@torch.library.custom_op("xla_shard::context_attention_backward", mutates_args=())
+def _splash_backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        docs: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """Each device's gradient of the whole keys and values is its partial sum: summed over the sequence axis on
+    the way out (a reduce-scatter, to the keys' split)."""
+    return list(_call(True, query, key, value, docs, count, grad))
+
+
+@_splash_backward_op.register_fake
+def _(grad, query, key, value, docs, count):
+    return [torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)]
+
+
+def _setup_context(ctx, inputs, output):
+    *tensors, ctx.count = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _splash_grads(ctx, grad):
+    dq, dk, dv = torch.ops.xla_shard.context_attention_backward(grad, *ctx.saved_tensors, ctx.count)
+    return dq, dk, dv, None, None
+
+
+_splash_op.register_autograd(_splash_grads, setup_context=_setup_context)
+
+
+def _call(backward: bool, query, key, value, docs, count, grad=None):
     import torch_xla.core.xla_builder as xb
 
     from xla_shard import experts
 
     mesh = experts.spmd_mesh()[0]
     rows = tuple(axis for axis in mesh.axis_names if axis != CONTEXT_AXIS)
-    interpret = experts.interpreted()
-    leaves, split, run = _kernel(query.shape[2], query.shape[1], count, interpret)
+    leaves, split, run = _kernel(query.shape[2], query.shape[1], count, experts.interpreted())
     placed = [_leaf(leaf, dim, mesh, query.device) for leaf, dim in zip(leaves, split)]
     by_tokens, whole = (rows, None, CONTEXT_AXIS, None), (rows, None, None, None)
-    # keys and values (and their documents) gathered whole along the axis, in the original order
-    key, value = (restore(_laid_out(t, mesh, whole), count, dim=2) for t in (key, value))
+    # keys, values and their documents gathered whole along the axis (entering the region); put back in their
+    # original order inside it
     args = [experts.to_local(query, mesh, by_tokens), experts.to_local(key, mesh, whole),
             experts.to_local(value, mesh, whole), experts.to_local(docs, mesh, (rows, CONTEXT_AXIS)),
-            experts.to_local(key_docs, mesh, (rows, None))]
+            experts.to_local(docs, mesh, (rows, None))]
+    kwargs = {"run": run, "count": count}
     if not backward:
-        out = xb.call_jax(_forward, (placed, *args), {"run": run})
-        return experts.to_global(out, mesh, by_tokens, query.shape)
+        return experts.to_global(xb.call_jax(_forward, (placed, *args), kwargs), mesh, by_tokens, query.shape)
     local_grad = experts.to_local(grad, mesh, by_tokens)
-    dq, dk, dv = xb.call_jax(_backward, (placed, *args, local_grad), {"run": run})
+    dq, dk, dv = xb.call_jax(_backward, (placed, *args, local_grad), kwargs)
     dq = experts.to_global(dq, mesh, by_tokens, query.shape)
-    # each device's partial sums over its queries, stacked on an axis split over the sequence axis, summed
+    # each device's partial sums over its queries (in the balanced order again), stacked on an axis split over
+    # the sequence axis and summed: XLA reduces them to the keys' own split
     stacked = (CONTEXT_AXIS, rows, None, None, None)
-    dk, dv = (experts.to_global(g.unsqueeze(0), mesh, stacked, (count, *key.shape)).sum(0) for g in (dk, dv))
-    dk, dv = (_laid_out(reorder(g, count, dim=2), mesh, by_tokens) for g in (dk, dv))
+    dk, dv = (_laid_out(experts.to_global(g.unsqueeze(0), mesh, stacked, (count, *key.shape)).sum(0), mesh, by_tokens)
+              for g in (dk, dv))
     return dq, dk, dv
 
 
-def _forward(leaves, query, key, value, docs, key_docs, *, run):
-    return run(leaves, query, key, value, docs, key_docs)  # grouped keys and values: the kernel's own
+def _original(tensor, count: int, axis: int):
+    """jax's `restore`: a balanced-order axis back to the original order."""
+    import jax.numpy as jnp
+
+    order = chunk_order(count)
+    pieces = jnp.split(tensor, len(order), axis=axis)
+    return jnp.concatenate([pieces[order.index(i)] for i in range(len(order))], axis=axis)
 
 
-def _backward(leaves, query, key, value, docs, key_docs, grad, *, run):
+def _balanced(tensor, count: int, axis: int):
+    """jax's `reorder`."""
+    import jax.numpy as jnp
+
+    pieces = jnp.split(tensor, 2 * count, axis=axis)
+    return jnp.concatenate([pieces[i] for i in chunk_order(count)], axis=axis)
+
+
+def _forward(leaves, query, key, value, docs, key_docs, *, run, count):
+    # grouped keys and values: the kernel's own
+    return run(leaves, query, _original(key, count, 2), _original(value, count, 2), docs,
+               _original(key_docs, count, 1))
+
+
+def _backward(leaves, query, key, value, docs, key_docs, grad, *, run, count):
     import jax
 
-    _, pull = jax.vjp(lambda q, k, v: run(leaves, q, k, v, docs, key_docs), query, key, value)
-    return pull(grad)
+    key_docs = _original(key_docs, count, 1)
+
+    def attend(q, k, v):
+        return run(leaves, q, k, v, docs, key_docs)
+
+    _, pull = jax.vjp(attend, query, _original(key, count, 2), _original(value, count, 2))
+    dq, dk, dv = pull(grad)
+    return dq, _balanced(dk, count, 2), _balanced(dv, count, 2)
 
 
 def _leaf(leaf, dim, mesh, device) -> torch.Tensor:
@@ -288,14 +335,14 @@ def _leaf(leaf, dim, mesh, device) -> torch.Tensor:
     sequence axis along `dim`, or whole)."""
     from xla_shard import experts
 
-    tensor = torch.from_numpy(leaf).to(device)
-    spec = [None] * tensor.dim()
+    spec = [None] * leaf.ndim
     if dim is not None:
         spec[dim] = CONTEXT_AXIS
-    return experts.to_local(_laid_out(tensor, mesh, tuple(spec)), mesh, tuple(spec))
+    return experts.to_local(torch.from_numpy(leaf).to(device), mesh, tuple(spec))
 
 
 def _laid_out(tensor: torch.Tensor, mesh, spec) -> torch.Tensor:
+    """A copy of `tensor` annotated with the layout XLA's partitioner is to give it."""
     import torch_xla
 
     copy = tensor.clone()

@@ -86,3 +86,70 @@ def refusal(report: Report | Refused, fix: str | None) -> UserError:
     return UserError(f"the step needs {report.needed / 2**30:.2f} GiB per device on {report.target.label}, which has "
                      f"{report.available / 2**30:.2f} GiB (largest: {consumers} GiB); "
                      + (f"it fits with {fix}" if fix else "nothing tried fits: more chips, a smaller batch, or LoRA"))
+
+
+def _with(cfg: ShardConfig, seq_len: int, context: int) -> ShardConfig:
+    train = cfg.train.model_copy(update={"seq_len": seq_len})
+    return cfg.model_copy(update={"train": train, "mesh": cfg.mesh.model_copy(update={"context": context})})
+
+
+def context_sizes(cfg: ShardConfig, devices: int) -> list[int]:
+    """The sequence-axis sizes the config can run on `devices`: powers of two inside a parameter's devices,
+    leaving each micro-batch's rows split evenly over the rest."""
+    from xla_shard import plan as planlib
+
+    params = planlib.resolve(cfg.fsdp, cfg.mesh, devices).params if cfg.fsdp.sharding != "auto" else devices
+    micro = cfg.train.global_batch_size // cfg.train.grad_accum_steps
+    sizes, c = [], 1
+    while c <= params:
+        if params % c == 0 and micro % (devices // c) == 0:
+            sizes.append(c)
+        c *= 2
+    return sizes
+
+
+def longest(cfg: ShardConfig, slice_name: str, slices: int = 1, budget_s: float = 1800.0,
+            say: Callable[[str], None] = print) -> tuple[int, int, float] | None:
+    """The longest sequence (doubling from `train.seq_len`) whose step fits the slice, and the smallest
+    sequence axis (`mesh.context`) it fits with, each answer a compile: first with the largest axis the batch
+    allows (the least memory per device), doubling the length until the compiler refuses it (or the model's
+    positions end), then halving the axis at that length while it still fits (fewer collectives). Returns
+    (seq_len, context, GiB per device), or None if even `train.seq_len` does not fit; what the time budget
+    left untried is said."""
+    import time
+
+    from xla_shard.models import max_positions, model_config
+
+    started = time.monotonic()
+    devices = compiler.describe(target.parse(slice_name, slices=slices).topology, slices).count
+    sizes = context_sizes(cfg, devices)
+    limit = max_positions(model_config(cfg.model))
+    tried: dict[tuple[int, int], float | None] = {}
+
+    def fits(seq_len: int, context: int) -> bool:
+        if time.monotonic() - started > budget_s:
+            raise TimeoutError
+        report = compile_for(_with(cfg, seq_len, context), slice_name, slices)
+        tried[seq_len, context] = report.needed / 2**30 if report.fits else None
+        say(f"  {seq_len} tokens, mesh.context {context}: {report.needed / 2**30:.2f} GiB per device of "
+            f"{report.available / 2**30:.0f}" + ("" if report.fits else " (does not fit)"))
+        return report.fits
+
+    best, context = None, sizes[-1]
+    seq_len = cfg.train.seq_len
+    try:
+        while seq_len % (2 * context) == 0 and (limit is None or seq_len <= limit) and fits(seq_len, context):
+            best, seq_len = seq_len, seq_len * 2
+        if best is None:
+            return None
+        smaller = [c for c in sizes if c < context]
+        while smaller and fits(best, smaller[-1]):
+            context = smaller.pop()
+    except TimeoutError:
+        say(f"  the time budget ({budget_s / 60:.0f} min) ran out: longer sequences and smaller axes than those "
+            "above were not compiled")
+        if best is None:
+            return None
+    if limit is not None and seq_len > limit:
+        say(f"  the model has {limit} positions (max_position_embeddings): no longer sequence was tried")
+    return best, context, tried[best, context]

@@ -494,10 +494,6 @@ class XlaSpmdBackend(xla_common.XlaBackend):
             self.capabilities.refuse("mesh.context", f"{self.plan.context}: {type(model).__name__} attends through "
                                                      "sliding windows or chunks, which the split sequence's mask "
                                                      "does not express; set it to 1")
-        if self.cfg.fsdp.scan_layers and sequence.use_kernel():
-            self.capabilities.refuse("mesh.context", f"{self.plan.context} with fsdp.scan_layers on a TPU: the splash "
-                                                     "kernel's mask data cannot yet enter torch_xla's scanned loop "
-                                                     "body; set fsdp.scan_layers to false")
         sequence.register()
         for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
             config._attn_implementation = sequence.XLA_CONTEXT

@@ -63,7 +63,8 @@ def plan(work: Workload, devices: int, acc: Accelerator, hosts: int | None = Non
         domain = min(acc.domain_max, devices // hosts if hosts else devices)
     if hbm_bytes:
         acc = Accelerator(**{**acc.__dict__, "hbm_bytes": hbm_bytes})
-    estimates = [estimate(work, t, devices, acc, domain, efficiency=efficiency) for t in candidates(devices, domain)]
+    estimates = [estimate(work, t, devices, acc, domain, efficiency=efficiency) for t in candidates(devices, domain)
+                 if t.params % work.context == 0]  # the sequence axis lies inside a parameter's devices
     groups = tie_groups(estimates)
     ranked = sorted(estimates, key=lambda e: (groups[id(e)], e.memory["total"]))
     baseline = next(e for e in estimates if e.triple == Triple(devices, devices, devices))
@@ -177,5 +178,13 @@ def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerato
                     layers=getattr(config, "num_hidden_layers", 1), hidden=getattr(config, "hidden_size", 1),
                     seq_len=cfg.train.seq_len, compute_bytes=2 if cfg.fsdp.mixed_precision == "bf16" else 4,
                     optimizer=cfg.train.optimizer, activation_checkpointing=cfg.fsdp.activation_checkpointing,
-                    micro_batches=cfg.train.grad_accum_steps,
+                    micro_batches=cfg.train.grad_accum_steps, context=cfg.mesh.context, kv_width=_kv_width(config),
                     vocab=getattr(config, "vocab_size", 0) if cfg.model.task == "causal_lm" else 0)
+
+
+def _kv_width(config) -> int:
+    """Keys' width per token: KV heads x head_dim."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", 1) or 1
+    head_dim = getattr(text, "head_dim", None) or getattr(text, "hidden_size", heads) // heads
+    return (getattr(text, "num_key_value_heads", None) or heads) * head_dim

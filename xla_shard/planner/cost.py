@@ -96,6 +96,17 @@ class Workload:
     # devices once, moves by an all-to-all where gradients split over every device (`xla_spmd.SpmdPartials`).
     loss_chunks: int = 0
     head_params: int = 0
+    # The sequence axis (`mesh.context`): devices each sequence is split over, and the keys' (and values')
+    # width per token (KV heads x head_dim), which each layer gathers whole along the axis.
+    context: int = 1
+    kv_width: int = 0
+
+    def context_kv_bytes(self) -> float:
+        """One layer's keys and values, whole along the sequence axis, for one micro-batch of this device's
+        rows (its `tokens_per_device` are 1/context of them), in the compute dtype."""
+        if self.context == 1:
+            return 0.0
+        return 2 * self.kv_width * self.context * self.tokens_per_device / self.micro_batches * self.compute_bytes
 
     @property
     def trained(self) -> int:
@@ -188,7 +199,9 @@ def memory(work: Workload, triple: Triple, devices: int | None = None) -> dict[s
              "logits": work.logits_bytes(_head_by_all_to_all(work, triple, devices)),
              # a unit in use + one prefetched (the reference's units run apart from the policy's)
              "gathered": 2 * c * max(psi, work.reference_params) / max(1, work.units - 1) if p > 1 else 0.0,
-             "kept": c * psi / k if k < p else 0.0}  # every unit's parameters, held from forward for backward
+             "kept": c * psi / k if k < p else 0.0,  # every unit's parameters, held from forward for backward
+             # a layer's keys and values gathered whole, and their gradients' partial sums (sequence axis)
+             "context": 2 * work.context_kv_bytes()}
     found["total"] = sum(found.values())
     return found
 
@@ -251,7 +264,15 @@ def collectives(work: Workload, triple: Triple, devices: int) -> list[Collective
              Collective("lookup", "all-to-all", p, 1, (work.compute_bytes + 4) * work.tokens_per_device
                         * work.hidden if width else 0, 2 * micro),
              Collective("head", "all-to-all", g, 1, head * work.compute_bytes * work.grad_reductions,
-                        work.grad_reductions)]
+                        work.grad_reductions),
+             # the sequence axis: each layer's keys and values gathered whole along it in forward and again in
+             # backward (and in checkpointing's recompute), their gradients' partial sums summed over it (the
+             # TPU compiler all-reduces them; xla_shard/sequence.py)
+             Collective("context_kv", "all-gather", work.context, 1,
+                        work.context_kv_bytes() * work.layers * micro * (3 if work.activation_checkpointing else 2),
+                        work.layers * micro * (3 if work.activation_checkpointing else 2)),
+             Collective("context_kv_grads", "all-reduce", work.context, 1,
+                        work.context_kv_bytes() * work.layers * micro, work.layers * micro)]
     return [x for x in found if x.size > 1 and x.tensor_bytes > 0]
 
 
