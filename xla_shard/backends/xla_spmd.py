@@ -619,7 +619,7 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         self._by_rows(batch, tokens)
         return batch
 
-    def _place_host_rows(self, rows: torch.Tensor, tokens: int | None) -> torch.Tensor:
+    def _place_host_rows(self, rows: torch.Tensor, tokens: int | None = None) -> torch.Tensor:
         import torch_xla.core.xla_model as xm
         import torch_xla.distributed.spmd as xs
 
