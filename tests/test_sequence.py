@@ -148,12 +148,13 @@ def test_a_split_sequence_trains_lora_on_scanned_layers_and_dpo_as_the_whole_one
 def test_the_splash_kernel_over_a_split_sequence_computes_the_eager_attention(tmp_path):
     """The TPU's path (jax's splash kernel in a manual SPMD region, its mask data split over the sequence axis),
     interpreted on the CPU, against the eager path: packed rows of two documents, 2 ways, the layers unrolled and
-    scanned (the kernel is an op AOTAutograd keeps whole)."""
+    scanned (the kernel is an op AOTAutograd keeps whole); padded rows (padding as a segment of its own)."""
     done = run_worker("context_kernel.py", str(tmp_path / "run"), cwd=tmp_path)
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    for path in ("kernel", "kernel scanned"):
+    for path, eager in (("kernel", "eager"), ("kernel scanned", "eager"), ("padded kernel", "padded eager")):
         for key in ("loss", "grad_norm"):
-            assert found[path][key] == pytest.approx(found["eager"][key], rel=1e-5), (path, key)
+            assert found[path][key] == pytest.approx(found[eager][key], rel=1e-5), (path, key)
+    assert found["padded eager"]["loss"] != pytest.approx(found["eager"]["loss"], rel=1e-5)  # another batch
 
 
 def test_the_longest_sequence_search_tries_the_axis_sizes_the_batch_allows():

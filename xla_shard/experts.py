@@ -335,11 +335,6 @@ def _megablox_tgmm(lhs_t, rhs, sizes, *, tiling, interpret):
     return tgmm(lhs_t, rhs, sizes, lhs_t.dtype, tiling, interpret=interpret)
 
 
-def lowered_kernels() -> bool:
-    """Whether Pallas kernels run compiled here: on a TPU, or traced for one (`xla-shard compile`)."""
-    return not interpreted()
-
-
 def interpreted() -> bool:
     """Interpret the kernel unless it runs on a TPU or is lowered for one. Asked of torch_xla's runtime, not
     jax's: on a TPU VM torch_xla holds the chips."""

@@ -66,15 +66,12 @@ def reorder_rows(rows: dict[str, torch.Tensor], shards: int, tokens: int) -> dic
 
 def shards() -> int:
     """The sequence axis's size on torch_xla's global mesh (1 without one)."""
-    try:
-        import torch_xla.distributed.spmd as xs
-        import torch_xla.runtime as xr
-    except ImportError:
+    from xla_shard import experts
+
+    mesh, names = experts.spmd_mesh()
+    if mesh is None or CONTEXT_AXIS not in names:
         return 1
-    mesh = xs.get_global_mesh() if xr.is_spmd() else None
-    if mesh is None or CONTEXT_AXIS not in mesh.axis_names:
-        return 1
-    return int(mesh.mesh_shape[mesh.axis_names.index(CONTEXT_AXIS)])
+    return int(mesh.mesh_shape[names.index(CONTEXT_AXIS)])
 
 
 @functools.cache
@@ -147,19 +144,19 @@ def use_kernel() -> bool:
     """Whether attention runs jax's splash kernel: on a TPU, or traced for one."""
     from xla_shard import experts
 
-    return experts.lowered_kernels()
+    return not experts.interpreted()
 
 
 def _splash(module, query, key, value, position_ids, padding, scaling, count):
     """Splash attention over the split sequence (MaxText's all_gather strategy): each device's queries (their
     two chunks) against the keys and values gathered whole along the axis and put back in their original order,
     the causal mask computed in the kernel from each query's original position (a mask over 2c shards of
-    queries, each device handed its shard's part as data), packed documents by segment ids."""
-    if padding is not None:
-        raise RuntimeError("mesh.context on a TPU: padded rows reach the splash kernel with a padding mask it does "
-                           "not take; pack the rows (data.packing: true)")
+    queries, each device handed its shard's part as data), packed documents by segment ids; padding is a
+    segment of its own (-1), which no real token's segment meets."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     docs = documents(position_ids, count)
+    if padding is not None:
+        docs = docs.masked_fill(~padding, -1)
     out = torch.ops.xla_shard.context_attention(query * scale, key, value, docs, count)
     return out.transpose(1, 2).contiguous(), None
 
@@ -194,7 +191,7 @@ def _kernel(tokens: int, heads: int, count: int, interpret: bool):
     block = min(_BLOCK, tokens // count)
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    mask = masks.MultiHeadMask([_ReorderedCausal((tokens, tokens)) for _ in range(heads)])
+    mask = masks.MultiHeadMask([_ReorderedCausal((tokens, tokens))] * heads)
     kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=count,
                                     interpret=interpret)
     leaves, tree = jax.tree_util.tree_flatten(kernel)

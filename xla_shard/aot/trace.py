@@ -117,12 +117,12 @@ def causal_attention_discount(config, seq_len: int) -> float:
 
 
 def _dims(config, seq_len: int, devices: int) -> memory.Dims:
+    from xla_shard.planner import attention_widths
+
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv = getattr(text, "num_key_value_heads", None) or heads
+    head_dim, kv_width = attention_widths(config)
     return memory.Dims(text.hidden_size, text.vocab_size, text.num_hidden_layers,
-                       getattr(text, "intermediate_size", 0) or 4 * text.hidden_size, head_dim, kv * head_dim,
+                       getattr(text, "intermediate_size", 0) or 4 * text.hidden_size, head_dim, kv_width,
                        seq_len, devices)
 
 

@@ -178,13 +178,14 @@ def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerato
                     layers=getattr(config, "num_hidden_layers", 1), hidden=getattr(config, "hidden_size", 1),
                     seq_len=cfg.train.seq_len, compute_bytes=2 if cfg.fsdp.mixed_precision == "bf16" else 4,
                     optimizer=cfg.train.optimizer, activation_checkpointing=cfg.fsdp.activation_checkpointing,
-                    micro_batches=cfg.train.grad_accum_steps, context=cfg.mesh.context, kv_width=_kv_width(config),
+                    micro_batches=cfg.train.grad_accum_steps, context=cfg.mesh.context,
+                    kv_width=attention_widths(config)[1],
                     vocab=getattr(config, "vocab_size", 0) if cfg.model.task == "causal_lm" else 0)
 
 
-def _kv_width(config) -> int:
-    """Keys' width per token: KV heads x head_dim."""
+def attention_widths(config) -> tuple[int, int]:
+    """(a head's width, the keys' width per token: KV heads x head_dim) of a transformers config."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_attention_heads", 1) or 1
     head_dim = getattr(text, "head_dim", None) or getattr(text, "hidden_size", heads) // heads
-    return (getattr(text, "num_key_value_heads", None) or heads) * head_dim
+    return head_dim, (getattr(text, "num_key_value_heads", None) or heads) * head_dim

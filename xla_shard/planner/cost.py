@@ -245,6 +245,8 @@ def collectives(work: Workload, triple: Triple, devices: int) -> list[Collective
         # the embedding's gradient (a lookup's: a scatter-add into the stored weight's dtype) is reduced in fp32,
         # where the weights' are in the compute dtype
         grads += embedding * (4 - work.reduce_bytes) * work.grad_reductions
+    # the sequence axis's keys and values, gathered per layer in forward, backward and checkpointing's recompute
+    kv_gathers = work.layers * micro * (3 if work.activation_checkpointing else 2)
     found = [Collective("params", "all-gather", p, 1, forward + (again if k == p else 0),
                         units * micro * (2 if k == p else 1)),
              Collective("params_backward", "all-gather", k, 1, again if 1 < k < p else 0, units * micro),
@@ -269,8 +271,7 @@ def collectives(work: Workload, triple: Triple, devices: int) -> list[Collective
              # backward (and in checkpointing's recompute), their gradients' partial sums summed over it (the
              # TPU compiler all-reduces them; xla_shard/sequence.py)
              Collective("context_kv", "all-gather", work.context, 1,
-                        work.context_kv_bytes() * work.layers * micro * (3 if work.activation_checkpointing else 2),
-                        work.layers * micro * (3 if work.activation_checkpointing else 2)),
+                        work.context_kv_bytes() * kv_gathers, kv_gathers),
              Collective("context_kv_grads", "all-reduce", work.context, 1,
                         work.context_kv_bytes() * work.layers * micro, work.layers * micro)]
     return [x for x in found if x.size > 1 and x.tensor_bytes > 0]
