@@ -58,19 +58,21 @@ def test_rows_are_reordered_but_their_labels_are_not_and_positions_are_added():
     assert sequence.reorder_rows(preference, 2, 8)["input_ids"][1, 1].tolist() == [24, 25, 30, 31, 26, 27, 28, 29]
 
 
-@pytest.mark.parametrize("backend", [TorchFsdpBackend, XlaFsdpBackend, TorchTpuBackend])
+@pytest.mark.parametrize("backend", [XlaFsdpBackend, TorchTpuBackend])
 def test_backends_without_a_sequence_axis_refuse_it_naming_the_key(backend):
     cfg = config.load(None, ["model.name=tiny-llama", "mesh.context=2", "train.seq_len=64"])
     with pytest.raises(ConfigError, match=r"mesh\.context") as refused:
         backend.capabilities.check(cfg)
     assert "\n" not in str(refused.value)
-    XlaSpmdBackend.capabilities.check(cfg)  # runs it
+    XlaSpmdBackend.capabilities.check(cfg)  # run it
+    TorchFsdpBackend.capabilities.check(cfg)
 
 
 @pytest.mark.parametrize("sets, words", [
     (["train.seq_len=66", "mesh.context=2"], "4 equal chunks"),
     (["mesh.context=2", "train.loss_chunks=0"], "loss_chunks"),
     (["mesh.context=2", "model.attn_implementation=sdpa"], "attn_implementation"),
+    (["mesh.context=2", "backend=torch_fsdp", "model.attn_implementation=eager"], "attn_implementation"),
     (["mesh.context=2", "model.name=tiny-bert", "model.task=sequence_classification", "model.num_labels=2"],
      "causal LM"),
 ])
@@ -129,6 +131,33 @@ def test_a_split_sequence_trains_packed_chat_as_the_whole_one_and_its_checkpoint
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.torch_version
+@pytest.mark.fsdp2
+def test_processes_splitting_a_sequence_train_as_one_holding_it_whole(tmp_path, chat_model):
+    """torch_fsdp, 4 processes over gloo: packed chat rows split 2 ways (fsdp beside) and 4 ways, LoRA, DPO's
+    padded preference rows; a checkpoint of the split run resumed without the axis."""
+    common = ["backend=torch_fsdp", f"model.name={chat_model}", "train.steps=3", "train.global_batch_size=4",
+              "train.lr=1e-3", "train.max_grad_norm=1e6", "checkpoint.async=false"]
+    chat = ["data.kind=chat", f"data.path={FIXTURES / 'chat.jsonl'}", "train.seq_len=256"]
+    lora = [*chat, "model.lora.r=4"]
+    dpo = ["data.kind=preference", f"data.path={FIXTURES / 'preference_chat.jsonl'}", "train.seq_len=64"]
+    two = ["mesh.context=2", "checkpoint.every_steps=2", f"checkpoint.dir={tmp_path / 'two' / 'ckpt'}"]
+    runs = run_trainings(tmp_path, common, {
+        "whole": chat, "two": [*chat, *two], "four": [*chat, "mesh.context=4"],
+        "whole_from_two": [*chat, f"checkpoint.dir={tmp_path / 'a'}",
+                           f"checkpoint.resume={tmp_path / 'two' / 'ckpt' / 'step-00000002'}"],
+        "lora": lora, "lora_two": [*lora, "mesh.context=2"], "dpo": dpo, "dpo_four": [*dpo, "mesh.context=4"]},
+        nproc=4)
+    assert "attention torch_context" in (tmp_path / "train_runs.log").read_text()
+    _exact({name: runs[name] for name in ("whole", "two", "four")}, "whole")
+    assert [r["step"] for r in runs["whole_from_two"]] == [3]
+    _exact({"whole_from_two": runs["whole_from_two"], "whole": runs["whole"][2:]}, "whole")
+    _exact({"lora_two": runs["lora_two"], "lora": runs["lora"]}, "lora")
+    _exact({"dpo_four": runs["dpo_four"], "dpo": runs["dpo"]}, "dpo")
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.xla
 def test_a_split_sequence_trains_lora_on_scanned_layers_and_dpo_as_the_whole_one(tmp_path, chat_model):
     common = ["backend=xla_spmd", "cpu_devices=4", f"model.name={chat_model}", "train.steps=3",
@@ -176,7 +205,9 @@ def test_the_cost_model_prices_the_sequence_axis():
     kv = 2 * 128 * 8 * 8192 * 2  # keys and values of this device's row, whole along the axis
     found = {x.name: x for x in collectives(work, Triple(32, 32, 32), 32)}
     assert found["context_kv"].size == 8 and found["context_kv"].tensor_bytes == 3 * 4 * kv
-    assert found["context_kv_grads"].op == "all-reduce"
+    assert found["context_kv_grads"].op == "reduce-scatter"  # torch_fsdp's; on the TPU an all-to-all, then a sum
+    compiled = Workload(**{**work.__dict__, "tpu_compiler": True})
+    assert {x.name: x for x in collectives(compiled, Triple(32, 32, 32), 32)}["context_kv_grads"].op == "all-to-all"
     assert memory(work, Triple(32, 32, 32), 32)["context"] == 2 * kv
     plain = Workload(**{**work.__dict__, "context": 1})
     assert "context_kv" not in {x.name for x in collectives(plain, Triple(32, 32, 32), 32)}

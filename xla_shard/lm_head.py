@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from xla_shard import sequence
 
 IGNORE = -100
 _ATTRIBUTE = "_xla_shard_scorer"  # on the causal LM: its Scorer
@@ -128,9 +127,16 @@ class Partials:
     reduces each chunk's weight gradient apart, or gathers every chunk's hidden states from all devices)."""
 
     orders = False  # whether `barrier` does anything
-    # Pieces each row's tokens are split into by a sequence axis, each scored as a row of its own; the tokens
-    # come reordered (`sequence.reorder`).
-    shards = 1
+
+    def pieces(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden states ([rows, tokens, width], as the model made them) and the targets ([rows, tokens], in
+        the labels' order), laid out to be scored against each other. A sequence axis reorders the tokens and
+        splits them over devices (`sequence`): the targets are reordered to meet them."""
+        return hidden, targets
+
+    def joined(self, scores: torch.Tensor) -> torch.Tensor:
+        """Per-token `scores` in the `pieces` layout -> [rows, tokens] in the labels' order."""
+        return scores
 
     def rows(self, tensor: torch.Tensor) -> torch.Tensor:
         """[rows, ...] -> [devices, rows per device, ...]."""
@@ -204,21 +210,15 @@ class Scorer:
         if request is None or self._inside or args or kwargs:
             return self._forward(hidden, *args, **kwargs)
         state = _State(self, hidden.device.type, request.hits)
-        rows, tokens = hidden.shape[:2]
-        targets, shards = request.targets, self.partials.shards
-        if shards > 1:  # a split sequence: its pieces scored as rows of their own, the targets reordered alike
-            targets = sequence.reorder(targets, shards).reshape(rows * shards, tokens // shards)
-            hidden = hidden.reshape(rows * shards, tokens // shards, *hidden.shape[2:])
+        hidden, targets = self.partials.pieces(hidden, request.targets)
         if self.linear:
             weight = self.partials.whole(self.head.weight, _compute_dtype(self.head.weight, state))
             logps = _ChunkedLinear.apply(state, hidden, targets, weight, self.head.bias)
         else:
             tensors = [_attribute(self.head, name) for name in self.names]
             logps = _ChunkedModule.apply(state, hidden, targets, *tensors)
-        correct = state.correct
-        if shards > 1:  # back to the labels' order
-            logps = sequence.restore(logps.reshape(rows, tokens), shards)
-            correct = sequence.restore(correct.reshape(rows, tokens), shards) if request.hits else None
+        logps = self.partials.joined(logps)
+        correct = self.partials.joined(state.correct) if request.hits else None
         request.logps = logps[:, :-1]
         if request.hits:
             request.correct = correct[:, :-1]

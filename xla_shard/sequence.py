@@ -10,8 +10,13 @@ labels stay in their own order, and the chunked loss reorders the targets to mee
 order and by their documents (packed rows' segments, found from the positions in that order), so the result is
 the unsplit model's, whatever the reordering.
 
-On a TPU (or traced for one) attention is jax's splash attention kernel, given each device's part of the mask
-as data (`_splash`); elsewhere the model's own eager attention with that mask.
+Two runtimes split a sequence. Under torch_xla's SPMD (xla_spmd) a row is one global tensor laid out over the
+`context` mesh axis: on a TPU (or traced for one) attention is jax's splash attention kernel, given each device's
+part of the mask as data (`_splash`); elsewhere the model's own eager attention with that mask (`xla_context`).
+Under torch.distributed (torch_fsdp) each process of a group holds its piece of the reordered row (`piece`):
+keys and values are all-gathered over the group, their gradients reduce-scattered back (torch's functional
+collectives, as torch's FlexAttention context parallelism does), and attention is SDPA with the mask's rows for
+this process's queries (`torch_context`).
 """
 
 from __future__ import annotations
@@ -21,8 +26,13 @@ import sys
 
 import torch
 
-XLA_CONTEXT = "xla_context"  # the transformers attention implementation a split sequence runs
+XLA_CONTEXT = "xla_context"  # the transformers attention implementations a split sequence runs
+TORCH_CONTEXT = "torch_context"
 CONTEXT_AXIS = "context"
+
+# The torch.distributed group each sequence is split over, one piece per process (torch_fsdp); None: none, or
+# SPMD's mesh axis. Process-wide, as the attention functions transformers calls take no more arguments.
+_group: list = [None]
 
 
 def chunk_order(shards: int) -> list[int]:
@@ -59,13 +69,50 @@ def reorder_rows(rows: dict[str, torch.Tensor], shards: int, tokens: int) -> dic
     if "position_ids" not in out:
         out["position_ids"] = torch.arange(tokens).expand(rows["input_ids"].shape)
     for key, value in out.items():
-        if key != "labels" and isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[-1] == tokens:
+        if key != "labels" and _per_token(value, tokens):
             out[key] = reorder(value, shards)
     return out
 
 
+def split_over(group) -> None:
+    """Split each sequence over `group`'s processes (torch_fsdp), or over none (None)."""
+    _group[0] = group
+
+
+def piece(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """This process's piece of a reordered row along `dim`: its two chunks."""
+    group = _group[0]
+    size = tensor.shape[dim] // group.size()
+    return tensor.narrow(dim, group.rank() * size, size)
+
+
+def gathered(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """The group's pieces put together along `dim` (in the reordered order); autograd sums the gradient of the
+    whole over the group and hands each process its piece's (a reduce-scatter)."""
+    import torch.distributed._functional_collectives as funcol
+
+    if tensor.dtype == torch.bool:  # gloo gathers no booleans
+        return gathered(tensor.to(torch.uint8), dim).bool()
+    return funcol.wait_tensor(funcol.all_gather_tensor_autograd(tensor.contiguous(), dim, _group[0]))
+
+
+def pieces_of(rows: dict[str, torch.Tensor], tokens: int) -> dict[str, torch.Tensor]:
+    """A batch's host rows as this process feeds them to the model: reordered (`reorder_rows`), each per-token
+    field but the labels cut to this process's piece (the labels stay whole: the loss is the whole row's)."""
+    shards = _group[0].size()
+    out = reorder_rows(rows, shards, tokens)
+    return {key: piece(value) if key != "labels" and _per_token(value, tokens) else value
+            for key, value in out.items()}
+
+
+def _per_token(value, tokens: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[-1] == tokens
+
+
 def shards() -> int:
-    """The sequence axis's size on torch_xla's global mesh (1 without one)."""
+    """The sequence axis's size: the group's (torch_fsdp), or on torch_xla's global mesh (1 without one)."""
+    if _group[0] is not None:
+        return _group[0].size()
     from xla_shard import experts
 
     mesh, names = experts.spmd_mesh()
@@ -81,7 +128,9 @@ def register() -> None:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(XLA_CONTEXT, context_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(XLA_CONTEXT, padding_only)
+    AttentionInterface.register(TORCH_CONTEXT, gathered_attention)
+    for name in (XLA_CONTEXT, TORCH_CONTEXT):
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, padding_only)
 
 
 def padding_only(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
@@ -103,18 +152,19 @@ def documents(position_ids: torch.Tensor, shards: int) -> torch.Tensor:
     return reorder(found if found is not None else torch.zeros_like(original, dtype=torch.int32), shards)
 
 
-def allowed(position_ids: torch.Tensor, padding: torch.Tensor | None, shards: int) -> torch.Tensor:
-    """[rows, 1, tokens, tokens] booleans over the reordered tokens: a token sees the tokens before it in the
+def allowed(position_ids: torch.Tensor, padding: torch.Tensor | None, shards: int,
+            queries: slice = slice(None)) -> torch.Tensor:
+    """[rows, 1, queries, tokens] booleans over the reordered tokens: a token sees the tokens before it in the
     original order, in its own document, that are not padding (and always itself: a padded token's row is
-    never empty)."""
+    never empty). `queries`: the reordered tokens asking (all, or one process's piece)."""
     tokens = position_ids.shape[-1]
     place = reorder(torch.arange(tokens, device=position_ids.device), shards)
-    causal = place[:, None] >= place[None, :]
     docs = documents(position_ids, shards)
-    seen = causal & (docs[:, :, None] == docs[:, None, :])
+    asking = place[queries]
+    seen = (asking[:, None] >= place[None, :]) & (docs[:, queries, None] == docs[:, None, :])
     if padding is not None:
         seen = seen & padding[:, None, :]
-    seen = seen | (place[:, None] == place[None, :])
+    seen = seen | (asking[:, None] == place[None, :])
     return seen.unsqueeze(1)
 
 
@@ -123,11 +173,8 @@ def context_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention over a split, reordered sequence ([rows, heads, tokens, head_dim] inputs, the tokens split
     over the sequence axis): keys and values gathered whole along it, the mask from the original order."""
-    position_ids = kwargs.get("position_ids")
-    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2:
-        raise RuntimeError("mesh.context: the attention was given no per-row positions (the backend adds them)")
+    position_ids = _positions(kwargs).expand(query.shape[0], -1)
     count = shards()
-    position_ids = position_ids.expand(query.shape[0], -1)
     if use_kernel():
         return _splash(module, query, key, value, position_ids, attention_mask, scaling, count)
     seen = allowed(position_ids, attention_mask, count)
@@ -136,8 +183,48 @@ def context_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     if eager is None:
         from transformers.models.llama.modeling_llama import eager_attention_forward as eager
-    kwargs.pop("position_ids", None)
     return eager(module, query, key, value, additive, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def gathered_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                       **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention over a sequence split over a process group (torch_fsdp): this process's queries against the
+    keys and values gathered whole along the group (torch's FlexAttention context parallelism's all-gather,
+    gradients reduce-scattered), through the model's SDPA with the mask's rows for these queries. Every process
+    gathers positions and padding alike (even where its piece has none), so the collectives pair up."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    position_ids = _positions(kwargs)
+    cached = _masks[0]
+    if cached is not None and cached[0] is position_ids and cached[1] is attention_mask:
+        seen = cached[2]  # the forward's layers (and checkpointing's recompute) share one mask
+    else:
+        seen = _mask_rows(position_ids.expand(query.shape[0], -1), attention_mask, query.shape[2])
+        _masks[0] = (position_ids, attention_mask, seen)
+    return sdpa_attention_forward(module, query, gathered(key, 2), gathered(value, 2), seen, dropout=dropout,
+                                  scaling=scaling, **kwargs)
+
+
+_masks: list = [None]  # (positions, padding, the mask made of them): the last forward's
+
+
+@torch.no_grad()
+def _mask_rows(position_ids: torch.Tensor, padding: torch.Tensor | None, tokens: int) -> torch.Tensor:
+    """The mask's rows for this process's `tokens` queries, over the group's whole reordered row."""
+    padding = padding if padding is not None else torch.ones_like(position_ids, dtype=torch.bool)
+    whole = gathered(torch.stack([position_ids, padding.long()]), 2)
+    group = _group[0]
+    mine = slice(group.rank() * tokens, (group.rank() + 1) * tokens)
+    return allowed(whole[0], whole[1].bool(), group.size(), mine)
+
+
+def _positions(kwargs: dict) -> torch.Tensor:
+    """The per-row positions the backend fed the model (taken out of the attention's keywords), as given."""
+    position_ids = kwargs.pop("position_ids", None)
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2:
+        raise RuntimeError("mesh.context: the attention was given no per-row positions (the backend adds them)")
+    return position_ids
 
 
 def use_kernel() -> bool:
@@ -284,9 +371,11 @@ def _call(backward: bool, query, key, value, docs, count, grad=None):
     dq, dk, dv = xb.call_jax(_backward, (placed, *args, local_grad), kwargs)
     dq = experts.to_global(dq, mesh, by_tokens, query.shape)
     # each device's partial sums over its queries (in the balanced order again), stacked on an axis split over
-    # the sequence axis and summed: XLA reduces them to the keys' own split
-    stacked = (CONTEXT_AXIS, rows, None, None, None)
-    dk, dv = (_laid_out(experts.to_global(g.unsqueeze(0), mesh, stacked, (count, *key.shape)).sum(0), mesh, by_tokens)
+    # the sequence axis, moved to the keys' own split (an all-to-all: each device gets every device's partial
+    # sum of its tokens) and summed there: a reduce-scatter's bytes. Summed as stacked, XLA all-reduces the
+    # whole stack and slices it (c times the bytes)
+    stacked, by_block = (CONTEXT_AXIS, rows, None, None, None), (None, rows, None, CONTEXT_AXIS, None)
+    dk, dv = (_laid_out(experts.to_global(g.unsqueeze(0), mesh, stacked, (count, *key.shape)), mesh, by_block).sum(0)
               for g in (dk, dv))
     return dq, dk, dv
 

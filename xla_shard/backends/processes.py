@@ -47,6 +47,7 @@ class Processes:
 
     def __init__(self, index: int = 0, count: int = 1):
         self.index, self.count = index, count
+        self.sequence_shards = 1  # consecutive processes that split each of the same rows' sequences (torch_fsdp)
 
     @property
     def is_main(self) -> bool:
@@ -62,8 +63,9 @@ class Processes:
     def batch_part(self) -> tuple[int, int]:
         """(index, count): this process reads part `index` of `count` equal parts of every micro-batch's rows,
         as it writes its own checkpoint shards: a process per device its device's rows, an SPMD host its
-        devices' (the backend's `place` makes them its devices' rows of the global batch)."""
-        return self.index, self.count
+        devices' (the backend's `place` makes them its devices' rows of the global batch). Processes that split
+        each sequence between them read the same rows."""
+        return self.index // self.sequence_shards, self.count // self.sequence_shards
 
     @property
     def local_leader(self) -> bool:

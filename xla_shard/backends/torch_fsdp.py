@@ -18,9 +18,10 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from xla_shard import launch
+from xla_shard import launch, lm_head, sequence
 from xla_shard.backends import fsdp2_devices
-from xla_shard.backends.base import Backend, Compiled, apply_activation_checkpointing, on_meta, prepare
+from xla_shard.backends.base import (Backend, Compiled, apply_activation_checkpointing, on_meta, prepare,
+                                     split_sequences)
 from xla_shard.backends.fsdp2_devices import DeviceProfile
 from xla_shard.backends.processes import GroupProcesses, forming_a_group, meet_as_one_run
 from xla_shard.backends.state import BackendState, pack_bytes, unpack_bytes
@@ -29,6 +30,7 @@ from xla_shard.checkpoint.contract import Box, Chunk
 from xla_shard.config.schema import ShardingStrategy
 from xla_shard.methods import adapter_for
 from xla_shard.errors import ConfigError, one_line
+from xla_shard.plan import ShardingPlan
 from xla_shard.wrap import checkpoint_targets, wrap_targets
 
 
@@ -82,6 +84,22 @@ class Fsdp2State(BackendState):
             backend.profile.set_rng_state(unpack_bytes(state[backend.device.type]), backend.device)
 
 
+class SequencePieces(lm_head.Partials):
+    """The chunked loss over a sequence split between processes: each scores its piece (the targets reordered
+    and cut alike), and the scores are gathered whole, so every process of the group computes the row's loss.
+    Their gradients sum over the group (each process's loss is the row's), and FSDP's mean over the processes
+    divides that by the group's size again: each row counts once."""
+
+    def __init__(self, shards: int):
+        self.shards = shards
+
+    def pieces(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return hidden, sequence.piece(sequence.reorder(targets, self.shards))
+
+    def joined(self, scores: torch.Tensor) -> torch.Tensor:
+        return sequence.restore(sequence.gathered(scores, 1), self.shards)
+
+
 class TorchFsdpBackend(Backend):
     capabilities = Capabilities(
         "torch_fsdp", launcher="torchrun", platforms=("cuda", "cpu"), unit="torchrun processes",
@@ -89,9 +107,7 @@ class TorchFsdpBackend(Backend):
         nonuniform_triple="FSDP2 keeps gradients and optimizer state in the parameters' DTensor layout and cannot "
                           "shard them wider: pytorch/pytorch#148257",
         group_after_forward=None, compile=None, varying_shapes=True,  # fully_shard(reshard_after_forward=k)
-        context="torch's context parallelism (torch.distributed.tensor.experimental.context_parallel) replaces "
-                "SDPA's CUDA kernels with a ring that takes no document mask, so packed rows would attend across "
-                "their examples; xla_shard does not run it: use backend xla_spmd, or set it to 1")
+        context=None)  # keys and values all-gathered over a process group (`xla_shard.sequence`)
     wrapper_prefixes = ("module",)  # DistributedDataParallel (NO_SHARD); fully_shard keeps names as they are
     state_type = Fsdp2State
 
@@ -99,6 +115,17 @@ class TorchFsdpBackend(Backend):
     def profile(self) -> DeviceProfile:
         """A GPU where this machine has one, else the CPU."""
         return fsdp2_devices.CUDA if fsdp2_devices.CUDA.present() else fsdp2_devices.CPU
+
+    def setup(self, plan: ShardingPlan) -> None:
+        super().setup(plan)
+        sequence.split_over(None)
+        if plan.context > 1:
+            # consecutive ranks split a sequence: inside one fully_shard group, so the axis adds no state
+            with forming_a_group():
+                group, _ = dist.new_subgroups(group_size=plan.context)
+            sequence.split_over(group)
+            self.processes.sequence_shards = plan.context
+            self.partials = SequencePieces(plan.context)
 
     def check(self) -> None:
         super().check()
@@ -155,6 +182,12 @@ class TorchFsdpBackend(Backend):
     def wrap(self, model: nn.Module) -> nn.Module:
         fsdp = self.cfg.fsdp
         prepare(self, model)
+        if self.plan.context > 1:
+            if getattr(model.config, "output_router_logits", False):
+                self.capabilities.refuse("mesh.context", f"{self.plan.context}: {type(model).__name__}'s router loss "
+                                         "would be each process's over its piece of the sequence, not the row's; "
+                                         "set it to 1 or the model's output_router_logits to false")
+            split_sequences(self, model, sequence.TORCH_CONTEXT)
         if fsdp.activation_checkpointing:
             # Non-reentrant checkpointing: kwargs and tensors nested in tuples get exact gradients.
             apply_activation_checkpointing(checkpoint_targets(model, fsdp),
@@ -204,6 +237,11 @@ class TorchFsdpBackend(Backend):
             if self.plan.hybrid:
                 return self.profile.mesh((self.plan.replicas, self.plan.shard), ("replicate", "shard"))
             return self.profile.mesh((self.world,), ("shard",))
+
+    def place(self, rows):
+        if self.plan.context > 1 and isinstance(rows, dict):
+            rows = sequence.pieces_of(rows, self.cfg.train.seq_len)
+        return super().place(rows)
 
     def forward_context(self):
         # FSDP2's MixedPrecisionPolicy casts parameters for bf16 activations; DDP (NO_SHARD), and an fp32 stream

@@ -28,7 +28,9 @@ class TorchTpuBackend(TorchFsdpBackend):
         offload_params="TorchTPU has no pinned host memory for FSDP2's CPUOffloadPolicy",
         nonuniform_triple=TorchFsdpBackend.capabilities.nonuniform_triple,
         group_after_forward=None, compile=None, tpu_setup="torchtpu", varying_shapes=False,  # one program a shape
-        context=TorchFsdpBackend.capabilities.context)
+        context="the split sequence's attention (SDPA with a boolean mask over keys all-gathered along a process "
+                "group) has not run on TorchTPU; use backend xla_spmd (splash attention, compiled for the slice by "
+                "xla-shard compile), or set it to 1")
 
     @property
     def profile(self) -> DeviceProfile:

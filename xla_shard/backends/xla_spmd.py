@@ -26,8 +26,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from xla_shard import sequence
 from xla_shard.backends import xla_common, xla_scan
-from xla_shard.backends.base import on_meta, prepare, retie
+from xla_shard.backends.base import on_meta, prepare, retie, split_sequences
 from xla_shard.backends.processes import GroupProcesses, Processes, forming_a_group
 from xla_shard.backends.state import BackendState
 from xla_shard.capabilities import Capabilities
@@ -146,6 +147,19 @@ class SpmdPartials(xla_common.XlaPartials):
         # what the chunked loss's rows are split over: a row's tokens are split over `context`, and scored as
         # that many rows of their own (`lm_head.Scorer`)
         self.axes = MESH_AXES if self.shards > 1 else ROW_AXES
+
+    def pieces(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A split sequence's pieces scored as rows of their own, the targets reordered alike."""
+        if self.shards == 1:
+            return hidden, targets
+        rows, tokens = targets.shape
+        return (hidden.reshape(rows * self.shards, tokens // self.shards, *hidden.shape[2:]),
+                sequence.reorder(targets, self.shards).reshape(rows * self.shards, tokens // self.shards))
+
+    def joined(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.shards == 1:
+            return scores
+        return sequence.restore(scores.reshape(scores.shape[0] // self.shards, -1), self.shards)
 
     def _split(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         spec = [None] * tensor.dim()
@@ -404,7 +418,7 @@ class XlaSpmdBackend(xla_common.XlaBackend):
 
         prepare(self, model)
         if self.plan.context > 1:
-            self._split_sequences(model)
+            split_sequences(self, model, sequence.XLA_CONTEXT)
         if self.cfg.fsdp.scan_layers:
             # Activation checkpointing happens inside the scan; the root wrapper marks every parameter with
             # FSDPv2's rule, as each layer's own wrapper would have.
@@ -479,24 +493,6 @@ class XlaSpmdBackend(xla_common.XlaBackend):
 
     def _layouts_of(self, param: torch.Tensor, stacked: set[nn.Parameter]) -> Layouts:
         return Layouts.of(param, stacked=param in stacked, dim=self._split_dims.get(param), axes=self._param_axes)
-
-    def _split_sequences(self, model: nn.Module) -> None:
-        """The sequence axis: attention across the split sequence (`xla_shard.sequence`), for every module
-        sharing the model's config (the reference of DPO is wrapped here too)."""
-        from xla_shard import lm_head, sequence
-
-        if lm_head.scorer(model) is None:
-            self.capabilities.refuse("mesh.context", f"{self.plan.context}: the loss is scored per piece of the "
-                                                     f"split sequence, and {lm_head.unscorable(model)}")
-        from xla_shard.attention import plain_causal
-
-        if not plain_causal(model.config):
-            self.capabilities.refuse("mesh.context", f"{self.plan.context}: {type(model).__name__} attends through "
-                                                     "sliding windows or chunks, which the split sequence's mask "
-                                                     "does not express; set it to 1")
-        sequence.register()
-        for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
-            config._attn_implementation = sequence.XLA_CONTEXT
 
     def _gather_scanned_layers(self, model: nn.Module) -> None:
         """Inside a scanned loop, each layer's weights are used whole and their gradients leave reduce-scattered,
@@ -605,8 +601,6 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         the whole batch and marks it; several hand torch_xla their parts as minibatch input shardings, which
         it lays out as one global tensor (each host's rows on its own devices; nothing crosses hosts)."""
         if isinstance(rows, dict):
-            from xla_shard import sequence
-
             rows = sequence.reorder_rows(rows, self.plan.context, self.cfg.train.seq_len)
             return {key: self._place_one(value) for key, value in rows.items()}
         return self._place_one(rows)

@@ -176,10 +176,10 @@ class MeshSection(_Section):
     `fsdp: -1` means "all devices left after the replica axis". torch_fsdp uses the same two numbers for
     its 2-D DeviceMesh under HYBRID_SHARD.
 
-    `context`: the sequence axis (xla_spmd). Each sequence is split over that many devices (a divisor of the
-    devices parameters are split over, which still span them: the axis adds no state per device); attention
-    gathers keys and values along it, and each device holds an early and a late chunk of every sequence, so the
-    causal work is balanced.
+    `context`: the sequence axis (xla_spmd, torch_fsdp). Each sequence is split over that many devices (a
+    divisor of the devices parameters are split over, which still span them: the axis adds no state per device);
+    attention gathers keys and values along it, and each device holds an early and a late chunk of every
+    sequence, so the causal work is balanced.
     """
 
     fsdp: int = -1
@@ -687,10 +687,12 @@ class ShardConfig(_Section):
         if self.train.loss_chunks == 0:
             raise ValueError(f"mesh.context={context} scores the loss per piece of the split sequence: "
                              "train.loss_chunks 0 (the model's own loss, over whole logits) cannot; set auto")
-        if self.model.attn_implementation not in ("auto", "eager", "xla_pallas"):
+        # what attention across the shards runs: torch_fsdp SDPA, xla_spmd the splash kernel on TPUs (else eager)
+        kept = ("auto", "sdpa") if self.backend is Backend.TORCH_FSDP else ("auto", "eager", "xla_pallas")
+        if self.model.attn_implementation not in kept:
             raise ValueError(f"mesh.context={context} computes attention across the sequence's shards itself "
-                             f"(splash attention on TPUs, eager elsewhere): model.attn_implementation "
-                             f"{self.model.attn_implementation} cannot; set auto")
+                             f"(SDPA on torch_fsdp; splash attention on TPUs, eager elsewhere, on xla_spmd): "
+                             f"model.attn_implementation {self.model.attn_implementation} cannot; set auto")
         return self
 
     @field_validator("model", mode="before")

@@ -73,8 +73,9 @@ class Dpo(Objective):
 
     def log_probs(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's chosen and rejected completion log-probabilities ([rows] each), summed over their tokens."""
-        rows, length = batch["input_ids"].shape[0], batch["input_ids"].shape[-1]
-        both = {key: value.reshape(2 * rows, length) for key, value in batch.items()}
+        rows = batch["input_ids"].shape[0]
+        # (a sequence split between processes feeds each its piece of the tokens, and the labels whole)
+        both = {key: value.reshape(2 * rows, value.shape[-1]) for key, value in batch.items()}
         labels = both["labels"][:, 1:]
         head = lm_head.scorer(model)
         if head is not None:  # the output head scored chunk by chunk: the logits are never whole

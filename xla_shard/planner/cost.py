@@ -268,11 +268,11 @@ def collectives(work: Workload, triple: Triple, devices: int) -> list[Collective
              Collective("head", "all-to-all", g, 1, head * work.compute_bytes * work.grad_reductions,
                         work.grad_reductions),
              # the sequence axis: each layer's keys and values gathered whole along it in forward and again in
-             # backward (and in checkpointing's recompute), their gradients' partial sums summed over it (the
-             # TPU compiler all-reduces them; xla_shard/sequence.py)
+             # backward (and in checkpointing's recompute), their gradients' partial sums summed over it (on the
+             # TPU, each device's sent to the devices whose tokens they are, then summed: xla_shard/sequence.py)
              Collective("context_kv", "all-gather", work.context, 1,
                         work.context_kv_bytes() * kv_gathers, kv_gathers),
-             Collective("context_kv_grads", "all-reduce", work.context, 1,
+             Collective("context_kv_grads", "all-to-all" if work.tpu_compiler else "reduce-scatter", work.context, 1,
                         work.context_kv_bytes() * work.layers * micro, work.layers * micro)]
     return [x for x in found if x.size > 1 and x.tensor_bytes > 0]
 
