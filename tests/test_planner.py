@@ -760,6 +760,15 @@ def test_plan_warns_when_the_batch_does_not_split_over_the_devices(capsys):
     bad = run_in_process(capsys, "plan", "--set", "model=llama-7b", "--devices", "8", "--accelerator", "h100",
                          "--show", "3/3/3")
     assert bad.returncode == 2 and "--show 3/3/3" in bad.stderr
+    # a sequence axis splits each row over mesh.context devices: 2 rows fill 16 devices at 8, 3 do not
+    context = ["--set", "model=llama-7b", "--set", "train.seq_len=65536", "--set", "mesh.context=8",
+               "--devices", "16", "--accelerator", "h100", "--json"]
+    split = run_in_process(capsys, "plan", *context, "--set", "train.global_batch_size=2")
+    assert split.returncode == 0 and "does not split" not in split.stderr
+    backends = {name for row in json.loads(split.stdout)["candidates"] for name in row["backends"]}
+    assert backends == {"xla_spmd", "torch_fsdp"}  # xla_fsdp and torch_tpu have no sequence axis
+    uneven = run_in_process(capsys, "plan", *context[:-1], "--set", "train.global_batch_size=3")
+    assert "does not split over 2 devices (16 over mesh.context=8)" in uneven.stderr
 
 
 # FSDP2 on 4 gloo processes: FULL_SHARD with parameters split 4-way (default), 2-way or kept whole between

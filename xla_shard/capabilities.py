@@ -95,9 +95,9 @@ class Capabilities:
 
     def trains(self, cfg: ShardConfig) -> bool:
         """Whether this backend trains the config's model as configured, whatever the sharding: its LoRA
-        adapters, its scanned layers, its compiled blocks."""
+        adapters, its scanned layers, its compiled blocks, its sequence axis."""
         return not ((cfg.model.lora is not None and self.lora) or (cfg.fsdp.scan_layers and self.scan_layers)
-                    or (cfg.train.compile and self.compile))
+                    or (cfg.train.compile and self.compile) or (cfg.mesh.context > 1 and self.context))
 
     def runs(self, triple: Triple, devices: int) -> bool:
         """Whether this backend runs a planner `Triple` on `devices`."""

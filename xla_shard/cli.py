@@ -167,9 +167,12 @@ def _plan(args) -> int:
             raise UserError(f"--show {wanted}: no such row; write it as the table does (P/G/OS, or P(k)/G/OS)")
     train = cfg.train
     micro = train.global_batch_size // train.grad_accum_steps
-    split = None if micro % args.devices == 0 else (
+    rows_over = args.devices // cfg.mesh.context  # each row's tokens split over mesh.context of them
+    split = None if micro % rows_over == 0 else (
         f"train.global_batch_size={train.global_batch_size} in {train.grad_accum_steps} micro-batch(es) of {micro} "
-        f"rows does not split over {args.devices} devices: no row runs with this batch")
+        f"rows does not split over {rows_over} devices"
+        + (f" ({args.devices} over mesh.context={cfg.mesh.context})" if cfg.mesh.context > 1 else "")
+        + ": no row runs with this batch")
     accumulate = None if view.best is not None or split else _accumulation_that_fits(cfg, args, hardware, backend)
     if args.json:
         print(json.dumps({**view.as_json(batch_splits=split is None), "accumulate": accumulate}, indent=1))
