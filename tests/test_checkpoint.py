@@ -2,6 +2,7 @@
 GCS server (gcp-storage-emulator)."""
 
 import json
+import os
 import random
 import signal
 import time
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, run_in_process, start_cli
+from xla_shard.checkpoint import layout
 
 # torch_version marks the tests whose subject is a checkpoint's tensors as torch writes and loads them; the
 # others (refusals, verification, lineage, storage faults) run on the oldest torch only.
@@ -374,15 +376,22 @@ def test_auto_resume_falls_back_past_a_checkpoint_that_fails_verification(cli, t
         manifest["step"] = step
         damage(manifest)
         (ckpt / f"step-0000000{step}" / "manifest.json").write_text(json.dumps(manifest))
+    # ... and manifests that are not files: a FIFO (a read would block for ever), a link to an endless device
+    for step, make in ((10, os.mkfifo), (11, lambda path: path.symlink_to("/dev/zero"))):
+        shutil.copytree(ckpt / "step-00000005", ckpt / f"step-000000{step}")
+        (ckpt / f"step-000000{step}" / "manifest.json").unlink()
+        make(ckpt / f"step-000000{step}" / "manifest.json")
     done = train(cli, tmp_path / "run", f"checkpoint.dir={ckpt}", "checkpoint.every_steps=100", steps=STEPS)
     log = done.stderr
+    assert "step-00000010/manifest.json is a FIFO" in log
+    assert "step-00000011/manifest.json is a link to /dev/zero" in log
     assert "step-00000007/manifest.json says step 4" in log and f"{shard.name} is corrupt" in log
     assert "step-00000008/manifest.json is damaged: rng: expected a JSON object, got nothing" in log
     assert "step-00000009/manifest.json is damaged: tensors[" in log and "got a string" in log
     assert "resumed from" in log and f"{ckpt / 'step-00000005'} at step 5" in log
     assert losses(tmp_path / "run") == {STEPS: expected[STEPS]}
     aside = sorted(p.name.rsplit("-", 1)[0] for p in ckpt.glob("corrupt-*"))
-    assert aside == [f"corrupt-step-0000000{s}" for s in (6, 7, 8, 9)]  # set aside, not deleted
+    assert aside == [f"corrupt-{layout.step_dir(s)}" for s in (6, 7, 8, 9, 10, 11)]  # set aside, not deleted
     assert (ckpt / "step-00000006" / "manifest.json").exists()  # the new, good step 6
 
 

@@ -120,6 +120,38 @@ def test_a_shard_that_is_a_link_out_of_the_checkpoint_is_not_read(tmp_path, caps
     assert code == 2 and "outside the checkpoint" in capsys.readouterr().err
 
 
+def _not_a_file(path: Path, kind: str, tmp_path: Path) -> str:
+    """Make `path` something a reader must not stream: what the refusal says of it."""
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)  # opened as a file, a read would block for ever
+        return "is a FIFO"
+    if kind == "device":
+        path.symlink_to("/dev/zero")  # a read would never end
+        return "is a link to /dev/zero"
+    if kind == "directory":
+        path.mkdir()
+        return "directory"
+    outside = tmp_path / "elsewhere"
+    outside.write_bytes(b"{}")
+    path.symlink_to(outside)
+    return "outside"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory", "link out"])
+@pytest.mark.parametrize("which", ["manifest.json", "shards/00000-of-00001.safetensors"])
+def test_a_checkpoint_file_that_is_not_a_file_inside_it_is_never_read(tmp_path, capsys, checkpoint, which, kind):
+    """FIFOs, devices, directories and links out in place of a manifest or a shard: one line each, no read
+    that blocks or never ends (the sizes' claims included: a FIFO's or a device's says nothing)."""
+    step, _ = checkpoint
+    words = _not_a_file(step / which, kind, tmp_path)
+    refused(capsys, ["ckpt", "export", str(step), "--to", str(tmp_path / "out")], which, words)
+    code = main(["ckpt", "verify", str(step)])
+    err = capsys.readouterr().err
+    assert code == 2 and which in err and words in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
 # ---- 3. manifests: one strict schema, before anything is allocated or read -----------------------------
 def _emb(m):
     return m["tensors"]["model/model.embed_tokens.weight"]

@@ -14,7 +14,8 @@ from xla_shard.checkpoint.manifest import (
     read_manifest,
 )
 from xla_shard.checkpoint.reader import ChunkReader
-from xla_shard.io.storage import Storage
+from xla_shard.errors import one_line
+from xla_shard.io.storage import NotAFileError, Storage
 
 
 def open_checkpoint(url: str) -> tuple[Storage, Manifest]:
@@ -81,6 +82,9 @@ def verify(url: str) -> tuple[Manifest, list[str]]:
             (header,) = storage.read_ranges([name], [0], [meta["header_bytes"]])
         except FileNotFoundError:
             problems.append(f"{where}: missing")
+            continue
+        except (NotAFileError, IsADirectoryError) as exc:
+            problems.append(one_line(exc) if isinstance(exc, NotAFileError) else f"{where} is a directory")
             continue
         if layout.crc32_hex(header) != meta["header_crc32"]:
             problems.append(f"{where}: crc32 of the safetensors header does not match the manifest")

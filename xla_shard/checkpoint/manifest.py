@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xla_shard.checkpoint import layout, schema
-from xla_shard.errors import UserError
-from xla_shard.io.storage import Storage
+from xla_shard.errors import UserError, one_line
+from xla_shard.io.storage import NotAFileError, Storage
 
 # Manifests written before runs were recorded belong to this run.
 UNRECORDED_RUN = "unrecorded"
@@ -55,13 +55,12 @@ def read_manifest(storage: Storage, step_dir: str = "") -> Manifest:
     rel = f"{step_dir}/{layout.MANIFEST}" if step_dir else layout.MANIFEST
     where = f"{url}/{layout.MANIFEST}"
     try:
-        size = storage.size(rel)
-        if size > MAX_MANIFEST_BYTES:
-            raise CorruptCheckpointError(f"{where} is {size} bytes; a manifest is at most {MAX_MANIFEST_BYTES}")
-        raw = storage.read_bytes(rel)
+        raw = storage.read_bytes(rel, limit=MAX_MANIFEST_BYTES)  # a regular file, bounded
     except FileNotFoundError:
         raise CheckpointError(f"{url} is not a committed checkpoint: it has no {layout.MANIFEST} "
                               "(a save that never finished, or not an xla_shard checkpoint)") from None
+    except (NotAFileError, IsADirectoryError) as exc:
+        raise CorruptCheckpointError(f"{where}: {one_line(exc)}") from None
     try:
         data = schema.parse_json(raw)
         if isinstance(data, dict) and isinstance(data.get("format"), str) and data["format"] != layout.FORMAT:

@@ -12,7 +12,8 @@ import torch
 from xla_shard.checkpoint import layout
 from xla_shard.checkpoint.contract import StateTensor
 from xla_shard.checkpoint.manifest import CorruptCheckpointError, Manifest
-from xla_shard.io.storage import Storage
+from xla_shard.errors import one_line
+from xla_shard.io.storage import NotAFileError, Storage
 
 
 class ChunkReader:
@@ -46,6 +47,8 @@ class ChunkReader:
             size = self.storage.size(rel)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{self.manifest.url}/{file}: shard file missing") from None
+        except (NotAFileError, IsADirectoryError) as exc:
+            raise CorruptCheckpointError(f"{self.manifest.url}/{file}: {one_line(exc)}") from None
         with self._lock:
             self._sizes[file] = size
         return size
@@ -118,6 +121,8 @@ class ChunkReader:
                 got = self.storage.read_into(prefix + file, span_start, view)
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"{self.manifest.url}/{file}: shard file missing") from None
+            except (NotAFileError, IsADirectoryError) as exc:
+                raise CorruptCheckpointError(f"{self.manifest.url}/{file}: {one_line(exc)}") from None
             out = []
             for key in span_keys:
                 chunk = chunks[key]

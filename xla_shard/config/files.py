@@ -10,6 +10,9 @@ from typing import Any
 import yaml
 
 from xla_shard.errors import ConfigError, one_line
+from xla_shard.io.storage import NotAFileError, read_local_file
+
+_MAX_TEXT_BYTES = 16 << 20  # a config or chat template; more is not one
 
 MAX_CONFIG_BYTES = 1 << 20  # a config is a few KiB; anything near this is not one
 
@@ -81,7 +84,9 @@ def read_raw(path: str | Path) -> dict[str, Any]:
 def read_utf8(path: Path, key: str | None, why: str = "") -> str:
     """A text file's contents; one error naming the file, the first bad byte and `key` when it is not UTF-8."""
     try:
-        return path.read_bytes().decode("utf-8")
+        return read_local_file(str(path), _MAX_TEXT_BYTES).decode("utf-8")
+    except NotAFileError as exc:
+        raise ConfigError(key, str(exc)) from None
     except UnicodeDecodeError as exc:
         raise ConfigError(key, f"{path} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x})"
                                + (f"; {why}" if why else "")) from None

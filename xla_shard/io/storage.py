@@ -14,6 +14,7 @@ import errno
 import fnmatch
 import logging
 import os
+import stat
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -37,6 +38,43 @@ if logging.getLogger("gcsfs").level == logging.NOTSET:
 
 class StorageError(UserError):
     """Storage stayed unreachable past the retry deadline, or refused the request outright."""
+
+
+class NotAFileError(StorageError):
+    """What a reader expected to be a file is something else (a FIFO, a device, a socket, a directory), or
+    larger than what it reads: never opened as a stream that has no end or blocks for ever."""
+
+
+SMALL_FILE_BYTES = 256 << 20  # what `read_bytes` reads whole unless told otherwise: configs, indexes, tokenizers
+
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}
+
+
+def read_local_file(path: str, limit: int = SMALL_FILE_BYTES) -> bytes:
+    """A local regular file's bytes, at most `limit` of them (`NotAFileError` naming it otherwise)."""
+    with _open_regular(path, path) as stream:
+        data = stream.read(limit + 1)
+    if len(data) > limit:
+        raise NotAFileError(f"{path} is larger than {limit} bytes, which is all that is read of such a file")
+    return data
+
+
+def _open_regular(path: str, shown: str):
+    """A local file opened for reading, if it is a regular one (links followed): a FIFO is opened without
+    blocking, then refused with anything else that is not a file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+            raise NotAFileError(f"{shown} is {_KINDS.get(stat.S_IFMT(mode), 'not a regular file')}, not a file; "
+                                "refusing to read it")
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -127,7 +165,7 @@ class Storage:
         )
         try:
             return retrying(fn)
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError, NotAFileError):
             raise
         except Exception as exc:
             kind = "gave up after retrying for" if is_transient(exc) else "failed, not retried (not transient), within"
@@ -168,14 +206,36 @@ class Storage:
 
         self.retry(f"writing {self.url_of(rel)}", write)
 
-    def read_bytes(self, rel: str) -> bytes:
-        return self.retry(f"reading {self.url_of(rel)}", lambda: self.fs.cat_file(self.path(rel)))
+    def read_bytes(self, rel: str, limit: int = SMALL_FILE_BYTES) -> bytes:
+        """The whole of `rel`: a regular file of at most `limit` bytes (`NotAFileError` naming it otherwise)."""
+        path, shown = self.path(rel), self.url_of(rel)
+
+        def too_large(size: int) -> NotAFileError:
+            return NotAFileError(f"{shown} is {size} bytes or more; at most {limit} are read from such a file")
+
+        def read() -> bytes:
+            if self.local:
+                with self._open_local(rel) as stream:
+                    data = stream.read(limit + 1)
+            else:
+                size = self.fs.size(path)
+                if size > limit:
+                    raise too_large(size)
+                data = self.fs.cat_file(path, start=0, end=limit + 1)
+            if len(data) > limit:
+                raise too_large(len(data))
+            return data
+
+        return self.retry(f"reading {shown}", read)
 
     def read_ranges(self, rel_paths: list[str], starts: list[int], ends: list[int]) -> list[bytes]:
         """Byte ranges from many objects in one call; gcsfs fetches them concurrently."""
         if not rel_paths:
             return []
         paths = [self.path(p) for p in rel_paths]
+        if self.local:
+            for rel in set(rel_paths):
+                self.size(rel)  # each a regular file
         result = self.retry(f"reading {len(paths)} range(s) under {self.url}",
                             lambda: self.fs.cat_ranges(paths, starts, ends, on_error="raise"))
         return list(result)
@@ -188,7 +248,7 @@ class Storage:
 
         def read() -> int:
             if self.local:
-                with open(path, "rb", buffering=0) as stream:
+                with self._open_local(rel) as stream:
                     stream.seek(start)
                     got = 0
                     while got < len(out):
@@ -202,6 +262,14 @@ class Storage:
             return len(data)
 
         return self.retry(f"reading {self.url_of(rel)}", read)
+
+    def _open_local(self, rel: str):
+        """A local file under the root opened for reading: a regular file, and inside the root (links
+        followed); `NotAFileError` naming it otherwise."""
+        link = self.outside(rel)
+        if link is not None:
+            raise NotAFileError(f"{self.url_of(rel)} is a link to {link}, outside {self.url}; refusing to read it")
+        return _open_regular(self.path(rel), self.url_of(rel))
 
     def outside(self, rel: str) -> str | None:
         """Where `rel` really is, if a symbolic link takes it outside the root (None: inside). Object stores
@@ -226,6 +294,14 @@ class Storage:
         return self.retry(f"checking {self.url_of(rel)}", check)
 
     def size(self, rel: str) -> int:
+        """The size of `rel`, a file (`NotAFileError` for anything else: a FIFO's or a device's size says
+        nothing of what reading it gives)."""
+        if self.local:
+            def local() -> int:
+                with self._open_local(rel) as stream:
+                    return os.fstat(stream.fileno()).st_size
+
+            return self.retry(f"stat {self.url_of(rel)}", local)
         return self.retry(f"stat {self.url_of(rel)}", lambda: self.fs.size(self.path(rel)))
 
     def glob(self, pattern: str) -> list[str]:
