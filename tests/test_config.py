@@ -212,6 +212,8 @@ def test_cli_config_check_prints_every_default(cli, tmp_path):
     (["data.path=/nonexistent/corpus.txt"], ["data.path", "/nonexistent/corpus.txt"]),
     (["train.data=corpus.txt"], ["train", "data.path"]),
     (["train.warmup_steps=3"], ["train", "recompile_warmup_steps", "lr_warmup_steps"]),
+    (["output_dir=gs://"], ["output_dir", "names no bucket"]),  # else a local folder called `gs:`
+    (["checkpoint.dir=gs:///run"], ["checkpoint.dir", "names no bucket"]),
 ])
 def test_cli_bad_config_is_one_line_exit_2(capsys, sets, words):
     args = ["config", "check", str(FIXTURES / "transformers_fsdp_config.json")]

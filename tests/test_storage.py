@@ -72,10 +72,25 @@ def test_a_staged_output_dir_goes_up_whole_and_an_outage_loses_nothing(gcs):
     assert Storage(gcs.url("out")).read_bytes("metrics.jsonl") == b'{"step": 1}\n'
     gcs.outage()
     assert not staged.sync(force=True) and not staged.sync(force=True)
-    assert len(said) == 1 and "uploading to" in said[0] and "trying again at the next record" in said[0]
+    assert len(said) == 1 and "uploading to" in said[0] and f"the records stay in {staged.local}" in said[0]
     staged.close()
     assert "stay in" in said[-1] and (staged.local / "metrics.jsonl").read_text().count("step") == 2
     gcs.restore()
     again = StagedDir(gcs.url("out"), warn=said.append)
     assert again.fetch("metrics.jsonl").read_text() == '{"step": 1}\n'  # what the bucket holds
     again.close()
+
+
+@pytest.mark.e2e
+def test_a_bucket_output_dir_that_does_not_exist_is_said_once_and_the_records_stay_local(gcs):
+    """The run's record, not its master: a missing (or deleted) bucket neither raises nor goes unsaid."""
+    from xla_shard.io.staged import StagedDir
+
+    said = []
+    staged = StagedDir("gs://no-such-bucket/out", retry_deadline_s=1, warn=said.append)
+    assert not staged.fetch("metrics.jsonl").exists() and not said  # it holds nothing yet
+    (staged.local / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert not staged.sync(force=True) and not staged.sync(force=True)
+    assert len(said) == 1 and "uploading to gs://no-such-bucket/out failed" in said[0] and str(staged.local) in said[0]
+    staged.close()
+    assert str(staged.local) in said[-1] and (staged.local / "metrics.jsonl").exists()

@@ -366,3 +366,19 @@ def test_hooks_see_every_step_and_evaluation_and_the_trainer_grows_no_attributes
     assert [step for step, _ in seen["evaluations"]] == [2, 4]
     assert [record for _, record in seen["evaluations"]] == evaluations
     assert seen["grown"] == [] and seen["checkpointer"] == "NoCheckpoints"
+
+
+def test_a_resume_drops_the_records_it_redoes_and_the_lines_that_are_not_records(tmp_path):
+    """metrics.jsonl is the run's own record, but a line of it that is not UTF-8 JSON with a numeric step (a
+    disk fault, a hand edit) is dropped with a word, never the end of every later resume."""
+    from xla_shard.metrics import StepLogger
+
+    good = [b'{"step": 1, "loss": 2.0}', b'{"step": 2, "loss": 1.5}', b'{"step": 3, "loss": 1.2}']
+    damaged = [b'\xff\xfe{"step": 1}', b'{"step": "2"}', b'{"step": null}', b'{"step": [1]}', b'[1, 2]',
+               b'{"step": true}', b"not json"]
+    (tmp_path / "metrics.jsonl").write_bytes(b"\n".join([good[0], *damaged, *good[1:]]) + b"\n")
+    said = []
+    logger = StepLogger(str(tmp_path), total_steps=5, enabled=True, start_step=2, log=said.append)
+    logger.close()
+    assert (tmp_path / "metrics.jsonl").read_bytes().splitlines() == good[:2]
+    assert len(said) == 1 and f"{len(damaged)} line(s) that are not a record" in said[0]

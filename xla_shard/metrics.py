@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -152,8 +153,7 @@ class StepLogger:
                 log(f"{output_dir}/metrics.jsonl held an earlier run's metrics (this run starts at step 0): moved "
                     f"to {aside.name}")
             else:
-                kept = [line for line in path.read_text().splitlines() if _step_of(line) <= start_step]
-                path.write_text("".join(line + "\n" for line in kept))
+                self._keep_until(path, start_step, f"{output_dir}/metrics.jsonl", log)
         self.file = open(path, "a")
         if tensorboard:
             require_tensorboard()
@@ -162,6 +162,21 @@ class StepLogger:
             self.board = SummaryWriter(str(out))
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", disable=not sys.stderr.isatty(),
                         dynamic_ncols=True)
+
+    @staticmethod
+    def _keep_until(path: Path, step: int, shown: str, log) -> None:
+        """Keep the records up to `step` (a resumed run redoes the rest); a line that is not a record (not UTF-8
+        JSON, its step not a number) is the file's damage, dropped with a word, never the run's end."""
+        kept, damaged = [], 0
+        for line in path.read_bytes().splitlines():
+            at = _step_of(line)
+            if at is None:
+                damaged += line.strip() != b""
+            elif at <= step:
+                kept.append(line)
+        if damaged:
+            log(f"{shown}: {damaged} line(s) that are not a record (UTF-8 JSON with a numeric step) dropped")
+        path.write_bytes(b"".join(line + b"\n" for line in kept))
 
     def log(self, record: dict[str, Any], eta_s: float | None = None) -> None:
         if not self.enabled:
@@ -208,11 +223,16 @@ class StepLogger:
                 self.staged.close()
 
 
-def _step_of(line: str) -> float:
+def _step_of(line: bytes) -> float | None:
+    """A record's step, or None where the line is not one."""
     try:
-        return json.loads(line).get("step", 0)
-    except (ValueError, AttributeError):
-        return 0
+        record = json.loads(line)
+    except ValueError:  # not JSON, or not UTF-8
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
+        return None
+    return step
 
 
 def _fmt(value: Any) -> str:

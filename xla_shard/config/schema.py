@@ -490,6 +490,20 @@ class LaunchSection(_Section):
         return self
 
 
+_BUCKET_SCHEMES = ("gs", "gcs", "s3", "az", "abfs")  # object stores: the first segment after :// is the bucket
+
+
+def _place(value: str) -> str:
+    """A directory or a URL that names a place: `gs://` alone (or `gs:///x`) names no bucket, and would otherwise
+    become a local folder called `gs:`."""
+    if not value.strip():
+        raise ValueError("is empty: give a directory or a URL")
+    scheme, sep, rest = value.partition("://")
+    if sep and (not rest.strip("/") or (scheme in _BUCKET_SCHEMES and rest.startswith("/"))):
+        raise ValueError(f"{value!r} names no {'bucket' if scheme in _BUCKET_SCHEMES else 'path'} after {scheme}://")
+    return value
+
+
 class CheckpointSection(_Section):
     # Any fsspec URL: a local path, gs://bucket/prefix (gcsfs, the VM's credentials), memory://... ;
     # null turns checkpointing off.
@@ -511,6 +525,11 @@ class CheckpointSection(_Section):
     commit_timeout_s: float = Field(default=600.0, gt=0, le=MAX_SECONDS)
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, populate_by_name=True)
+
+    @field_validator("dir")
+    @classmethod
+    def _dir_place(cls, value: str | None) -> str | None:
+        return None if value is None else _place(value)
 
     @field_validator("resume")
     @classmethod
@@ -653,6 +672,11 @@ class ShardConfig(_Section):
         """{dotted key: value} of RESUME_KEYS, as written into and compared against checkpoint manifests."""
         dumped = self.model_dump(mode="json", by_alias=True)
         return {key: dumped[key.split(".")[0]][key.split(".")[1]] for key in self.RESUME_KEYS}
+
+    @field_validator("output_dir")
+    @classmethod
+    def _output_place(cls, value: str) -> str:
+        return _place(value)
 
     @field_validator("data", mode="before")
     @classmethod

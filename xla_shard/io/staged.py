@@ -2,8 +2,10 @@
 
 Objects in a bucket cannot be appended to, and a pod or a spot VM loses its disk with it: so the logger writes
 metrics (and TensorBoard events) to a local staging folder as it would to a local output_dir, and each file goes
-up whole at most every `every_s` seconds and when the run ends. A failed upload is said once and tried again at
-the next sync; the staging folder is kept when the last one fails, so nothing is lost.
+up whole at most every `every_s` seconds and when the run ends. Metrics are the run's record, not its master: a
+bucket that cannot be read or written (an outage, a bucket that does not exist or was deleted mid-run) is said
+once, naming the staging folder, and the training goes on; the staging folder is kept when the last upload
+fails, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from pathlib import Path
 
 from xla_shard.errors import one_line
 from xla_shard.io.storage import Storage, StorageError
+
+
+# what a bucket that is down, missing or forbidden raises through `Storage` (a missing bucket: FileNotFoundError)
+_UNREACHABLE = (StorageError, OSError)
 
 
 def is_url(path: str) -> bool:
@@ -32,10 +38,15 @@ class StagedDir:
         self._failed = False
 
     def fetch(self, name: str) -> Path:
-        """The local copy of `name` as the bucket holds it (absent if it holds none)."""
+        """The local copy of `name` as the bucket holds it (absent if it holds none, or if it cannot be read:
+        said once)."""
         path = self.local / name
-        if self.storage.exists(name):
-            path.write_bytes(self.storage.read_bytes(name))
+        try:
+            if self.storage.exists(name):
+                path.write_bytes(self.storage.read_bytes(name))
+        except _UNREACHABLE as exc:
+            self.warn(f"output_dir: reading {self.url}/{name} failed ({one_line(exc)}); this run's records start "
+                      f"afresh in {self.local}, uploaded when the bucket answers")
         return path
 
     def sync(self, force: bool = False) -> bool:
@@ -46,10 +57,10 @@ class StagedDir:
         try:
             for path in sorted(p for p in self.local.rglob("*") if p.is_file()):
                 self.storage.write(path.relative_to(self.local).as_posix(), path.read_bytes())
-        except StorageError as exc:
+        except _UNREACHABLE as exc:
             if not self._failed:
-                self.warn(f"output_dir: uploading to {self.url} failed ({one_line(exc)}); trying again at the next "
-                          "record")
+                self.warn(f"output_dir: uploading to {self.url} failed ({one_line(exc)}); the records stay in "
+                          f"{self.local}, tried again at the next one")
             self._failed = True
             return False
         self._failed = False
