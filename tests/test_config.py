@@ -1,11 +1,14 @@
 """The config schema, `--set` overrides, importers, and the one-line errors users see."""
 
+import enum
 import json
 import subprocess
+import typing
 
 import pytest
 import yaml
 from conftest import FIXTURES
+from pydantic_core import PydanticUndefined
 
 from xla_shard import config
 from xla_shard.cli import main
@@ -255,3 +258,64 @@ def test_cli_train_launcher_checks_the_process_count_before_anything_starts(cli,
     done = cli("train", *args)
     _one_line_error(done, *words)
     assert "torch.distributed" not in done.stderr and "W1122" not in done.stderr
+
+
+def _leaf_keys(section: type, prefix: str = ""):
+    """(dotted key, pydantic field) of every leaf of the schema, sections that may be null included."""
+    from pydantic import BaseModel
+
+    for name, field in section.model_fields.items():
+        key = f"{prefix}{field.alias or name}"
+        kinds = typing.get_args(field.annotation) or (field.annotation,)
+        inner = next((k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)), None)
+        if inner is not None:
+            yield from _leaf_keys(inner, key + ".")
+        yield key, field
+
+
+def _other_values(field) -> list:
+    """Values of a field's type other than its default, as a user would write them."""
+    default = None if field.default is PydanticUndefined else field.default
+    annotation = field.annotation
+    found = []
+    kinds = [annotation] if typing.get_origin(annotation) is typing.Literal else \
+        typing.get_args(annotation) or (annotation,)
+    for kind in kinds:
+        if typing.get_origin(kind) is typing.Literal:
+            found += list(typing.get_args(kind))
+        elif isinstance(kind, type) and issubclass(kind, enum.Enum):
+            found += [member.value for member in kind]
+        elif kind is bool:
+            found += [True, False]
+        elif kind is int:
+            found += [1, 2, 4] + ([default + 1, default * 2] if isinstance(default, int) else [])
+        elif kind is float:
+            found += [0.5, 2.0] + ([default * 2] if isinstance(default, float) and default else [])
+        elif kind is str:
+            found += ["my-run-1", "gs://my-bucket/run"]
+    return [v for v in dict.fromkeys(found) if v != getattr(default, "value", default)]
+
+
+def test_a_settled_config_validates_again_as_itself_for_every_key():
+    """What a launcher settles and hands its workers (`config.load.dump`), and what `config check` prints, is a
+    config: for every key of the schema set to each other value it takes (where that config is valid), the
+    dump validates again to the same config. (train.epochs used to fail here on torch_fsdp's workers: the dump
+    set train.steps too.)"""
+    from xla_shard.config.load import dump, validate
+    from xla_shard.config.schema import ShardConfig
+
+    bases = [[], ["model.lora.r=4"], ["fsdp.sharding_strategy=HYBRID_SHARD"], ["data.kind=preference",
+             f"data.path={FIXTURES / 'preference.jsonl'}"], ["data.kind=chat", f"data.path={FIXTURES / 'chat.jsonl'}"]]
+    tried, keys = 0, set()
+    for key, field in _leaf_keys(ShardConfig):
+        for value in _other_values(field):
+            for base in bases:  # the first context in which the value is valid
+                try:
+                    cfg = config.load(None, ["model.name=tiny-llama", *base, f"{key}={json.dumps(value)}"])
+                except ConfigError:
+                    continue
+                again = validate(yaml.safe_load(dump(cfg)))
+                assert again.model_dump() == cfg.model_dump(), (key, value)
+                tried, keys = tried + 1, keys | {key}
+                break
+    assert len(keys) > 100 and tried > 200, (len(keys), tried)

@@ -134,4 +134,14 @@ def _did_you_mean(loc: list[str]) -> str:
 
 
 def dump(cfg: ShardConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False)
+    """`cfg` as YAML, every value filled in, that validates again to the same config (what a launcher hands its
+    workers, what `config check` prints): a key whose setting a validator reads (`SET_ONLY_BESIDE`) is written
+    only where it was set."""
+    data = cfg.model_dump(mode="json", by_alias=True)
+    for key, beside in cfg.SET_ONLY_BESIDE.items():
+        section, name = key.split(".")
+        other_section, other = beside.split(".")
+        if getattr(getattr(cfg, other_section), other) is not None and \
+                name not in getattr(cfg, section).model_fields_set:
+            del data[section][name]
+    return yaml.safe_dump(data, sort_keys=False)

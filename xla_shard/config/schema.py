@@ -668,6 +668,13 @@ class ShardConfig(_Section):
                                               "train.seq_len", "data.path", "data.kind", "data.tokenizer",
                                               "data.packing", "data.eval_fraction")
 
+    # Keys whose being set, not only their value, a validator reads where another key is given (not null)
+    # (`TrainSection._steps_or_epochs`, `_consistent`): a dumped config writes them there only where they were
+    # set, so that it validates again as it did (`config.load.dump`).
+    SET_ONLY_BESIDE: ClassVar[dict[str, str]] = {"train.steps": "train.epochs",
+                                                 "fsdp.sharding_strategy": "fsdp.sharding",
+                                                 "mesh.replica": "fsdp.sharding"}
+
     def run_identity(self) -> dict[str, Any]:
         """{dotted key: value} of RESUME_KEYS, as written into and compared against checkpoint manifests."""
         dumped = self.model_dump(mode="json", by_alias=True)
