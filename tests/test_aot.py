@@ -84,6 +84,54 @@ def test_a_generation_this_libtpu_cannot_compile_is_one_line_before_anything_is_
     assert "xla_spmd on" not in done.stderr  # refused before the trace
 
 
+def _script(path: Path, body: str, mode: int = 0o755) -> str:
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(mode)
+    return str(path)
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda tmp: "/bin/true", ["answered 'nothing'"]),
+    (lambda tmp: _script(tmp / "talks", "echo hello"), ["answered 'hello'"]),
+    (lambda tmp: _script(tmp / "half", "echo '{\"count\": 4}'"), ["not its JSON with count, platform_version"]),
+    (lambda tmp: _script(tmp / "odd", "echo '{\"count\": \"4\", \"platform_version\": 1}'"),
+     ["not a device count and a version"]),
+    (lambda tmp: _script(tmp / "fails", "echo boom >&2; exit 3"), ["failed: boom"]),
+    (lambda tmp: str(tmp), ["not a file"]),
+    (lambda tmp: _script(tmp / "plain", "true", mode=0o644), ["not executable"]),
+    (lambda tmp: str(tmp / "absent"), ["no such file"]),
+    (lambda tmp: _script(tmp / "hangs", "sleep 30"), ["did not answer within 1 s (describe); stopped"]),
+])
+def test_an_isolated_compiler_that_is_not_one_is_one_line_within_a_time_bound(tmp_path, monkeypatch, make, words):
+    """XLA_SHARD_TPU_COMPILER is read from the environment: whatever it names (a program that prints nothing,
+    or not JSON, or JSON without its keys; a directory; a file without the run bit; one that hangs) is one
+    error naming the variable, within a stated time."""
+    from xla_shard.aot import compiler
+
+    def unknown(topology, slices=1):
+        raise UserError("this libtpu does not know it")
+
+    monkeypatch.setattr(compiler, "topology_devices", unknown)
+    monkeypatch.setattr(compiler, "_DESCRIBE_S", 1)
+    monkeypatch.setenv(ISOLATED, make(tmp_path))
+    with pytest.raises(UserError) as refused:
+        compiler.describe("tpu7x:2x2x1")
+    assert ISOLATED in str(refused.value) and "\n" not in str(refused.value)
+    for word in words:
+        assert word in str(refused.value)
+
+
+def test_an_isolated_compiler_that_writes_no_figures_is_one_line(tmp_path):
+    from xla_shard.aot import compiler
+
+    for body, words in (("true", "answered 'nothing'"), ('echo \'{"refused": 7}\' > "$7"', "not its JSON with"),
+                        ('echo \'{"devices": 4}\' > "$7"', "not its JSON with")):
+        python = _script(tmp_path / "compiles", body)
+        with pytest.raises(UserError, match=words) as refused:
+            compiler.Slice("tpu7x:2x2x1", 4, "v", python=python).compile(b"program")
+        assert ISOLATED in str(refused.value)
+
+
 @pytest.mark.e2e
 @pytest.mark.skipif(not TPU_COMPILER.exists(), reason=f"no isolated TPU compiler at {TPU_COMPILER} (tests/run.sh "
                                                       "makes .venv-tpu-compiler)")
@@ -200,3 +248,29 @@ def test_a_slice_past_what_torch_can_trace_is_one_line():
         trace._claim_devices(128)
     with pytest.raises(UserError, match="the 2 slices have 128 devices.*fewer slices"):
         trace._claim_devices(128, slices=2)
+
+
+def test_the_search_for_a_change_that_fits_stops_at_its_time_budget_and_says_what_it_left(monkeypatch):
+    """Each try is a compile (minutes for a 70B model): past `--budget-minutes` none starts, and the refusal
+    names what was left untried."""
+    import types
+
+    from xla_shard import config
+    from xla_shard.aot import run
+
+    cfg = config.load(None, ["model.name=tiny-llama", "train.global_batch_size=8"])
+    now = [0.0]
+
+    def compile_for(changed, name, slices):
+        now[0] += 600  # ten minutes a compile
+        return types.SimpleNamespace(fits=False, needed=0)
+
+    monkeypatch.setattr(run, "compile_for", compile_for)
+    report = types.SimpleNamespace(target=types.SimpleNamespace(name="v5p-8", slices=1))
+    fix, untried = run.what_fits(cfg, report, bigger=lambda name: pytest.fail("started past the budget"),
+                                 budget_s=900, clock=lambda: now[0])
+    assert fix is None and untried == ["--tpu v5p-16"] and now[0] == 1200
+    report = types.SimpleNamespace(needed=2**35, available=2**34, consumers={"parameters": 2**34},
+                                   target=types.SimpleNamespace(label="v5p-8 (4 chips)"))
+    said = str(run.refusal(report, fix, untried))
+    assert "ran out before trying --tpu v5p-16" in said and "\n" not in said

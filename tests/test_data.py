@@ -135,6 +135,29 @@ def test_eval_rows_are_held_out_of_training(model_dirs):
     assert eval_rows and not train_rows & eval_rows
 
 
+@pytest.mark.parametrize("task", ["causal_lm", "sequence_classification"])
+def test_an_evaluation_set_with_nothing_to_predict_is_refused_before_training(task):
+    """Every label masked (a causal LM's first label predicts nothing): said naming the eval key, not found
+    as a division by zero after training."""
+    from datasets import Dataset
+
+    from xla_shard.data.source import EvalSource
+    from xla_shard.train import _check_eval_labels
+
+    causal = task == "causal_lm"
+    labels = [[5, -100, -100, -100]] * 3 if causal else [-100] * 3
+    source = EvalSource(Dataset.from_dict({"input_ids": [[1, 2, 3, 4]] * 3, "labels": labels}), batch=2)
+    held_out = [f"data.path={FIXTURES / ('corpus.jsonl' if causal else 'nli.csv')}", "data.eval_fraction=0.1"]
+    cfg = config.load(None, ["model.name=tiny-llama", *held_out] if causal else
+                      ["model.name=tiny-bert", f"model.task={task}", "model.num_labels=2", *held_out,
+                       "data.text_fields=[premise, hypothesis]"])
+    with pytest.raises(ConfigError, match="no row of the evaluation set .3 rows. has a label") as refused:
+        _check_eval_labels(source, cfg)
+    assert refused.value.key == "data.eval_fraction"
+    one = [[5, -100, 7, -100]] if causal else [1]
+    _check_eval_labels(EvalSource(Dataset.from_dict({"input_ids": [[1, 2, 3, 4]], "labels": one}), batch=2), cfg)
+
+
 @pytest.mark.e2e
 def test_epochs_set_the_number_of_steps(model_dirs, tmp_path):
     out = tmp_path / "run"

@@ -738,7 +738,8 @@ def test_plan_prints_the_yaml_that_runs_its_pick_on_the_backend_asked_for(capsys
 
 
 @pytest.mark.e2e  # the first `plan` in a process imports the planner and backends: ~4 s
-@pytest.mark.parametrize("name, chips", [("v5p-64", 32), ("v6e-16", 16), ("tpu7x-128", 64), ("v4-8", 4)])
+@pytest.mark.parametrize("name, chips", [("v5p-64", 32), ("v6e-16", 16), ("tpu7x-128", 64), ("v4-8", 4),
+                                         ("v5litepod-16", 16)])
 def test_plan_takes_a_slice_by_its_name_and_says_how_many_chips(capsys, name, chips):
     """A v5p-64 is 32 chips (the number counts TensorCores): planning 64 of them was the mistake this prevents."""
     sets = ["--set", "model=llama-7b", "--set", "train.global_batch_size=256"]

@@ -105,7 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     aot.add_argument("--longest", action="store_true", help="the longest sequence (doubling train.seq_len) that "
                                                             "fits the slice, and with which mesh.context: each "
                                                             "answer a compile")
-    aot.add_argument("--budget-minutes", type=float, default=30.0, help="--longest: stop compiling after this long")
+    aot.add_argument("--budget-minutes", type=float, default=30.0, help="--longest, and the search for a change "
+                                                                         "that fits: start no compile after this long")
     aot.add_argument("--no-suggest", action="store_true", help=argparse.SUPPRESS)  # a compile of a suggestion
     aot.set_defaults(func=_compile)
 
@@ -263,7 +264,9 @@ def _compile(args) -> int:
     if report.fits or args.no_suggest:
         return 0
     sys.stdout.flush()
-    raise run.refusal(report, run.what_fits(cfg, report, run.compile_elsewhere(args.config, args.set, slices)))
+    fix, untried = run.what_fits(cfg, report, run.compile_elsewhere(args.config, args.set, slices),
+                                 budget_s=args.budget_minutes * 60)
+    raise run.refusal(report, fix, untried)
 
 
 def _gcp_render(args) -> int:

@@ -25,6 +25,7 @@ from xla_shard.checkpoint import Checkpointer, CheckpointError, NoCheckpoints, f
 from xla_shard.config.schema import ShardConfig, TrainSection
 from xla_shard.data import Batch, micro_rows
 from xla_shard.data.batches import trimmed
+from xla_shard.data.packing import IGNORE
 from xla_shard.errors import ConfigError, UserError, file_in_the_way, redact
 from xla_shard.hostmem import mib
 from xla_shard.io.overlap import Protected, refuse_overlap
@@ -202,6 +203,8 @@ class Trainer:
         with backend.processes.main_first():
             sources = datalib.build(cfg, model.config, source.directory)
         self.source, self.eval_source = sources.train, sources.eval
+        if self.eval_source is not None:
+            _check_eval_labels(self.eval_source, cfg)
         self.uneven_labels = sources.uneven_labels
         self.total_steps = self._total_steps()
         self._log(f"data: {sources.description}; {self.total_steps} steps"
@@ -564,6 +567,19 @@ class Trainer:
 
         return MemoryReport(sum(local(params)), sum(local(grads)), sum(local(states)),
                             full(params), full(grads), full(states))
+
+
+def _check_eval_labels(source, cfg: ShardConfig) -> None:
+    """An evaluation set with nothing to predict (every label masked: prompts without answers) is said before
+    training, not found dividing by zero after it."""
+    causal = cfg.model.task == "causal_lm"
+    for index in range(source.batches):
+        labels = source.rows(index, range(source.batch))["labels"]
+        if ((labels[..., 1:] if causal else labels) != IGNORE).any():
+            return
+    key = "data.eval_path" if cfg.data.eval_path else "data.eval_fraction"
+    raise ConfigError(key, f"no row of the evaluation set ({source.rows_total} rows) has a label to predict: every "
+                           "label is masked (a prompt without its answer, or an answer cut off by train.seq_len)")
 
 
 def evaluate(model, backend, source, cfg, objective: Objective | None = None) -> dict[str, float]:

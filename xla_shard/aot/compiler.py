@@ -72,11 +72,17 @@ class Slice:
         with tempfile.TemporaryDirectory(prefix="xla_shard_compile_") as work:
             program, result = Path(work) / "step.pb", Path(work) / "compiled.json"
             program.write_bytes(proto)
-            _isolated(self.python, "compile", self.topology, str(self.slices), str(program), str(result))
-            answer = json.loads(result.read_text())
-        if "refused" in answer:  # the compiler's own words, read here as in this process
+            _isolated(self.python, _COMPILE_S, "compile", self.topology, str(self.slices), str(program), str(result))
+            written = result.read_text() if result.is_file() else ""
+        answer = _answer(self.python, written, ())
+        if isinstance(answer.get("refused"), str):  # the compiler's own words, read here as in this process
             raise rejection(answer["refused"])
-        return Compiled(**answer)
+        _answer(self.python, written, [f.name for f in dataclasses.fields(Compiled) if f.default is
+                                       dataclasses.MISSING and f.default_factory is dataclasses.MISSING])
+        try:
+            return Compiled(**answer)
+        except TypeError as exc:
+            raise _unanswered(self.python, f"its figures do not fit: {exc}") from None
 
 
 def describe(topology: str, slices: int = 1) -> Slice:
@@ -90,22 +96,57 @@ def describe(topology: str, slices: int = 1) -> Slice:
         if not python:
             raise UserError(f"{refused}; for a generation this libtpu does not know, install a newer one apart: "
                             f"{ISOLATED_INSTALL}") from None
-    answer = json.loads(_isolated(python, "describe", topology, str(slices)))
+    answer = _answer(python, _isolated(python, _DESCRIBE_S, "describe", topology, str(slices)),
+                     ("count", "platform_version"))
+    if not isinstance(answer["count"], int) or not isinstance(answer["platform_version"], str):
+        raise _unanswered(python, f"its description {answer} is not a device count and a version")
     return Slice(topology, answer["count"], answer["platform_version"], python=python, slices=slices)
 
 
-def _isolated(python: str, *args: str) -> str:
-    """Run this module's command line (`main`) with the isolated environment's Python; its stdout."""
-    if not Path(python).exists():
-        raise UserError(f"{ISOLATED}={python}: no such Python ({ISOLATED_INSTALL})")
+# How long the isolated environment may take: to describe a slice, and to compile one program (libtpu compiles
+# Llama-3-70B's scanned step in minutes; an unrolled 8B in about 10).
+_DESCRIBE_S, _COMPILE_S = 300, 3600
+
+
+def _unanswered(python: str, problem: str) -> UserError:
+    return UserError(f"{ISOLATED}={python}: the TPU compiler there {problem} ({ISOLATED_INSTALL})")
+
+
+def _answer(python: str, text: str, keys) -> dict:
+    """The isolated environment's JSON answer, holding `keys`."""
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict) or any(key not in answer for key in keys):
+        shown = " ".join(text.split())[:120] or "nothing"
+        raise _unanswered(python, f"answered {shown!r}, not its JSON with {', '.join(keys)}")
+    return answer
+
+
+def _isolated(python: str, timeout_s: float, *args: str) -> str:
+    """Run this module's command line (`main`) with the isolated environment's Python, for at most `timeout_s`;
+    its stdout."""
+    where = Path(python)
+    if not where.is_file() or not os.access(where, os.X_OK):
+        problem = "no such file" if not where.exists() else "not a file" if not where.is_file() else "not executable"
+        raise UserError(f"{ISOLATED}={python}: {problem}; it names the isolated environment's Python "
+                        f"({ISOLATED_INSTALL})")
     package = str(Path(__file__).resolve().parents[2])  # what holds xla_shard: importable without installing it
     env = {**os.environ, "PYTHONPATH": package + os.pathsep + os.environ.get("PYTHONPATH", "")}
     for key in ("TPU_LIBRARY_PATH", "PTXLA_TPU_LIBRARY_PATH"):  # torch_xla points them at its own libtpu
         env.pop(key, None)
-    done = subprocess.run([python, "-m", "xla_shard.aot.compiler", *args], capture_output=True, text=True, env=env)
+    try:
+        done = subprocess.run([python, "-m", "xla_shard.aot.compiler", *args], capture_output=True, text=True,
+                              env=env, timeout=timeout_s, errors="replace")
+    except subprocess.TimeoutExpired:
+        raise _unanswered(python, f"did not answer within {timeout_s:g} s ({args[0]}); stopped") from None
+    except OSError as exc:
+        raise _unanswered(python, f"could not be started: {exc.strerror or exc}") from None
     if done.returncode:
         lines = [line for line in done.stderr.splitlines() if line.strip()]
-        raise UserError(f"the TPU compiler at {ISOLATED}={python} failed: {lines[-1] if lines else done.returncode}")
+        raise UserError(f"the TPU compiler at {ISOLATED}={python} failed: "
+                        f"{' '.join(lines[-1].split())[:300] if lines else done.returncode}")
     return done.stdout
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 
 from xla_shard.aot import compiler, target, trace
@@ -43,19 +44,23 @@ def remedies(cfg: ShardConfig) -> list[tuple[str, ShardConfig]]:
     return found
 
 
-def what_fits(cfg: ShardConfig, report: Report | Refused, bigger: Callable[[str], Report | None]) -> str | None:
+def what_fits(cfg: ShardConfig, report: Report | Refused, bigger: Callable[[str], Report | None],
+              budget_s: float = 1800.0, clock: Callable[[], float] = time.monotonic) -> tuple[str | None, list[str]]:
     """The first remedy whose compiled step fits (each compiled in this process), else the next slice size
-    (compiled in a fresh process: the device count is set once per process); None if neither does."""
-    for change, changed in remedies(cfg):
-        tried = compile_for(changed, report.target.name, report.target.slices)
-        if tried.fits:
-            return f"{change} (compiled: {tried.needed / 2**30:.2f} GiB per device)"
+    (compiled in a fresh process: the device count is set once per process): (it, or None; what the time budget
+    left untried). A compile is not cut short: the budget is checked before each."""
     generation, size = report.target.name.rsplit("-", 1)
     larger = f"{generation}-{int(size) * 2}"
-    tried = bigger(larger)
-    if tried is not None and tried.fits:
-        return f"--tpu {larger} (compiled: {tried.needed / 2**30:.2f} GiB per device)"
-    return None
+    tries = [(change, lambda changed=changed: compile_for(changed, report.target.name, report.target.slices))
+             for change, changed in remedies(cfg)] + [(f"--tpu {larger}", lambda: bigger(larger))]
+    deadline = clock() + budget_s
+    for index, (change, attempt) in enumerate(tries):
+        if clock() > deadline:
+            return None, [name for name, _ in tries[index:]]
+        tried = attempt()
+        if tried is not None and tried.fits:
+            return f"{change} (compiled: {tried.needed / 2**30:.2f} GiB per device)", []
+    return None, []
 
 
 def compile_elsewhere(config: str | None, sets: list[str], slices: int = 1) -> Callable[[str], Report | None]:
@@ -80,12 +85,18 @@ class _Summary:
         self.fits, self.needed = data["fits"], data["needed_bytes_per_device"]
 
 
-def refusal(report: Report | Refused, fix: str | None) -> UserError:
+def refusal(report: Report | Refused, fix: str | None, untried: list[str] = ()) -> UserError:
     consumers = ", ".join(f"{name.split(' (')[0]} {size / 2**30:.2f}" for name, size in
                           list(report.consumers.items())[:3])
+    if fix:
+        found = f"it fits with {fix}"
+    elif untried:
+        found = (f"the time budget (--budget-minutes) ran out before trying {', '.join(untried)}; more chips, a "
+                 "smaller batch, or LoRA")
+    else:
+        found = "nothing tried fits: more chips, a smaller batch, or LoRA"
     return UserError(f"the step needs {report.needed / 2**30:.2f} GiB per device on {report.target.label}, which has "
-                     f"{report.available / 2**30:.2f} GiB (largest: {consumers} GiB); "
-                     + (f"it fits with {fix}" if fix else "nothing tried fits: more chips, a smaller batch, or LoRA"))
+                     f"{report.available / 2**30:.2f} GiB (largest: {consumers} GiB); {found}")
 
 
 def _with(cfg: ShardConfig, seq_len: int, context: int) -> ShardConfig:

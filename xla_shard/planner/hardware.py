@@ -103,7 +103,8 @@ def for_device_kind(kind: str) -> Accelerator | None:
 
 def accelerator(name: str) -> Accelerator:
     key = name.lower().removeprefix("tpu").strip(" -_")
-    key = "v5e" if key.startswith("v5lite") else "tpu7x" if key in ("7x", "v7x", "ironwood") else key
+    # (v5litepod and v5lite name the generation; v5litepod-16 is a slice, which this does not take)
+    key = "v5e" if key in ("v5lite", "v5litepod") else "tpu7x" if key in ("7x", "v7x", "ironwood") else key
     if key not in ACCELERATORS:
         raise KeyError(name)
     return ACCELERATORS[key]
