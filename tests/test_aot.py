@@ -274,3 +274,18 @@ def test_the_search_for_a_change_that_fits_stops_at_its_time_budget_and_says_wha
                                    target=types.SimpleNamespace(label="v5p-8 (4 chips)"))
     said = str(run.refusal(report, fix, untried))
     assert "ran out before trying --tpu v5p-16" in said and "\n" not in said
+
+
+def test_a_compile_this_machine_cannot_hold_is_refused_before_the_trace_with_the_remedy():
+    """libtpu's compile of an unrolled step takes host memory by the layer (an unrolled 8B: about 21 GiB); the
+    kernel would kill it minutes in, without a word. Said first, in one line, with what fits."""
+    from xla_shard import config
+    from xla_shard.aot.run import check_host_memory
+
+    cfg = config.load(None, ["model=llama-7b"])  # 32 layers
+    with pytest.raises(UserError, match="about 21 GiB of host memory") as refused:
+        check_host_memory(cfg, available=int(17.7 * 2**30))
+    assert "fsdp.scan_layers: true" in str(refused.value) and "17.7 GiB available" in str(refused.value)
+    check_host_memory(config.load(None, ["model=llama-7b", "fsdp.scan_layers=true"]), available=int(17.7 * 2**30))
+    check_host_memory(cfg, available=64 * 2**30)
+    check_host_memory(cfg, available=0)  # unknown: not guessed

@@ -20,6 +20,18 @@ def status_bytes(field: str) -> int:
     return 0
 
 
+def available_bytes() -> int:
+    """Memory the kernel says can be given to this process without swapping (MemAvailable); 0 if unknown."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 @dataclass
 class PeakGrowth:
     """How far this process's resident memory rose above where it stood when the block began: `bytes` for

@@ -9,15 +9,46 @@ import sys
 import time
 from collections.abc import Callable
 
+from xla_shard import hostmem
 from xla_shard.aot import compiler, target, trace
 from xla_shard.aot.report import Refused, Report
 from xla_shard.config.schema import ShardConfig, ShardingStrategy
 from xla_shard.errors import UserError
 
 
+# The host memory libtpu's compile of a step takes here, by the layers it compiles (all of them unrolled, one
+# body scanned): measured with `python bench/aot_compile.py --checkpointing --layers L --seq-len 4096 --batch 32`
+# (Llama-3-8B's width on a v5p-64, the process's peak): 5.60 GiB at 4 layers, 8.03 at 8, 12.30 at 16.
+_HOST_BASE, _HOST_PER_LAYER = 3.37 * 2**30, 0.56 * 2**30
+
+
+def check_host_memory(cfg: ShardConfig, available: int) -> None:
+    """Refuse, before anything is traced, a compile this machine's memory (`available` bytes; 0: unknown) cannot
+    hold: the kernel would kill it without a word, minutes in."""
+    from xla_shard.models import model_config
+
+    if not available:
+        return
+    config = model_config(cfg.model)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = getattr(text, "num_hidden_layers", 1) or 1
+    compiled = 1 if cfg.fsdp.scan_layers else layers
+    needed = _HOST_BASE + _HOST_PER_LAYER * compiled
+    if needed <= available:
+        return
+    fix = "compile on a machine with more memory"
+    if compiled > 1:
+        scanned = (_HOST_BASE + _HOST_PER_LAYER) / 2**30
+        fix = f"set fsdp.scan_layers: true (one layer's body compiled: about {scanned:.0f} GiB), or {fix}"
+    raise UserError(f"compiling this step takes about {needed / 2**30:.0f} GiB of host memory (libtpu's, "
+                    f"{compiled} layer(s) compiled; about {_HOST_PER_LAYER / 2**30:.2f} GiB a layer at "
+                    f"Llama-3-8B's width) and this machine has {available / 2**30:.1f} GiB available: {fix}")
+
+
 def compile_for(cfg: ShardConfig, slice_name: str, slices: int = 1) -> Report | Refused:
     chosen = target.parse(slice_name, slices=slices)
     tpu = compiler.describe(chosen.topology, slices)  # first: without the compiler, nothing else runs
+    check_host_memory(cfg, hostmem.available_bytes())
     traced = trace.trace(cfg, tpu)
     per_device = chosen.per_device(tpu.count)
     try:
