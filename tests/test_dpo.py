@@ -92,6 +92,11 @@ GOOD = {"prompt": "Q: where?\nA:", "chosen": " by the river", "rejected": " no i
     ({**GOOD, "chosen": None}, "data.chosen_field", "row 1: 'chosen' is missing"),
     ({**GOOD, "rejected": ""}, "data.rejected_field", "row 1: 'rejected' is empty"),
     ({**GOOD, "rejected": GOOD["chosen"]}, "data.rejected_field", "the same completion"),
+    # the same once each completion ends with EOS, as TRL appends it
+    ({**GOOD, "rejected": GOOD["chosen"] + "</s>"}, "data.rejected_field", "the same completion once tokenized"),
+    # labels would start inside the user turn's chat header
+    ({"prompt": [{"role": "user", "content": "q"}], "chosen": [{"role": "user", "content": "a"}],
+      "rejected": [{"role": "assistant", "content": "b"}]}, "data.chosen_field", "starts with a 'user' turn"),
     ({**GOOD, "chosen": [{"role": "assistant", "content": "x"}]}, "data.prompt_field", "all be text or all be lists"),
     ({"prompt": [{"role": "user", "content": "q"}], "chosen": [{"role": "wizard", "content": "a"}],
       "rejected": [{"role": "assistant", "content": "b"}]}, "data.chosen_field", "unknown role 'wizard'"),
@@ -107,6 +112,8 @@ def test_a_row_that_cannot_be_compared_is_refused_naming_the_key_and_row(model_d
     (["data.kind=preference", *LORA, "data.completion_only_loss=true"], "always the completions'"),
     (["data.kind=preference", *LORA, "dpo.label_smoothing=0.1"], "set dpo.loss_type: robust"),
     (["dpo.beta=0.5"], "dpo.beta applies to data.kind preference"),
+    (["data.kind=preference", "data.prompt_field=chosen"], "data.prompt_field and data.chosen_field both name"),
+    (["data.kind=prompt_completion", "data.completion_field=prompt"], "both name the column 'prompt'"),
 ])
 def test_settings_that_do_not_make_a_dpo_run_are_refused(sets, words):
     with pytest.raises(ConfigError, match=re.escape(words)):

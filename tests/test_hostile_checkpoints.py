@@ -189,14 +189,15 @@ def test_a_checkpoint_dir_named_like_a_glob_saves_resumes_and_exports(tmp_path, 
 
 
 # ---- the manifest's LoRA section is untrusted ----------------------------------------------------------
-def _lora_checkpoint(tmp_path: Path, *sets: str) -> Path:
+def _lora_checkpoint(tmp_path: Path, *sets: str, derived: bool = True) -> Path:
     from xla_shard.methods import adapter_for
 
     sets = ("model.lora.r=2", "model.lora.target_modules=[q_proj]", *sets)
     adapter = adapter_for(config.load(None, list(sets)))
     model = _model()
     adapter.materialize(model, adapter.inject(model, "causal_lm", seed=0))
-    adapter.derive(model)
+    if derived:
+        adapter.derive(model)
     ckpt = _checkpointer(tmp_path / "ckpt", *sets)
     ckpt.trained_only = True
     ckpt.restore(model, None)
@@ -253,6 +254,19 @@ def test_dora_magnitudes_where_the_manifest_does_not_say_are_refused(tmp_path, s
             export(str(step), str(tmp_path / "out"), merge=merge)
         assert problem in str(refused.value) and "\n" not in str(refused.value)
         assert not (tmp_path / "out").exists()
+
+
+def test_dora_magnitudes_never_derived_are_refused_not_exported_as_nan(tmp_path, monkeypatch):
+    """NaN is what a magnitude holds until it is derived from its base: a checkpoint holding it (written by
+    another tool, or by a saver that let NaN through) would export NaN logits."""
+    from xla_shard.checkpoint import manager
+
+    monkeypatch.setattr(manager, "_refuse_non_finite", lambda *args: None)
+    step = _lora_checkpoint(tmp_path, DORA, derived=False)
+    with pytest.raises(UserError, match="holds NaN, DoRA's value for a magnitude not yet derived") as refused:
+        export(str(step), str(tmp_path / "out"))  # (a merge reads them through the same check)
+    assert "q_proj.lora_magnitude_vector" in str(refused.value) and "\n" not in str(refused.value)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_full_fine_tune_relabelled_as_lora_is_refused(tmp_path):

@@ -252,6 +252,7 @@ def _write_weights(reader: ChunkReader, manifest, pieces: list[per_expert.Piece]
                     held = None, None  # let the last one go before reading the next
                     shape = tuple(manifest.tensors[piece.source]["shape"])
                     (tensor,) = reader.read([(piece.source, ((0,) * len(shape), shape))])
+                    tensor = peft_adapter.checked_magnitude(piece.source, tensor, manifest.url)
                     held = piece.source, transform(piece.source, tensor) if transform else tensor
                 yield layout.tensor_bytes(piece.cut(held[1]))
 

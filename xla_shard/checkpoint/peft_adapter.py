@@ -45,6 +45,16 @@ ADAPTER = "default"  # peft's adapter name; exports drop it, as peft's save_pret
 _INFIXES = re.compile(r"\.(base_layer|original_module|modules_to_save\.default)(?=\.)")
 
 
+def checked_magnitude(name: str, tensor: torch.Tensor, url: str) -> torch.Tensor:
+    """A DoRA magnitude read from a checkpoint: NaN is the value it holds until derived from the base (`methods.
+    dora`), never a trained one, so a checkpoint holding it was saved before that, or edited."""
+    if MAGNITUDE in name and tensor.is_floating_point() and bool(torch.isnan(tensor).any()):
+        raise CheckpointError(f"{url}: {name[len('model/'):] if name.startswith('model/') else name} holds NaN, "
+                              "DoRA's value for a magnitude not yet derived from its base: the checkpoint was "
+                              "saved before training began, or edited; not exporting it")
+    return tensor
+
+
 def stored_name(name: str) -> str:
     """A parameter's name as the model holds it without peft (`q_proj.base_layer.weight` -> `q_proj.weight`)."""
     return _INFIXES.sub("", name)
@@ -296,7 +306,8 @@ class Merge:
         merged = tensor.float() + change
         if adapted.magnitude is not None:  # DoRA: each row of the sum scaled to its magnitude, as peft merges it
             rows = merged if adapted.out_in else merged.T
-            magnitude = self._read(adapted.magnitude).float()
+            magnitude = checked_magnitude(adapted.magnitude, self._read(adapted.magnitude),
+                                          self.checkpoint_manifest.url).float()
             rows = rows * (magnitude / torch.linalg.vector_norm(rows, dim=1)).unsqueeze(1)
             merged = rows if adapted.out_in else rows.T
         return merged.to(tensor.dtype)

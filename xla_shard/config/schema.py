@@ -418,6 +418,14 @@ class DataSection(_Section):
         if self.kind != "text" and self.format == "txt":
             raise ValueError(f"data.format txt holds one line of text per row; data.kind {self.kind} needs named "
                              "columns (jsonl, json, parquet or csv)")
+        columns = {"prompt_completion": ("prompt_field", "completion_field"),
+                   "preference": ("prompt_field", "chosen_field", "rejected_field")}.get(self.kind, ())
+        named = [(key, getattr(self, key)) for key in columns]
+        for index, (key, column) in enumerate(named):
+            same = next((other for other, theirs in named[:index] if theirs == column), None)
+            if same:
+                raise ValueError(f"data.{same} and data.{key} both name the column {column!r}: a data.kind "
+                                 f"{self.kind} row's parts are columns of their own")
         if self.kind == "preference" and self.completion_only_loss is not None:
             raise ValueError("data.completion_only_loss applies to chat and prompt_completion; DPO's log-probabilities "
                              "are always the completions' (drop the key)")

@@ -63,11 +63,12 @@ class _PairEncoder(Renderer):
             if value is None or (isinstance(value, (str, list)) and not value):
                 raise ConfigError(key, f"{where}: {field!r} is {'missing' if value is None else 'empty'}: a "
                                        "preference row needs two completions to compare")
-        if chosen == rejected:
-            raise ConfigError("data.rejected_field", f"{where}: {fields.chosen!r} and {fields.rejected!r} are the "
-                                                     "same completion, so there is no preference to learn")
         prompt_ids, pairs = self.prompted(prompt, [(chosen, "data.chosen_field", fields.chosen),
                                                    (rejected, "data.rejected_field", fields.rejected)],
-                                          index, "data.kind preference")
+                                          index, "data.kind preference", assistant_first=True)
+        if pairs[0] == pairs[1]:  # (text that differs only by the EOS each completion is given)
+            raise ConfigError("data.rejected_field", f"{where}: {fields.chosen!r} and {fields.rejected!r} are the "
+                                                     "same completion once tokenized, so there is no preference to "
+                                                     "learn")
         start = min(common_prefix(prompt_ids, ids) for ids in pairs)  # TRL's rule
         return prompt_ids[:start], pairs[0][start:], pairs[1][start:]
