@@ -108,6 +108,27 @@ def test_a_row_that_cannot_be_compared_is_refused_naming_the_key_and_row(model_d
     assert info.value.key == key and words in str(info.value), str(info.value)
 
 
+def test_text_far_past_seq_len_is_not_tokenized(model_dirs, tmp_path, monkeypatch):
+    """An 8 MB text field is cut at the characters seq_len's tokens can come from before it is tokenized (it
+    took GiBs and minutes whole); the row keeps the tokens it would have kept."""
+    from transformers import PreTrainedTokenizerFast
+
+    from xla_shard.data.sft import MAX_CHARS_PER_TOKEN
+
+    seen, call = [], PreTrainedTokenizerFast.__call__
+
+    def measured(self, *args, text=None, **kwargs):
+        seen.append(len(text or ""))
+        return call(self, *args, text=text, **kwargs)
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "__call__", measured)
+    long = {**GOOD, "chosen": " by the river" * 640_000}  # 8.3 MB
+    kept, _ = _ours(model_dirs.llama_chat, _write(tmp_path, [GOOD, long]), 64)
+    assert max(seen) <= len(GOOD["prompt"]) + MAX_CHARS_PER_TOKEN * 64 + 65536
+    cut = kept[1]
+    assert cut["labels"][0][-1] != -100 and len(cut["input_ids"][0]) == 64  # the chosen fills the row
+
+
 @pytest.mark.parametrize("sets, words", [
     (["data.kind=preference", *LORA, "data.completion_only_loss=true"], "always the completions'"),
     (["data.kind=preference", *LORA, "dpo.label_smoothing=0.1"], "set dpo.loss_type: robust"),

@@ -72,11 +72,34 @@ def resolve_source(section: ModelSection, retry_deadline_s: float = 120.0) -> Mo
         raise ConfigError("model.name", f"{where} is not valid UTF-8 JSON: {one_line(exc)}") from None
     if not isinstance(fields, dict) or "model_type" not in fields:
         raise ConfigError("model.name", f"{where} has no model_type: not a transformers config")
+    _refuse_unbuildable(fields, f"{where}: ")
     if file == CONFIG:
         refuse_untrusted(storage, "model.name", shown=directory)
     elif "auto_map" in fields:
         raise ConfigError("model.name", f"{where} has 'auto_map': it needs Python code, which xla_shard never runs")
     return ModelSource(name, fields, directory=None if file != CONFIG else directory)
+
+
+# Layer counts a config.json may claim (names across architectures, in nested text/vision configs too). Building
+# costs time and memory per layer, even on the meta device: a million is minutes of `config check`.
+_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers",
+                 "num_encoder_layers", "decoder_layers", "encoder_layers")
+
+
+def _refuse_unbuildable(fields: dict, where: str, key: str = "model.name") -> None:
+    """A config whose layer count no released model comes near (MAX_LAYERS) is not built at all."""
+    from xla_shard.checkpoint.meta_model import MAX_LAYERS
+
+    stack = [("", fields)]
+    while stack:
+        prefix, node = stack.pop()
+        for name, value in node.items():
+            if isinstance(value, dict):
+                stack.append((f"{prefix}{name}.", value))
+            elif name in _LAYER_COUNTS and isinstance(value, int) and not isinstance(value, bool) \
+                    and not 0 <= value <= MAX_LAYERS:
+                raise ConfigError(key, f"{where}{prefix}{name} is {value}; a model of more than {MAX_LAYERS} "
+                                       "layers (or fewer than none) is not one xla_shard builds")
 
 
 def model_config(section: ModelSection, source: ModelSource | None = None,
@@ -85,6 +108,7 @@ def model_config(section: ModelSection, source: ModelSource | None = None,
     before the runtime is known)."""
     source = source or resolve_source(section)
     fields = dict(source.fields)
+    _refuse_unbuildable(dict(section.overrides), "", "model.overrides")
     model_type = fields.pop("model_type")
     config = _config_for(model_type, fields, "model.name", section.name)
     for key in section.overrides:

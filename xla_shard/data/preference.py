@@ -66,7 +66,8 @@ class _PairEncoder(Renderer):
         prompt_ids, pairs = self.prompted(prompt, [(chosen, "data.chosen_field", fields.chosen),
                                                    (rejected, "data.rejected_field", fields.rejected)],
                                           index, "data.kind preference", assistant_first=True)
-        if pairs[0] == pairs[1]:  # (text that differs only by the EOS each completion is given)
+        cut = isinstance(chosen, str) and max(len(chosen), len(rejected)) > self.max_chars  # (unread past that)
+        if pairs[0] == pairs[1] and not cut:  # (text differing only by the EOS each is given)
             raise ConfigError("data.rejected_field", f"{where}: {fields.chosen!r} and {fields.rejected!r} are the "
                                                      "same completion once tokenized, so there is no preference to "
                                                      "learn")

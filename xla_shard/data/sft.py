@@ -111,7 +111,7 @@ class Renderer:
     since its labels depend on where each turn ends."""
 
     def __init__(self, tokenizer, fields: SftFields, path: str, seq_len: int):
-        self.tokenizer, self.fields, self.path = tokenizer, fields, path
+        self.tokenizer, self.fields, self.path, self.seq_len = tokenizer, fields, path, seq_len
         self.template = chat_template.template_of(tokenizer)
         self.max_chars = MAX_CHARS_PER_TOKEN * seq_len + 65536
 
@@ -141,7 +141,11 @@ class Renderer:
             if eos is None:
                 raise ConfigError("data.kind", f"{kind} ends each completion with EOS, and the tokenizer "
                                                f"({self.tokenizer.name_or_path}) has no EOS token")
-            ends = [v if v.endswith(eos) else v + eos for v in values[1:]]
+            # Text past `max_chars` lies past seq_len's tokens (dropped anyway): it is not tokenized (an 8 MB field
+            # would take GiBs and minutes). The EOS of a cut completion is past seq_len too.
+            prompt = prompt[:self.max_chars]
+            ends = [v[:self.max_chars] if len(v) > self.max_chars else v if v.endswith(eos) else v + eos
+                    for v in values[1:]]
             return (self.tokenizer(text=prompt)["input_ids"],
                     [self.tokenizer(text=prompt + end)["input_ids"] for end in ends])
         if all(isinstance(v, list) for v in values):
