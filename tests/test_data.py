@@ -113,6 +113,14 @@ def test_labels_the_model_does_not_have_are_refused(model_dirs, tmp_path, rows, 
     assert raised.value.key == "data.label_field" and all(w in str(raised.value) for w in words), str(raised.value)
 
 
+def test_an_evaluation_files_problem_is_named_by_its_own_key(model_dirs, tmp_path):
+    bad = tmp_path / "eval.jsonl"
+    bad.write_bytes(b'{"text": "a good row"}\n{"text": "a bad \xff\xfe row"}\n')
+    with pytest.raises(ConfigError) as raised:
+        sources(model_dirs.llama, f"data.path={CORPUS}", f"data.eval_path={bad}", "train.global_batch_size=2")
+    assert raised.value.key == "data.eval_path" and f"{bad} is not UTF-8 text" in str(raised.value)
+
+
 def test_the_order_is_a_seeded_shuffle_per_epoch_and_ranks_tile_the_batch(model_dirs):
     source = sources(model_dirs.llama, f"data.path={CORPUS}", "train.global_batch_size=8").train
     n = source.rows_per_epoch
@@ -162,9 +170,10 @@ def test_an_evaluation_set_with_nothing_to_predict_is_refused_before_training(ta
 def test_epochs_set_the_number_of_steps(model_dirs, tmp_path):
     out = tmp_path / "run"
     sets = [f"model.name={model_dirs.llama}", f"data.path={CORPUS}", "train.seq_len=32", "train.epochs=1.5",
-            "train.global_batch_size=8", f"output_dir={out}", "cpu_devices=2"]
+            "train.global_batch_size=8", f"output_dir={out}", "cpu_devices=2", "train.lr_warmup_steps=500"]
     done = run_cli("train", *[a for s in sets for a in ("--set", s)])
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "train.lr_warmup_steps=500 is not shorter than the run's" in done.stderr  # said, not silent
     rows = sources(model_dirs.llama, f"data.path={CORPUS}").train.rows_per_epoch
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == math.ceil(1.5 * rows / 8)

@@ -83,6 +83,12 @@ def test_ray_needs_a_checkpoint_dir_to_restart_from():
     with pytest.raises(ConfigError) as raised:
         torch_trainer(config.load(None, CONFIG))
     assert raised.value.key == "checkpoint.dir"
+    # a dict of the config's keys is validated as a file's would be (it was an AttributeError)
+    with pytest.raises(ConfigError) as raised:
+        torch_trainer({"model": "tiny-llama", "train": {"steps": "x"}})
+    assert raised.value.key == "train.steps"
+    with pytest.raises(TypeError, match="not a str"):
+        torch_trainer("run.yaml")
 
 
 @pytest.mark.parametrize("backend", ["xla_fsdp", "torch_tpu"])

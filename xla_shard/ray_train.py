@@ -78,7 +78,7 @@ def scaling_config(cfg: ShardConfig, cuda: bool | None = None):
                          resources_per_worker={"TPU": chosen.chips_per_host})
 
 
-def torch_trainer(cfg: ShardConfig, *, max_failures: int = 3, storage_path: str | None = None,
+def torch_trainer(cfg: ShardConfig | dict, *, max_failures: int = 3, storage_path: str | None = None,
                   name: str | None = None, train_loop: Callable[[dict], None] = train_loop_per_worker,
                   cuda: bool | None = None):
     """Ray's `TorchTrainer` running `cfg` (`fit()` it). `max_failures`: times Ray starts the workers again after
@@ -87,6 +87,13 @@ def torch_trainer(cfg: ShardConfig, *, max_failures: int = 3, storage_path: str 
     from ray.train import FailureConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    if isinstance(cfg, dict):  # a config as YAML reads: validated as a file's would be
+        from xla_shard.config import validate
+
+        cfg = validate(cfg)
+    if not isinstance(cfg, ShardConfig):
+        raise TypeError(f"torch_trainer takes a ShardConfig (xla_shard.config.load(path)) or a dict of its keys, "
+                        f"not a {type(cfg).__name__}")
     if not cfg.checkpoint.dir:
         raise ConfigError("checkpoint.dir", "Ray starts the workers again after a failure, and they continue from "
                                             "a committed checkpoint: set checkpoint.dir")

@@ -209,6 +209,9 @@ class Trainer:
         self.total_steps = self._total_steps()
         self._log(f"data: {sources.description}; {self.total_steps} steps"
                   + (f" ({cfg.train.epochs:g} epoch(s))" if cfg.train.epochs else ""))
+        if cfg.train.lr_warmup_steps >= self.total_steps:
+            self._log(f"WARNING: train.lr_warmup_steps={cfg.train.lr_warmup_steps} is not shorter than the run's "
+                      f"{self.total_steps} steps: the learning rate never reaches train.lr={cfg.train.lr:g}")
         model_class = type(model).__name__  # before wrapping (FSDP2 renames the class)
         trained = self.adapter.describe(model)
         if trained:

@@ -171,8 +171,20 @@ def _tokenized(cfg, tokenizer, model_config, task):
                                        dict(model_config.label2id or {}), model_config.num_labels, train.seq_len,
                                        data.num_proc, path)
 
-    encoded = encode(raw, data.path), (encode(raw_eval, data.eval_path or data.path) if raw_eval is not None else None)
-    return (*encoded, dropped)
+    train_rows = encode(raw, data.path)
+    if raw_eval is None:
+        return train_rows, None, dropped
+    try:
+        return train_rows, encode(raw_eval, data.eval_path or data.path), dropped
+    except ConfigError as exc:  # the evaluation file's problem is named by its own key
+        if data.eval_path and exc.key == "data.path":
+            raise ConfigError("data.eval_path", exc.message, exc.backend) from None
+        raise
+    except UnicodeDecodeError as exc:
+        if not data.eval_path:
+            raise
+        raise ConfigError("data.eval_path", f"{data.eval_path} is not UTF-8 text: byte {exc.start} of a value "
+                                            f"cannot be decoded ({exc.reason})") from None
 
 
 def _sft_rows(cfg, tokenizer, model_config, rows, path):
