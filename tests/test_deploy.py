@@ -211,10 +211,20 @@ DEPLOY_KEYS = ["name", "project", "zone", "accelerator_type", "network", "subnet
 
 @pytest.mark.parametrize("key", DEPLOY_KEYS)
 def test_every_deploy_value_outside_what_gcp_accepts_is_refused_naming_the_key(key):
-    for payload in PAYLOADS + ["", "../../etc" if key == "remote_dir" else "UPPER CASE"]:
+    for payload in PAYLOADS + ["", "../../etc" if key == "remote_dir" else "UPPER CASE", "a" * 300 + "@b.c"]:
         with pytest.raises(ConfigError) as raised:
             config.validate({"deploy": {key: payload, "allow_unlisted_zone": True}})
         assert raised.value.key == f"deploy.{key}", (payload, raised.value)
+
+
+@pytest.mark.parametrize("key", ["queue", "priority_class"])
+def test_kueue_names_are_kubernetes_object_names_not_only_label_values(key):
+    """A label value may hold 'a..b' or 'a.-b'; a LocalQueue (or WorkloadPriorityClass) name may not."""
+    for name in ("a..b", "a.-b", "team-.q", "q" * 64):
+        with pytest.raises(ConfigError) as raised:
+            config.validate({"deploy": {key: name}})
+        assert raised.value.key == f"deploy.{key}", name
+    assert getattr(config.validate({"deploy": {key: "team-a.tpu-1"}}).deploy, key) == "team-a.tpu-1"
 
 
 @pytest.mark.e2e

@@ -552,6 +552,9 @@ class CheckpointSection(_Section):
 # What GCP accepts for each deploy value. Every value ends up in shell scripts (some run as root at boot) and
 # in commands run remotely over ssh, so anything outside these is refused here, before it is rendered.
 _RESOURCE = r"[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?"  # RFC 1035: TPU nodes, instances, images, networks
+_SUBDOMAIN = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?(?:\.[a-z0-9](?:[-a-z0-9]*[a-z0-9])?)*"
+# Longest values (characters) of the deploy keys; any other key's: 253 (a DNS name's, an email's 254)
+_MAX_LENGTH = {"queue": 63, "priority_class": 63, "service_account": 254}
 DEPLOY_PATTERNS = {
     "project": (r"(?:[a-z0-9][-a-z0-9.]*[a-z0-9]:)?[a-z][-a-z0-9]{4,28}[a-z0-9]",
                 "a Google Cloud project id: 6-30 lowercase letters, digits or hyphens, starting with a letter"),
@@ -576,10 +579,13 @@ DEPLOY_PATTERNS = {
     "namespace": (r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?", "a Kubernetes namespace: lowercase letters, digits "
                                                           "and hyphens, at most 63 characters"),
     "region": (r"[a-z]+-[a-z]+[0-9]+", "a region such as us-east5"),
-    "queue": (r"[a-z0-9](?:[-a-z0-9.]{0,61}[a-z0-9])?", "a Kueue LocalQueue name: lowercase letters, digits, '-' "
-                                                        "and '.', at most 63 characters"),
-    "priority_class": (r"[a-z0-9](?:[-a-z0-9.]{0,61}[a-z0-9])?", "a Kueue WorkloadPriorityClass name: lowercase "
-                                                                 "letters, digits, '-' and '.', at most 63 characters"),
+    # Kubernetes object names (DNS subdomains: dot-separated parts, each starting and ending with a letter or
+    # digit) that are label values too (at most 63 characters: `_MAX_LENGTH`)
+    "queue": (_SUBDOMAIN, "a Kueue LocalQueue name: lowercase letters, digits, '-' and '.', each '.'-separated part "
+                          "starting and ending with a letter or digit, at most 63 characters"),
+    "priority_class": (_SUBDOMAIN, "a Kueue WorkloadPriorityClass name: lowercase letters, digits, '-' and '.', each "
+                                   "'.'-separated part starting and ending with a letter or digit, at most 63 "
+                                   "characters"),
     "cpu": (r"[0-9]+(?:\.[0-9]+)?m?", "a Kubernetes CPU quantity such as 8, 7.5 or 500m"),
     "memory": (r"[0-9]+(?:\.[0-9]+)?(?:[KMGTPE]i|[kMGTPE])?", "a Kubernetes memory quantity such as 64Gi or 200G"),
 }
@@ -641,6 +647,9 @@ class DeploySection(_Section):
     @classmethod
     def _shell_safe(cls, value: str | None, info) -> str | None:
         pattern, what = DEPLOY_PATTERNS[info.field_name]
+        longest = _MAX_LENGTH.get(info.field_name, 253)
+        if value is not None and len(value) > longest:
+            raise ValueError(f"is {len(value)} characters long; {what} is at most {longest}")
         if value is not None and not re.fullmatch(pattern, value):
             raise ValueError(f"{value!r} is not {what}")
         if info.field_name == "remote_dir" and ".." in value.split("/"):
