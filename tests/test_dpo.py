@@ -2,6 +2,7 @@
 metrics it computes from the same adapters, and one line for rows and settings that cannot be trained."""
 
 import json
+import shutil
 import math
 import re
 
@@ -270,7 +271,18 @@ def test_a_reference_that_is_no_model_or_reads_other_tokens_is_refused_before_an
     other = tmp_path / "other"
     LlamaForCausalLM(LlamaConfig(vocab_size=999, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=1)).save_pretrained(other)
-    for reference, words in ((tmp_path / "nowhere", "is neither a preset"), (other, "has 999 token embeddings")):
+    # the policy's vocabulary size and weights, but a tokenizer that reads two ids the other way round
+    swapped = tmp_path / "swapped"
+    shutil.copytree(model_dirs.llama_chat, swapped)
+    tokenizer = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = (token for token, i in vocab.items() if i in (40, 41))
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (swapped / "tokenizer.json").write_text(json.dumps(tokenizer))
+    for reference, words in ((tmp_path / "nowhere", "is neither a preset"), (other, "has 999 token embeddings"),
+                             (swapped, "reads token ids as other text than the policy's")):
         with pytest.raises(ConfigError) as info:
             preflight(_cfg(model_dirs.llama_chat, PLAIN, 64, f"dpo.reference={reference}"))
         assert info.value.key == "dpo.reference" and words in str(info.value), str(info.value)
+    assert "id 40" in str(info.value)
+    preflight(_cfg(model_dirs.llama_chat, PLAIN, 64, f"dpo.reference={model_dirs.llama_chat}"))  # the same: fine

@@ -325,6 +325,37 @@ def test_a_lora_resume_or_merge_over_another_base_of_the_same_shapes_is_refused(
     assert merged.returncode == 0, merged.stderr
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_dpo_resume_against_a_replaced_reference_is_refused(model_dirs, tmp_path):
+    """Full fine-tuning DPO reads its reference (here dpo.reference) again at each resume: weights replaced
+    between the runs would change the objective with exit 0. Its identity is recorded as a LoRA base's is."""
+    import shutil
+
+    from conftest import FIXTURES, run_cli
+    from model_dirs import CHAT_TEMPLATE, llama_dir
+
+    reference = tmp_path / "reference"
+    shutil.copytree(model_dirs.llama_chat, reference)
+    out = tmp_path / "run"
+    sets = [f"model.name={model_dirs.llama_chat}", f"dpo.reference={reference}", "data.kind=preference",
+            f"data.path={FIXTURES / 'preference.jsonl'}", "train.seq_len=64", "backend=torch_fsdp",
+            "train.global_batch_size=2", f"output_dir={out}", f"checkpoint.dir={out}/ckpt", "checkpoint.every_steps=1"]
+
+    def train(steps):
+        return run_cli("train", *[a for s in [*sets, f"train.steps={steps}"] for a in ("--set", s)],
+                       "--nproc-per-node", "1")
+
+    assert train(1).returncode == 0
+    recorded = read_manifest(Storage(str(out / "ckpt")), layout.step_dir(1)).data["reference"]
+    assert recorded["directory"] == str(reference) and set(recorded["files"]) == {"model.safetensors"}
+    shutil.rmtree(reference)
+    llama_dir(reference, chat_template=CHAT_TEMPLATE, seed=99)  # the same shapes and tokenizer, other weights
+    resumed = train(2)
+    assert resumed.returncode == 2 and "config key 'dpo.reference'" in resumed.stderr
+    assert "trained against another reference" in resumed.stderr and "Traceback" not in resumed.stderr
+
+
 @pytest.mark.parametrize("name", ["d[1]", "a*b", "q?"])
 def test_data_files_in_directories_named_like_globs_are_read_as_named(tmp_path, name):
     from xla_shard.data.files import read_rows

@@ -88,8 +88,32 @@ def reference_model(cfg: ShardConfig, objective: Objective, policy_config, **bui
     if model.config.vocab_size != policy_config.vocab_size:
         raise ConfigError(key, f"{directory} has {model.config.vocab_size} token embeddings, the policy "
                                f"{policy_config.vocab_size}: the reference must read the same tokens")
+    if directory != cfg.model.name:
+        _same_text_for_each_id(cfg, directory, key, model.config, policy_config)
     model.requires_grad_(False)
     return model, weights
+
+
+def _same_text_for_each_id(cfg: ShardConfig, directory: str, key: str, reference_config, policy_config) -> None:
+    """A reference with the policy's vocabulary size may still read its ids as other text (another tokenizer of
+    that size): its log-probabilities would then score other words. Where the reference's directory holds a
+    tokenizer, its vocabulary must be the policy's."""
+    from xla_shard.io.storage import Storage
+
+    if not any(Storage(directory).exists(name) for name in ("tokenizer.json", "tokenizer_config.json")):
+        return  # nothing to compare: the embedding's size is all the directory says
+    reference = datalib.load_tokenizer(directory, reference_config, explicit=False, model_name=directory)
+    policy_dir = cfg.data.tokenizer or resolve_source(cfg.model).directory
+    policy = datalib.load_tokenizer(policy_dir, policy_config, explicit=cfg.data.tokenizer is not None,
+                                    model_name=cfg.model.name)
+    theirs, ours = reference.get_vocab(), policy.get_vocab()
+    if theirs == ours:
+        return
+    by_id_theirs, by_id_ours = ({i: t for t, i in vocab.items()} for vocab in (theirs, ours))
+    differs = next(i for i in sorted(set(by_id_theirs) | set(by_id_ours)) if by_id_theirs.get(i) != by_id_ours.get(i))
+    raise ConfigError(key, f"{directory}'s tokenizer reads token ids as other text than the policy's ({policy_dir}): "
+                           f"id {differs} is {by_id_theirs.get(differs)!r} there and {by_id_ours.get(differs)!r} "
+                           "here; the reference must read the same tokens")
 
 
 def build_data(cfg: ShardConfig) -> datalib.DataSources:
@@ -274,10 +298,28 @@ class Trainer:
                                          capabilities=backend.capabilities, empty=backend.placeholders)
         wrapped = backend.wrap(model)
         if weights is not None and not backend.placeholders:  # a trace reads no value: nothing to load
+            self._check_reference(weights)
             report = weights.load(backend, wrapped)
             self._log(f"reference model: {self.objective.reference_directory}, frozen, sharded as the policy "
                       f"({report.describe()})")
         return wrapped.eval()
+
+    def _check_reference(self, weights: PretrainedWeights) -> None:
+        """A resume reads the reference again: it must be the one the run started with (the same bytes, as far
+        as `hf_dir.identity` tells), or the objective changes under the run without a word. Recorded in every
+        manifest, as a LoRA base is."""
+        recorded, key = self.checkpointer.restored_reference, self.objective.reference_key
+        if self.start_step and recorded is not None:
+            differs = hf_dir.identity_mismatch(recorded["files"], weights.storage, weights.manifest)
+            if differs:
+                raise ConfigError(key, f"{differs}: the step-{self.start_step} checkpoint was trained against another "
+                                       f"reference ({recorded.get('directory')}); restore those weights, or start "
+                                       "a new run in another checkpoint.dir")
+        elif self.start_step:
+            self._log(f"the step-{self.start_step} checkpoint records no identity of its reference (written by an "
+                      f"older xla_shard): {weights.source.directory} is taken as that reference unchecked")
+        if self.backend.processes.is_main:  # the one process that writes manifests
+            self.checkpointer.reference = recorded if self.start_step and recorded is not None else weights.identity()
 
     def _resumed_warmup_rule(self) -> str:
         """The warm-up rule this run goes on with: a fresh run's is transformers'; a resumed one keeps its

@@ -178,6 +178,9 @@ class Checkpointer:
         # `restored_base` is what the checkpoint restored from recorded (None: nothing, or an older checkpoint).
         self.base: dict[str, Any] | None = None
         self.restored_base: dict[str, Any] | None = None
+        # Likewise the frozen reference an objective compares against (DPO's), re-read at each resume.
+        self.reference: dict[str, Any] | None = None
+        self.restored_reference: dict[str, Any] | None = None
         # The trainer's learning-rate warm-up rule (`schedule.WARMUP_RULE`), recorded in every manifest so a resume
         # continues on the rule its run started with; `restored_lr_warmup_rule` is the restored one's (None: none
         # recorded, as before there was a choice).
@@ -279,6 +282,8 @@ class Checkpointer:
             manifest["extra"] = self._extra
         if self.base is not None:
             manifest["base"] = self.base
+        if self.reference is not None:
+            manifest["reference"] = self.reference
         if self.lr_warmup_rule is not None:
             manifest["lr_warmup_rule"] = self.lr_warmup_rule
         raw = json.dumps(manifest, indent=1).encode()
@@ -428,6 +433,7 @@ class Checkpointer:
         fill(ChunkReader(storage, manifest), targets)
         _load_extra(manifest, extra)
         self.restored_base = manifest.data.get("base")
+        self.restored_reference = manifest.data.get("reference")
         self.restored_lr_warmup_rule = manifest.data.get("lr_warmup_rule")
         rank, world = self.state.writer
         if manifest.data["writers"] == world and str(rank) in manifest.data["rng"]:

@@ -181,16 +181,17 @@ def check_manifest(data: Any, verified: bool = True) -> dict:
     created = data.get("created", 0)
     if isinstance(created, bool) or not isinstance(created, (int, float)) or not 0 <= created < 1e11:
         raise SchemaError("created", f"expected a time in seconds, got {_kind(created)}")
-    for key in ("run", "hf_config", "plan", "extra", "base"):
+    for key in ("run", "hf_config", "plan", "extra", "base", "reference"):
         if data.get(key) is not None:
             _mapping(data[key], key)
     if not isinstance(data.get("lr_warmup_rule", ""), str):
         raise SchemaError("lr_warmup_rule", f"expected a string, got {_kind(data['lr_warmup_rule'])}")
-    if data.get("base") is not None:
-        files = _mapping(data["base"].get("files", MISSING), "base.files")
-        for file, digest in files.items():
-            if not isinstance(digest, str):
-                raise SchemaError(f"base.files[{file!r}]", f"expected a digest string, got {_kind(digest)}")
+    for key in ("base", "reference"):  # identities of model directories (`hf_dir.identity`)
+        if data.get(key) is not None:
+            files = _mapping(data[key].get("files", MISSING), f"{key}.files")
+            for file, digest in files.items():
+                if not isinstance(digest, str):
+                    raise SchemaError(f"{key}.files[{file!r}]", f"expected a digest string, got {_kind(digest)}")
     for name, state in (data.get("extra") or {}).items():
         _mapping(state, f"extra[{name!r}]")
     if isinstance(data.get("hf_config"), dict) and "auto_map" in data["hf_config"]:
