@@ -163,3 +163,18 @@ def test_a_tpu_vm_worker_learns_the_slice_from_its_metadata_as_torch_xla_reads_i
         raise OSError("no metadata server")
 
     assert torchtpu.tpu_vm_workers(unreachable) == {}
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"worker-network-endpoints": "t1v-n-0,t1v-n-1"}, "not hostname:uid:address"),
+    ({"worker-network-endpoints": f"a:0:{'h' * 100_000},b:1:10.0.0.3"}, "at most 253"),
+    ({"worker-network-endpoints": "a:0:10.0.0.2,b:1:$(reboot)"}, "not hostname:uid:address"),
+    ({"tpu-env": "- WORKER_ID: 1\n"}, "tpu-env is a YAML list"),
+    ({"tpu-env": "WORKER_ID: [1\n"}, "tpu-env is not YAML"),
+    ({"tpu-env": "WORKER_ID: one\n"}, "not a worker index"),
+])
+def test_tpu_vm_metadata_that_cannot_say_where_the_workers_are_is_one_line(change, words):
+    metadata = {"worker-network-endpoints": "a:0:10.0.0.2,b:1:10.0.0.3", "tpu-env": "WORKER_ID: '1'\n", **change}
+    with pytest.raises(ConfigError) as refused:
+        torchtpu.tpu_vm_workers(metadata.__getitem__)
+    assert refused.value.key == "launch" and words in str(refused.value) and len(str(refused.value)) < 400

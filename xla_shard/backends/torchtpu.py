@@ -5,6 +5,7 @@ only where it may run and what TorchTPU does not offer."""
 from __future__ import annotations
 
 import os
+import re
 import urllib.request
 from collections.abc import Callable, Mapping
 
@@ -92,12 +93,36 @@ def tpu_vm_workers(read: Callable[[str], str] | None = None) -> dict[str, str]:
     read = read or _metadata
     try:
         endpoints = [e for e in read("worker-network-endpoints").split(",") if e]
-        worker = (yaml.safe_load(read("tpu-env")) or {}).get("WORKER_ID")
+        env_text = read("tpu-env")
     except OSError:
         return {}
+    try:
+        env = yaml.safe_load(env_text)
+    except yaml.YAMLError as exc:
+        raise _bad_metadata(f"tpu-env is not YAML ({one_line(exc)[:120]})") from None
+    if env is not None and not isinstance(env, dict):
+        raise _bad_metadata(f"tpu-env is a YAML {type(env).__name__}, not a mapping of its variables")
+    worker = (env or {}).get("WORKER_ID")
     if len(endpoints) < 2 or worker is None:
         return {}
-    return {"TPU_WORKER_HOSTNAMES": ",".join(e.split(":")[2] for e in endpoints), "TPU_WORKER_ID": str(worker)}
+    if not isinstance(worker, (int, str)) or not str(worker).isdigit():
+        raise _bad_metadata(f"tpu-env's WORKER_ID is {str(worker)[:40]!r}, not a worker index")
+    addresses = []
+    for endpoint in endpoints:
+        parts = endpoint.split(":")
+        if len(parts) < 3 or not _HOST.fullmatch(parts[2]):
+            raise _bad_metadata(f"worker-network-endpoints holds {endpoint[:60]!r}, not hostname:uid:address with "
+                                "an address of at most 253 letters, digits, '.', '-' or ':'")
+        addresses.append(parts[2])
+    return {"TPU_WORKER_HOSTNAMES": ",".join(addresses), "TPU_WORKER_ID": str(worker)}
+
+
+_HOST = re.compile(r"[A-Za-z0-9][-A-Za-z0-9.:]{0,252}")  # a hostname, IPv4 or IPv6 address
+
+
+def _bad_metadata(problem: str) -> ConfigError:
+    return ConfigError("launch", f"this TPU VM's metadata cannot say where its workers are: {problem}",
+                       backend="torch_tpu")
 
 
 def _metadata(attribute: str) -> str:
