@@ -453,16 +453,17 @@ def test_every_problem_of_a_config_is_reported_at_once_each_in_one_line(capsys):
     from conftest import run_in_process
 
     bad = ["deploy.image=null", "deploy.cluster=null", "checkpoint.dir=/home/me/ckpt", "deploy.region=us-west1",
-           "deploy.provisioning=reserved"]
+           "deploy.provisioning=reserved", "deploy.project=null", "model.name=/home/me/model"]
     with pytest.raises(Exception) as raised:
         _render("gke-v6e-single", *bad)
-    assert sorted(e.key for e in raised.value.errors) == sorted(
-        ["deploy.image", "deploy.cluster", "checkpoint.dir", "deploy.zone", "deploy.provisioning"])
+    assert sorted(e.key for e in raised.value.errors) == sorted(  # every target's checks too (deploy.project ...)
+        ["deploy.image", "deploy.cluster", "checkpoint.dir", "deploy.zone", "deploy.provisioning", "deploy.project",
+         "model.name"])
     path, sets = GKE["gke-v6e-single"]
     done = run_in_process(capsys, "gcp", "render", path, "--target", "gke",
                           *[f"--set={s}" for s in [*OWN, *sets, *bad]])
     lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and len(lines) == 5 and all(line.startswith("xla-shard: error: ") for line in lines)
+    assert done.returncode == 2 and len(lines) == 7 and all(line.startswith("xla-shard: error: ") for line in lines)
 
 
 def test_torch_tpu_runs_on_a_multi_host_slice_as_torchtpus_launch_contract_has_it(monkeypatch):

@@ -146,6 +146,8 @@ def render(cfg: ShardConfig, config_name: str) -> Rendering:
         manifest, xpk = _tpu(cfg, config_name) if on_tpu else _gpu(cfg, config_name)
     except ConfigError as exc:
         problems.append(exc)
+    except Problems as several:  # every target's own checks (`check_common`)
+        problems.extend(several.errors)
     problems = _first_per_key(problems)
     if problems:
         raise problems[0] if len(problems) == 1 else Problems(problems)

@@ -11,7 +11,7 @@ from pathlib import Path
 from xla_shard.capabilities import Capabilities
 from xla_shard.config.presets import PRESETS
 from xla_shard.config.schema import ShardConfig
-from xla_shard.errors import ConfigError, UserError
+from xla_shard.errors import ConfigError, Problems, UserError
 
 # GPUs per VM for the machine types whose GPUs come built in (the gpu-vm target's VMs, the gke target's nodes).
 GPU_MACHINES = {"a3-highgpu-8g": 8, "a3-megagpu-8g": 8, "a3-ultragpu-8g": 8, "a2-highgpu-1g": 1,
@@ -80,21 +80,25 @@ def template(name: str) -> string.Template:
 
 
 def check_common(cfg: ShardConfig, hosts: int) -> None:
+    """What every target needs of a config; all of it said at once (`Problems`), not one mistake a run."""
+    found = []
     ckpt = cfg.checkpoint.dir
     if ckpt and hosts > 1 and "://" not in ckpt:
-        raise ConfigError("checkpoint.dir", f"{ckpt!r} is a local path, but this job runs on {hosts} hosts: each "
-                                            "would write its shards to its own disk. Use a gs:// URL")
+        found.append(ConfigError("checkpoint.dir", f"{ckpt!r} is a local path, but this job runs on {hosts} hosts: "
+                                                   "each would write its shards to its own disk. Use a gs:// URL"))
     if ckpt and ckpt.startswith("memory://"):
-        raise ConfigError("checkpoint.dir", "memory:// does not outlive the process; use a gs:// URL")
+        found.append(ConfigError("checkpoint.dir", "memory:// does not outlive the process; use a gs:// URL"))
     if not cfg.deploy.project:
-        raise ConfigError("deploy.project", "set the Google Cloud project to deploy into")
+        found.append(ConfigError("deploy.project", "set the Google Cloud project to deploy into"))
     # The workers get the code and the config, not files of this machine.
     for key, value in (("model.name", cfg.model.name), ("data.path", cfg.data.path),
                        ("data.eval_path", cfg.data.eval_path), ("data.tokenizer", cfg.data.tokenizer)):
         if value and value not in PRESETS and value != "synthetic" and "://" not in value:
-            raise ConfigError(key, f"{value!r} is a path on this machine, which the workers do not have: copy it to "
-                                   "a bucket and name its gs:// URL" + (f" (or a preset: {', '.join(PRESETS)})"
-                                                                        if key == "model.name" else ""))
+            found.append(ConfigError(key, f"{value!r} is a path on this machine, which the workers do not have: copy "
+                                          "it to a bucket and name its gs:// URL"
+                                          + (f" (or a preset: {', '.join(PRESETS)})" if key == "model.name" else "")))
+    if found:
+        raise found[0] if len(found) == 1 else Problems(found)
 
 
 PLATFORM_NAMES = {"tpu": "a TPU", "cuda": "GPUs"}
