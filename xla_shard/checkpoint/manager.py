@@ -533,6 +533,12 @@ class NoCheckpoints:
     `Checkpointer`, so it never asks whether there is one."""
 
     last_committed: int | None = None
+    # what a resume restored (nothing: there is none) and what a save would record
+    restored_base: dict[str, Any] | None = None
+    restored_reference: dict[str, Any] | None = None
+    restored_lr_warmup_rule: str | None = None
+    base: dict[str, Any] | None = None
+    reference: dict[str, Any] | None = None
 
     def save(self, step: int, model, optimizer, block: bool = False, extra: Extra | None = None) -> None:
         pass
