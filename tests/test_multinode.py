@@ -112,6 +112,18 @@ def test_a_node_that_dies_stops_the_other_in_one_line(model_dirs, tmp_path):
     assert os.path.exists(out / "metrics.jsonl")
 
 
+@pytest.mark.e2e
+def test_a_node_whose_node_0_never_comes_says_so_in_one_line(model_dirs, tmp_path):
+    """No C++ socket errors and their frames (torch's client retries, some 40 lines) before the one line."""
+    node = [*_sets(model_dirs, tmp_path / "run", "train.steps=1"), "launch.nnodes=2", "launch.node_rank=1",
+            f"launch.rdzv_endpoint=127.0.0.1:{_free_port()}", "launch.timeout_s=5"]
+    done = subprocess.run([sys.executable, "-m", "xla_shard.cli", "train", *[a for s in node for a in ("--set", s)],
+                           "--nproc-per-node", "1"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
+    assert "node 0 did not serve the rendezvous" in lines[0] and "launch.timeout_s=5" in lines[0]
+
+
 def test_several_nodes_need_each_nodes_rank_and_the_rendezvous():
     with pytest.raises(ConfigError) as raised:
         launch.Nodes(2, None, None).torchrun_args()

@@ -12,7 +12,9 @@ from __future__ import annotations
 import math
 import os
 import signal
+import socket
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +76,26 @@ class Nodes:
                 f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.rdzv_id}",
                 f"--rdzv-conf=timeout={math.ceil(self.timeout_s)}", "--max-restarts=0"]
 
+    def wait_for_node_0(self) -> None:
+        """On a node other than 0, wait (up to launch.timeout_s) for node 0's rendezvous port to accept, before
+        torch's rendezvous tries it: torch's client retries print some 40 lines of C++ socket errors, with their
+        frames, before the one line below says what they mean."""
+        if not self.rank or self.endpoint is None:
+            return
+        host, _, port = self.endpoint.rpartition(":")
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                with socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, self.timeout_s)):
+                    return
+            except OSError:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        raise PeerLost(f"node {self.rank}: node 0 did not serve the rendezvous at launch.rdzv_endpoint="
+                       f"{self.endpoint} within launch.timeout_s={self.timeout_s:g}: start node 0 "
+                       "(launch.node_rank=0) there, or check the address")
+
     def explain_failure(self, exc: BaseException) -> None:
         """Raise the one line that says why the nodes did not meet, for torch's rendezvous errors (any other
         returns): a port in use is the user's to change (exit 2); a node that never came is not (exit 1)."""
@@ -117,7 +139,9 @@ class Torchrun:
         if self.nodes is None:
             return run_torchrun(self.nproc, self.settled, ["--standalone"])
         try:
-            return run_torchrun(self.nproc, self.settled, self.nodes.torchrun_args())
+            args = self.nodes.torchrun_args()
+            self.nodes.wait_for_node_0()
+            return run_torchrun(self.nproc, self.settled, args)
         except Exception as exc:
             self.nodes.explain_failure(exc)
             raise
