@@ -288,6 +288,14 @@ def test_an_adapter_export_names_its_base_by_an_absolute_path(tmp_path):
 
 
 # ---- the frozen base is the one the adapters were trained on --------------------------------------------
+def _train(sets: list[str], steps: int):
+    """`xla-shard train` of `sets` for `steps` steps, one process."""
+    from conftest import run_cli
+
+    return run_cli("train", *[a for s in [*sets, f"train.steps={steps}"] for a in ("--set", s)],
+                   "--nproc-per-node", "1")
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_a_lora_resume_or_merge_over_another_base_of_the_same_shapes_is_refused(model_dirs, tmp_path, capsys):
@@ -295,7 +303,7 @@ def test_a_lora_resume_or_merge_over_another_base_of_the_same_shapes_is_refused(
     naming the weights file; the true base resumes and merges."""
     import shutil
 
-    from conftest import FIXTURES, run_cli, run_in_process
+    from conftest import FIXTURES, run_in_process
     from model_dirs import llama_dir
 
     base = tmp_path / "base"
@@ -304,23 +312,19 @@ def test_a_lora_resume_or_merge_over_another_base_of_the_same_shapes_is_refused(
     sets = [f"model.name={base}", f"data.path={FIXTURES / 'corpus.jsonl'}", "train.seq_len=32", "backend=torch_fsdp",
             "model.lora.r=4", f"output_dir={out}", f"checkpoint.dir={out}/ckpt", "checkpoint.every_steps=1"]
 
-    def train(steps):
-        return run_cli("train", *[a for s in [*sets, f"train.steps={steps}"] for a in ("--set", s)],
-                       "--nproc-per-node", "1")
-
-    assert train(1).returncode == 0
+    assert _train(sets, 1).returncode == 0
     recorded = read_manifest(Storage(str(out / "ckpt")), layout.step_dir(1)).data["base"]
     assert set(recorded["files"]) == {p.name for p in base.glob("*.safetensors")}
     original = tmp_path / "original"
     base.rename(original)
     llama_dir(base, files=2, seed=99)  # same config and shapes, other weights
-    resumed = train(2)
+    resumed = _train(sets, 2)
     assert resumed.returncode == 2 and ".safetensors" in resumed.stderr and "another base" in resumed.stderr
     merged = run_in_process(capsys, "ckpt", "export", str(out / "ckpt"), "--to", str(tmp_path / "merged"), "--merge")
     assert merged.returncode == 2 and "other bytes" in merged.stderr and not (tmp_path / "merged").exists()
     shutil.rmtree(base)
     original.rename(base)
-    assert train(2).returncode == 0
+    assert _train(sets, 2).returncode == 0
     merged = run_in_process(capsys, "ckpt", "export", str(out / "ckpt"), "--to", str(tmp_path / "merged"), "--merge")
     assert merged.returncode == 0, merged.stderr
 
@@ -332,7 +336,7 @@ def test_a_dpo_resume_against_a_replaced_reference_is_refused(model_dirs, tmp_pa
     between the runs would change the objective with exit 0. Its identity is recorded as a LoRA base's is."""
     import shutil
 
-    from conftest import FIXTURES, run_cli
+    from conftest import FIXTURES
     from model_dirs import CHAT_TEMPLATE, llama_dir
 
     reference = tmp_path / "reference"
@@ -342,16 +346,12 @@ def test_a_dpo_resume_against_a_replaced_reference_is_refused(model_dirs, tmp_pa
             f"data.path={FIXTURES / 'preference.jsonl'}", "train.seq_len=64", "backend=torch_fsdp",
             "train.global_batch_size=2", f"output_dir={out}", f"checkpoint.dir={out}/ckpt", "checkpoint.every_steps=1"]
 
-    def train(steps):
-        return run_cli("train", *[a for s in [*sets, f"train.steps={steps}"] for a in ("--set", s)],
-                       "--nproc-per-node", "1")
-
-    assert train(1).returncode == 0
+    assert _train(sets, 1).returncode == 0
     recorded = read_manifest(Storage(str(out / "ckpt")), layout.step_dir(1)).data["reference"]
     assert recorded["directory"] == str(reference) and set(recorded["files"]) == {"model.safetensors"}
     shutil.rmtree(reference)
     llama_dir(reference, chat_template=CHAT_TEMPLATE, seed=99)  # the same shapes and tokenizer, other weights
-    resumed = train(2)
+    resumed = _train(sets, 2)
     assert resumed.returncode == 2 and "config key 'dpo.reference'" in resumed.stderr
     assert "trained against another reference" in resumed.stderr and "Traceback" not in resumed.stderr
 

@@ -92,9 +92,12 @@ class Nodes:
                 if time.monotonic() >= deadline:
                     break
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-        raise PeerLost(f"node {self.rank}: node 0 did not serve the rendezvous at launch.rdzv_endpoint="
-                       f"{self.endpoint} within launch.timeout_s={self.timeout_s:g}: start node 0 "
-                       "(launch.node_rank=0) there, or check the address")
+        raise self._no_node_0()
+
+    def _no_node_0(self) -> PeerLost:
+        return PeerLost(f"node {self.rank}: node 0 did not serve the rendezvous at launch.rdzv_endpoint="
+                        f"{self.endpoint} within launch.timeout_s={self.timeout_s:g}: start node 0 "
+                        "(launch.node_rank=0) there, or check the address")
 
     def explain_failure(self, exc: BaseException) -> None:
         """Raise the one line that says why the nodes did not meet, for torch's rendezvous errors (any other
@@ -115,8 +118,7 @@ class Nodes:
                            f"({joined.split('. ', 1)[-1].rstrip('.') or text[:160]}): start every node of "
                            f"launch.nnodes={self.count}, each with its launch.node_rank, naming this endpoint")
         if self.rank:
-            raise PeerLost(f"node {self.rank}: node 0 did not serve the rendezvous at launch.rdzv_endpoint="
-                           f"{self.endpoint} {within}: start node 0 (launch.node_rank=0) there, or check the address")
+            raise self._no_node_0()
         raise PeerLost(f"node 0: the nodes did not meet at launch.rdzv_endpoint={self.endpoint} {within}: {text[:200]}")
 
 

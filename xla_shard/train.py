@@ -308,18 +308,15 @@ class Trainer:
         """A resume reads the reference again: it must be the one the run started with (the same bytes, as far
         as `hf_dir.identity` tells), or the objective changes under the run without a word. Recorded in every
         manifest, as a LoRA base is."""
-        recorded, key = self.checkpointer.restored_reference, self.objective.reference_key
-        if self.start_step and recorded is not None:
-            differs = hf_dir.identity_mismatch(recorded["files"], weights.storage, weights.manifest)
-            if differs:
-                raise ConfigError(key, f"{differs}: the step-{self.start_step} checkpoint was trained against another "
-                                       f"reference ({recorded.get('directory')}); restore those weights, or start "
-                                       "a new run in another checkpoint.dir")
-        elif self.start_step:
-            self._log(f"the step-{self.start_step} checkpoint records no identity of its reference (written by an "
-                      f"older xla_shard): {weights.source.directory} is taken as that reference unchecked")
+        recorded = self.checkpointer.restored_reference if self.start_step else None
+        differs = self._differs_from_record(recorded, weights, "reference") if self.start_step else None
+        if differs:
+            raise ConfigError(self.objective.reference_key, f"{differs}: the step-{self.start_step} checkpoint was "
+                                                            f"trained against another reference "
+                                                            f"({recorded.get('directory')}); restore those weights, "
+                                                            "or start a new run in another checkpoint.dir")
         if self.backend.processes.is_main:  # the one process that writes manifests
-            self.checkpointer.reference = recorded if self.start_step and recorded is not None else weights.identity()
+            self.checkpointer.reference = recorded if recorded is not None else weights.identity()
 
     def _resumed_warmup_rule(self) -> str:
         """The warm-up rule this run goes on with: a fresh run's is transformers'; a resumed one keeps its
@@ -342,18 +339,24 @@ class Trainer:
         checkpoint's adapters were trained on (the same bytes, as far as `hf_dir.identity` tells), not merely
         its shapes."""
         recorded = self.checkpointer.restored_base
-        if recorded is None:
-            self._log(f"the step-{self.start_step} checkpoint records no identity of its base (written by an older "
-                      f"xla_shard): {weights.source.directory} is taken as that base unchecked")
-            if self.backend.processes.is_main:  # the one process that writes manifests
-                self.checkpointer.base = weights.identity()
-            return
-        differs = hf_dir.identity_mismatch(recorded["files"], weights.storage, weights.manifest)
+        differs = self._differs_from_record(recorded, weights, "base")
         if differs:
             raise ConfigError("model.name", f"{differs}: the adapters of the step-{self.start_step} checkpoint "
                                             f"were trained on another base ({recorded.get('directory')}); point "
                                             "model.name at that base, or start a new run in another checkpoint.dir")
-        self.checkpointer.base = recorded
+        if recorded is not None:
+            self.checkpointer.base = recorded
+        elif self.backend.processes.is_main:  # the one process that writes manifests
+            self.checkpointer.base = weights.identity()
+
+    def _differs_from_record(self, recorded: dict | None, weights: PretrainedWeights, what: str) -> str | None:
+        """What differs between the directory `weights` reads and the resumed checkpoint's record of its `what`
+        (None: nothing; or no record, from an older xla_shard: said, the directory taken unchecked)."""
+        if recorded is None:
+            self._log(f"the step-{self.start_step} checkpoint records no identity of its {what} (written by an older "
+                      f"xla_shard): {weights.source.directory} is taken as that {what} unchecked")
+            return None
+        return hf_dir.identity_mismatch(recorded["files"], weights.storage, weights.manifest)
 
     def _total_steps(self) -> int:
         train = self.cfg.train
