@@ -3,8 +3,9 @@
 # newest committed checkpoint (checkpoint.resume: auto).
 #   scripts/train_loop.sh CONFIG [xla-shard train options...]
 # Exit 0 from training means done. 143 means it stopped on SIGTERM after committing a checkpoint; 2 is a user
-# mistake (bad config, refused checkpoint) that a restart would only repeat, so the loop stops; anything else
-# is a failure. 143 and failures restart, up to MAX_RESTARTS times, RESTART_DELAY_S apart.
+# mistake (bad config, refused checkpoint) that a restart would only repeat, and 130 a Ctrl-C (the user
+# stopped it), so the loop stops on those; anything else is a failure. 143 and failures restart, up to
+# MAX_RESTARTS times, RESTART_DELAY_S apart.
 # XLA_SHARD_LAUNCHER replaces `xla-shard train` (e.g. a torchrun command); DRY_RUN=1 only prints.
 set -euo pipefail
 config="${1:?usage: train_loop.sh CONFIG [options...]}"
@@ -29,6 +30,10 @@ while true; do
   if [[ "$status" == 2 ]]; then
     echo "train_loop: exit status 2 (a configuration or input error; see above); not restarting" >&2
     exit 2
+  fi
+  if [[ "$status" == 130 ]]; then
+    echo "train_loop: stopped by Ctrl-C; not restarting (rerun this command to resume)" >&2
+    exit 130
   fi
   if (( restarts >= MAX_RESTARTS )); then
     echo "train_loop: exit status $status after $restarts restart(s); giving up" >&2

@@ -220,11 +220,12 @@ def gcs(tmp_path, monkeypatch):
     gcsfs.GCSFileSystem.clear_instance_cache()
 
 
-def start_cli(*args: str, log: Path) -> subprocess.Popen:
-    """`xla-shard ARGS` in the background (to be signalled or killed), output to `log`."""
+def start_cli(*args: str, log: Path, own_group: bool = False) -> subprocess.Popen:
+    """`xla-shard ARGS` in the background (to be signalled or killed), output to `log`; `own_group`: in a
+    process group of its own, which `os.killpg` signals as a terminal's Ctrl-C does its foreground job."""
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, "-m", "xla_shard.cli", *args], cwd=REPO, env=_env(),
-                                stdout=out, stderr=subprocess.STDOUT)
+                                stdout=out, stderr=subprocess.STDOUT, process_group=0 if own_group else None)
 
 
 @pytest.fixture(scope="session")

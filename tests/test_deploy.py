@@ -200,6 +200,18 @@ def test_train_loop_restarts_after_preemption_until_training_finishes(tmp_path):
     assert "exit status 143; restart 1/" in done.stderr
 
 
+def test_train_loop_stops_where_the_user_pressed_ctrl_c(tmp_path):
+    """A run stopped by Ctrl-C exits 130 (its checkpoint committed): the loop ends there, not restarting it."""
+    launcher = tmp_path / "launcher.sh"
+    count = tmp_path / "count"
+    launcher.write_text(f'#!/usr/bin/env bash\necho "$@" >> {count}\nexit 130\n')
+    launcher.chmod(0o755)
+    done = subprocess.run(["bash", str(REPO / "scripts/train_loop.sh"), "cfg.yaml"], capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, XLA_SHARD_LAUNCHER=str(launcher),
+                                                          RESTART_DELAY_S="0"))
+    assert done.returncode == 130 and len(count.read_text().splitlines()) == 1, done.stderr
+
+
 # ---- injection: hostile deploy values never execute -------------------------------------------------------
 # Each payload runs `xcanary` (a script on PATH that leaves a file) if any shell ever evaluates it.
 PAYLOADS = ["a$(xcanary)b", "a`xcanary`b", "a';xcanary;'b", 'a";xcanary;"b', "a;xcanary;b", "a&&xcanary",

@@ -77,27 +77,41 @@ def test_sigkill_of_the_launcher_takes_its_workers_with_it(tmp_path, backend, se
             os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.fsdp2
 @pytest.mark.e2e
-def test_sigterm_to_the_torchrun_launcher_stops_its_workers_with_a_checkpoint_and_exits_143(tmp_path):
-    """The launcher runs torchrun's agent in its own process: a SIGTERM reaches the agent, which forwards it; the
-    workers commit a checkpoint and stop, and the launcher reports the stop as 143 (train_loop.sh resumes)."""
+@pytest.mark.parametrize("backend, extra, stop", [
+    # torchrun's agent forwards what its launcher gets; torch starts each worker in a session of its own
+    pytest.param("torch_fsdp", ["--nproc-per-node", "2"], signal.SIGTERM, marks=pytest.mark.fsdp2),
+    pytest.param("torch_fsdp", ["--nproc-per-node", "2"], signal.SIGINT, marks=pytest.mark.fsdp2),
+    # xmp.spawn's child trains in threads: its parent takes the signal and passes it on
+    pytest.param("xla_fsdp", ["--set", "cpu_devices=1"], signal.SIGINT, marks=pytest.mark.xla),
+])
+def test_a_stop_signal_saves_and_exits_with_one_line_and_its_status(tmp_path, backend, extra, stop):
+    """SIGTERM (sent to the launcher) and Ctrl-C (SIGINT to the whole process group, as a terminal sends it)
+    stop every worker after the same step with a committed checkpoint, said in one line, no traceback; the
+    launcher exits 128 + the signal: 143 restarts under train_loop.sh, 130 (the user's Ctrl-C) does not."""
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    launcher = start_cli("train", "scripts/configs/tiny_llama_cpu.yaml", "--nproc-per-node", "2", "--set",
-                         "backend=torch_fsdp", "--set", "train.steps=100000", "--set", f"output_dir={run}", "--set",
-                         f"checkpoint.dir={ckpt}", "--set", "checkpoint.every_steps=1000", log=tmp_path / "log")
+    launcher = start_cli("train", "scripts/configs/tiny_llama_cpu.yaml", *extra, "--set", f"backend={backend}",
+                         "--set", "train.steps=100000", "--set", f"output_dir={run}", "--set",
+                         f"checkpoint.dir={ckpt}", "--set", "checkpoint.every_steps=1000", log=tmp_path / "log",
+                         own_group=True)
     try:
         deadline = time.monotonic() + 300
         while not (run / "metrics.jsonl").exists() or len((run / "metrics.jsonl").read_text().splitlines()) < 2:
             assert launcher.poll() is None, (tmp_path / "log").read_text()[-3000:]
             assert time.monotonic() < deadline, "training never logged two steps"
             time.sleep(0.1)
-        launcher.send_signal(signal.SIGTERM)
-        assert launcher.wait(timeout=120) == 143, (tmp_path / "log").read_text()[-3000:]
+        if stop == signal.SIGINT:
+            os.killpg(launcher.pid, stop)
+        else:
+            launcher.send_signal(stop)
+        assert launcher.wait(timeout=120) == 128 + stop, (tmp_path / "log").read_text()[-3000:]
         log = (tmp_path / "log").read_text()
-        assert "checkpoint committed" in log and "Traceback" not in log, log[-3000:]
-        assert list(ckpt.glob("step-*/manifest.json"))
+        said = [line for line in log.splitlines() if "stopped" in line]
+        step = len((run / "metrics.jsonl").read_text().splitlines())
+        assert said == [f"xla-shard: {stop.name}: stopped after step {step}; checkpoint committed, rerun the same "
+                        "command to resume"], log[-3000:]
+        assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+        assert (ckpt / f"step-{step:08d}" / "manifest.json").exists()
     finally:
         if launcher.poll() is None:
-            launcher.kill()
-
+            os.killpg(launcher.pid, signal.SIGKILL)

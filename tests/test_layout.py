@@ -13,10 +13,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "xla_shard"
 
 # Lowest first. A module belongs to the first layer with a prefix that names it or a package holding it.
 LAYERS = [
-    ("ground", ["xla_shard.errors", "xla_shard.io", "xla_shard.hostmem", "xla_shard.launch"]),
+    ("ground", ["xla_shard.errors", "xla_shard.io", "xla_shard.hostmem", "xla_shard.preemption", "xla_shard.launch"]),
     ("config", ["xla_shard.config"]),
     ("plan", ["xla_shard.plan", "xla_shard.capabilities", "xla_shard.planner.cost", "xla_shard.planner.hardware",
-              "xla_shard.planner.hlo", "xla_shard.schedule", "xla_shard.preemption",
+              "xla_shard.planner.hlo", "xla_shard.schedule",
               "xla_shard.attention", "xla_shard.sequence", "xla_shard.experts", "xla_shard.metrics"]),
     ("storage formats and data", ["xla_shard.checkpoint", "xla_shard.data"]),
     ("model", ["xla_shard.models", "xla_shard.wrap", "xla_shard.lm_head", "xla_shard.methods"]),

@@ -416,6 +416,7 @@ def _train(args) -> int:
     nodes = cfg.launch
     launcher = launch.pick(backend.capabilities.launcher, settled=cfglib.dump(cfg),
                            nproc=devices // nodes.nnodes if devices else devices, prepare=backend.configure,
+                           grace_s=cfg.checkpoint.preemption_grace_s,
                            nodes=launch.Nodes(nodes.nnodes, nodes.node_rank, nodes.rdzv_endpoint, nodes.rdzv_id,
                                               nodes.timeout_s))
     train.preflight(cfg, backend.capabilities)

@@ -4,7 +4,9 @@ A launcher runs an entry point (a function returning the exit status, given by t
 capabilities say: in this process, under torchrun (one process per device), or in torch_xla's `xmp.spawn`.
 Every worker process dies with the process that started it (the kernel's parent-death signal), so killing a
 launcher, even with SIGKILL, never leaves workers training and committing checkpoints beside the run that
-replaces it. Nothing here imports the rest of xla_shard but `errors`: the entry point is handed in.
+replaces it. A stop signal (SIGTERM, Ctrl-C) reaches every worker once, and each stops by itself
+(`preemption`). Nothing here imports the rest of xla_shard but `errors` and `preemption`: the entry point is
+handed in.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from xla_shard import preemption
 from xla_shard.errors import ConfigError, Problems, UserError
 
 Entry = Callable[[], int]  # runs the job in this process; the exit status
@@ -27,6 +30,8 @@ Entry = Callable[[], int]  # runs the job in this process; the exit status
 # Exit status after a SIGTERM stop with the checkpoint committed (128 + SIGTERM, as a shell reports it):
 # scripts/train_loop.sh restarts on it, and the restart resumes.
 PREEMPTED_EXIT = 143
+# Exit status after Ctrl-C (128 + SIGINT): the user stopped the run; train_loop.sh does not restart it.
+INTERRUPTED_EXIT = 130
 # Exit status of a user error (bad config, damaged input): one line, and a restart would only repeat it.
 USER_ERROR_EXIT = 2
 # Set by the torchrun launcher (whose process runs the elastic agent): the parent its workers must outlive.
@@ -133,17 +138,18 @@ class Torchrun:
     nproc: int
     settled: str
     nodes: Nodes | None = None
+    grace_s: float = 120.0  # checkpoint.preemption_grace_s: how long a stopping worker may take to save
 
     def start(self, entry: Entry) -> int:
         if torchrun_worker():
             as_torchrun_worker()
             exit_without_finalizing(exit_status(entry))
         if self.nodes is None:
-            return run_torchrun(self.nproc, self.settled, ["--standalone"])
+            return run_torchrun(self.nproc, self.settled, ["--standalone"], self.grace_s)
         try:
             args = self.nodes.torchrun_args()
             self.nodes.wait_for_node_0()
-            return run_torchrun(self.nproc, self.settled, args)
+            return run_torchrun(self.nproc, self.settled, args, self.grace_s)
         except Exception as exc:
             self.nodes.explain_failure(exc)
             raise
@@ -160,7 +166,8 @@ class XmpSpawn:
         self.prepare()
         import torch_xla.distributed.xla_multiprocessing as xmp
 
-        xmp.spawn(_spawned, args=(entry, os.getpid()))
+        with preemption.stops_passed_by_file():
+            xmp.spawn(_spawned, args=(entry, os.getpid()))
         return 0
 
 
@@ -173,14 +180,14 @@ def refuse_nproc_flag(kind: str, nproc_per_node: int | None, backend: str) -> No
 
 
 def pick(kind: str, *, settled: str = "", nproc: int | None = None, nodes: Nodes | None = None,
-         prepare: Callable[[], None] = lambda: None) -> Launcher:
+         prepare: Callable[[], None] = lambda: None, grace_s: float = 120.0) -> Launcher:
     """The launcher a backend's capabilities name (`Capabilities.launcher`); `settled`: the resolved config
     (YAML) that processes it starts train; `nproc`: the processes torchrun starts on this node; `nodes`: this
-    node's place in a multi-node run."""
+    node's place in a multi-node run; `grace_s`: how long workers stopping on a signal may take to save."""
     if kind == "torchrun":
         if nproc is None:
             raise ValueError("torchrun needs its process count")
-        return Torchrun(nproc, settled, nodes if nodes and nodes.count > 1 else None)
+        return Torchrun(nproc, settled, nodes if nodes and nodes.count > 1 else None, grace_s)
     if kind == "xmp_spawn":
         return XmpSpawn(prepare)
     return InProcess()
@@ -203,6 +210,21 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _leave_stop_signals_to_parent() -> None:
+    """In `xmp.spawn`'s child, whose main thread (torch_xla's, not ours) would raise KeyboardInterrupt at the
+    terminal's Ctrl-C and leave the training threads running without it: the process ignores the stop
+    signals, which its parent takes and passes on (`preemption.stops_passed_by_file`). A disposition is the
+    process's, so libc sets it from this (device) thread, where Python's `signal.signal` may not."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype = ctypes.c_void_p
+    for sig in preemption.SIGNALS:
+        libc.signal(int(sig), ctypes.c_void_p(1))  # SIG_IGN
+
+
 def exit_without_finalizing(status: int) -> None:
     """End a torchrun worker that finished (its process group destroyed, its files closed) without the
     interpreter's finalization: on torch 2.15 a gloo worker then aborted now and then in C++ teardown
@@ -216,14 +238,16 @@ def exit_without_finalizing(status: int) -> None:
     os._exit(status)
 
 
-def run_torchrun(nproc: int, settled: str, rendezvous: list[str] | None = None) -> int:
+def run_torchrun(nproc: int, settled: str, rendezvous: list[str] | None = None, grace_s: float = 120.0) -> int:
     """Run `nproc` workers (`xla_shard.worker`) of the settled config under torchrun (`rendezvous`: its
     arguments saying how this node meets the others, `--standalone` for one), its elastic agent in this
-    process: the agent keeps this PID,
-    so a SIGTERM sent to the launcher reaches it and it forwards it to the workers. How the workers end
-    decides the exit status: a user error in any worker is that worker's one line and exit 2 (each writes its
-    line to a file the launcher reads; none prints it); a crash is exit 1 with the worker's own traceback
-    above one line naming it; a SIGTERM stop is PREEMPTED_EXIT."""
+    process: the agent keeps this PID, so a SIGTERM sent to the launcher reaches it and it forwards it to the
+    workers, giving them `grace_s` and a margin to save before it kills them (torch >= 2.10 reads that from
+    the environment; torch 2.9's agent gives 30 s). Ctrl-C reaches only the launcher (torch starts each
+    worker in a session of its own), which forwards it the same way. How the workers end decides the
+    exit status: a user error in any worker is that worker's one line and exit 2 (each writes its line to a
+    file the launcher reads; none prints it); a crash is exit 1 with the worker's own traceback above one line
+    naming it; a stop on a signal is that signal's status (PREEMPTED_EXIT, INTERRUPTED_EXIT)."""
     import logging
     import shutil
     import tempfile
@@ -237,18 +261,27 @@ def run_torchrun(nproc: int, settled: str, rendezvous: list[str] | None = None) 
     settled_path.write_text(settled)
     os.environ[LAUNCHER_PID] = str(os.getpid())
     os.environ[WORKER_ERRORS] = errors
-    # The agent logs each failed worker as an error with its own stack; what failed is said below, once.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # The agent logs each failed worker as an error with its own stack, and a signal it forwards; what
+    # happened is said below, once. Its modules' loggers each have a level of their own.
+    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     if nproc > 1:  # torchrun's own default, one OpenMP thread a worker, without the banner it prints to say so
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(math.ceil(grace_s) + 30))
     args = torchrun.parse_args([*(rendezvous or ["--standalone"]), f"--nproc-per-node={nproc}",
                                 "-m", "xla_shard.worker", str(settled_path)])
     try:
         torchrun.run(args)
         return 0
-    except SignalException as exc:
-        print(f"xla-shard: {signal.Signals(exc.sigval).name}: the workers were stopped", file=sys.stderr)
-        return PREEMPTED_EXIT if exc.sigval == signal.SIGTERM else 128 + exc.sigval
+    except SignalException as exc:  # forwarded, and the workers have stopped: they said how (rank 0 logs it)
+        interrupted = sorted(Path(errors).glob("interrupted-*.txt"))
+        if interrupted:
+            print(f"xla-shard: {interrupted[0].read_text().strip()}", file=sys.stderr)
+        shutil.rmtree(errors, ignore_errors=True)
+        # The agent's rendezvous threads, stopped where the signal found them, may print a finalizer's
+        # traceback as the interpreter ends: nothing of this process is left to finalize.
+        exit_without_finalizing(128 + exc.sigval)
     except ChildFailedError as exc:
         said = sorted(Path(errors).glob("rank-*.txt"), key=lambda p: int(p.stem.split("-")[1]))
         lost = sorted(Path(errors).glob("lost-*.txt"))
@@ -259,7 +292,12 @@ def run_torchrun(nproc: int, settled: str, rendezvous: list[str] | None = None) 
         if lost and not crashed:  # every failure here a peer's loss: say it once
             print(f"xla-shard: error: {lost[0].read_text().strip()}", file=sys.stderr)
             return 1
-        if all(code == PREEMPTED_EXIT for code in codes.values()):
+        interrupted = sorted(Path(errors).glob("interrupted-*.txt"))
+        if interrupted or set(codes.values()) <= {INTERRUPTED_EXIT}:  # Ctrl-C: whatever the others then said
+            if interrupted:
+                print(f"xla-shard: {interrupted[0].read_text().strip()}", file=sys.stderr)
+            return INTERRUPTED_EXIT
+        if set(codes.values()) == {PREEMPTED_EXIT}:
             return PREEMPTED_EXIT
         rank = crashed[0] if crashed else min(codes)
         print(f"xla-shard: worker {rank} failed (exit code {codes[rank]}); its traceback is above", file=sys.stderr)
@@ -269,9 +307,9 @@ def run_torchrun(nproc: int, settled: str, rendezvous: list[str] | None = None) 
 
 
 def report_worker_error(message: str, kind: str = "rank") -> bool:
-    """In a torchrun worker, hand a user error's one line (`kind` "rank"; "lost": a lost peer's) to the
-    launcher, which prints it once for all workers, instead of printing it; False where there is no launcher
-    to hand it to."""
+    """In a torchrun worker, hand a user error's one line (`kind` "rank"; "lost": a lost peer's;
+    "interrupted": Ctrl-C's) to the launcher, which prints it once for all workers, instead of printing it;
+    False where there is no launcher to hand it to."""
     errors = os.environ.get(WORKER_ERRORS)
     if not errors or not torchrun_worker() or not os.path.isdir(errors):
         return False
@@ -282,11 +320,16 @@ def report_worker_error(message: str, kind: str = "rank") -> bool:
 def exit_status(entry: Entry) -> int:
     """Run `entry` and map how it ends to the exit status: a user error is one line and USER_ERROR_EXIT (in a
     torchrun worker handed to its launcher, which prints it once); a lost peer is one line and 1 (a restart
-    helps); a bug keeps its traceback (with credentials redacted) and is 1."""
+    helps); a bug keeps its traceback (with credentials redacted) and is 1. Ctrl-C that stopped the run at once
+    is one line and INTERRUPTED_EXIT, and so is whatever failed once the user had pressed it (a peer's exit
+    breaks a collective)."""
     from xla_shard.errors import one_line, redact
 
+    preemption.record_interrupts()
     try:
         return entry() or 0
+    except KeyboardInterrupt:
+        return _stopped_at_once()
     except Problems as exc:  # each on a line of its own
         for line in exc.lines():
             print(f"xla-shard: error: {redact(line)}", file=sys.stderr)
@@ -297,15 +340,25 @@ def exit_status(entry: Entry) -> int:
             print(f"xla-shard: error: {line}", file=sys.stderr)
         return USER_ERROR_EXIT
     except PeerLost as exc:
+        if preemption.interrupted():
+            return _stopped_at_once()
         line = redact(one_line(exc))
         if not report_worker_error(line, kind="lost"):
             print(f"xla-shard: error: {line}", file=sys.stderr)
         return 1
     except Exception:
+        if preemption.interrupted():
+            return _stopped_at_once()
         import traceback
 
         print(redact(traceback.format_exc()), end="", file=sys.stderr)
         return 1
+
+
+def _stopped_at_once() -> int:
+    if not report_worker_error(preemption.STOPPED_AT_ONCE, kind="interrupted"):
+        print(f"xla-shard: {preemption.STOPPED_AT_ONCE}", file=sys.stderr)
+    return INTERRUPTED_EXIT
 
 
 def several_nodes() -> bool:
@@ -326,6 +379,7 @@ def as_torchrun_worker() -> None:
 def _spawned(index: int, entry: Entry, parent_pid: int) -> None:
     """The function `xmp.spawn` runs in each of its processes."""
     die_with_parent(parent_pid)
+    _leave_stop_signals_to_parent()
     status = entry()
     if status:
         sys.exit(status)

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import math
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -205,7 +206,7 @@ class Trainer:
         self.peak_per_device, self.mfu_basis = None, ""
         # State of run():
         self.lr, self.grad_norm = cfg.train.lr, None
-        self.preempted = False
+        self.stopped_by = 0  # the exit status of a run a stop signal ended (preemption.PreemptionGuard)
         self.clock: StepClock | None = None  # run()'s
         self._graphs = 0  # graphs compiled before the first step and for evaluation: not the steps' own
         self._graphs_after_warmup: int | None = None  # the steps' graphs at the end of the warm-up
@@ -484,12 +485,13 @@ class Trainer:
                             self._evaluate(done, logger)
                     if done % cfg.checkpoint.every_steps == 0 or done == self.total_steps:
                         ckpt.save(done, self.model, self.optimizer)
-                    if self.backend.processes.any_rank(preemption.requested):
-                        self._stop_for_preemption(done, preemption)
-                        self.preempted = True
+                    stop = self._agreed_stop(preemption)
+                    if stop:
+                        self._stop_for_preemption(done, stop, preemption)
+                        self.stopped_by = 128 + stop  # as a shell reports a process the signal ended
                         break
                 ckpt.wait()  # the last save commits before the run counts as finished
-                if cfg.fsdp.state_dict_type == "FULL_STATE_DICT" and not self.preempted:  # needs checkpoint.dir
+                if cfg.fsdp.state_dict_type == "FULL_STATE_DICT" and not self.stopped_by:  # needs checkpoint.dir
                     self._export_final()
         finally:
             logger.close()
@@ -543,16 +545,25 @@ class Trainer:
                   + (f"; with {', '.join(report.companions)})" if report.companions else ")")
                   + (f"; {report.note}" if report.note else ""))
 
-    def _stop_for_preemption(self, done: int, preemption: PreemptionGuard) -> None:
-        ckpt = self.checkpointer
+    def _agreed_stop(self, preemption: PreemptionGuard) -> signal.Signals | None:
+        """Every process stops after the same step, for the same signal: SIGTERM if any process had one (exit
+        143: scripts/train_loop.sh restarts, and the restart resumes), else Ctrl-C's SIGINT (130: it does not)."""
+        asked, terminated = self.backend.processes.total(
+            [int(preemption.requested), int(preemption.signal == signal.SIGTERM)])
+        if not asked:
+            return None
+        return signal.SIGTERM if terminated else signal.SIGINT
+
+    def _stop_for_preemption(self, done: int, stop: signal.Signals, preemption: PreemptionGuard) -> None:
+        ckpt, said = self.checkpointer, stop.name
         if not self.cfg.checkpoint.dir:
-            self._log(f"SIGTERM: stopping after step {done} (no checkpoint.dir: nothing saved)")
+            self._log(f"{said}: stopping after step {done} (no checkpoint.dir: nothing saved)")
             return
         ckpt.save(done, self.model, self.optimizer)  # a no-op if this step's save is already done or in flight
         if ckpt.wait(timeout=preemption.remaining_s()):
-            self._log(f"SIGTERM: stopped after step {done}; checkpoint committed, rerun the same command to resume")
+            self._log(f"{said}: stopped after step {done}; checkpoint committed, rerun the same command to resume")
         else:
-            raise CheckpointError(f"SIGTERM: the step {done} checkpoint did not commit within "
+            raise CheckpointError(f"{said}: the step {done} checkpoint did not commit within "
                                   f"checkpoint.preemption_grace_s={preemption.grace_s:g}; the last committed one "
                                   f"({ckpt.last_committed}) stays the resume point")
 
@@ -664,4 +675,4 @@ def run(cfg: ShardConfig, backend: Backend | None = None) -> int:
         raise launch.PeerLost(f"another worker of this run stopped ({lost}); this one stops too") from None
     finally:
         trainer.backend.shutdown()
-    return launch.PREEMPTED_EXIT if trainer.preempted else 0
+    return trainer.stopped_by

@@ -37,7 +37,7 @@ def main(*args: str) -> None:
         overrides = [a for a in run if not a.startswith(SIGTERM_AFTER)]
         trainer = Trainer(config.load(None, [*common, *overrides]), on_step_end=hooks).setup()
         trainer.run()
-        assert trainer.preempted == bool(hooks), "a SIGTERM that did not stop the run, or a stop without one"
+        assert trainer.stopped_by == (143 if hooks else 0), "a SIGTERM that did not stop the run, or a stop without one"
         trainer.backend.processes.barrier()
     trainer.backend.shutdown()
 

@@ -76,7 +76,7 @@ class Processes:
         """Wait for every process."""
 
     def any_rank(self, flag: bool) -> bool:
-        """True on every process if `flag` is set on any, so that all stop at the same step (preemption)."""
+        """True on every process if `flag` is set on any, so that all take the same branch (a failed read)."""
         return flag
 
     def lost_peer(self, error: BaseException) -> str | None:

@@ -525,7 +525,7 @@ class CheckpointSection(_Section):
     async_save: bool = Field(default=True, alias="async")
     # auto: the newest committed checkpoint under `dir`, if any; never; or the URL of one checkpoint.
     resume: str = "auto"
-    # Seconds a SIGTERM (spot preemption) allows to finish or take the final save before exiting.
+    # Seconds a SIGTERM (spot preemption) or a first Ctrl-C allows to finish or take the final save before exiting.
     preemption_grace_s: float = Field(default=120.0, gt=0, le=MAX_SECONDS)
     # Transient storage errors (HTTP 429/5xx, timeouts, refused connections) are retried for this long.
     retry_deadline_s: float = Field(default=120.0, gt=0, le=MAX_SECONDS)
