@@ -38,22 +38,40 @@ def test_the_cli_refuses_torch_tpu_off_a_tpu_in_one_line(cli):
         "TPU; use torch_fsdp (GPUs, or CPUs over gloo) or xla_spmd"]
 
 
-@pytest.mark.parametrize("machine, has_torch_tpu, has_torch_xla, expect", [
-    ("tpu", True, True, "torch_tpu"),
-    ("tpu", False, True, "xla_spmd"),
-    ("cpu", False, True, "xla_spmd"),
-    ("cpu", True, False, "torch_fsdp"),
-    ("cuda", True, True, "torch_fsdp"),
-])
-def test_auto_takes_what_the_machine_has_installed(monkeypatch, machine, has_torch_tpu, has_torch_xla, expect):
+def _machine(monkeypatch, machine: str, has_torch_tpu: bool, has_torch_xla: bool) -> None:
     present = {"torch_tpu": has_torch_tpu, "torch_xla": has_torch_xla}
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: (real("json") if present[name] else None) if name in present else real(name))
     monkeypatch.setattr(backends, "platform", lambda: machine)
+
+
+@pytest.mark.parametrize("machine, has_torch_tpu, has_torch_xla, expect", [
+    ("tpu", True, True, "torch_tpu"),
+    ("tpu", False, True, "xla_spmd"),
+    ("cpu", False, True, "xla_spmd"),  # in this process (not torchrun's): SPMD; the CLI takes torch_fsdp (below)
+    ("cpu", True, False, "torch_fsdp"),
+    ("cuda", True, True, "torch_fsdp"),
+])
+def test_auto_takes_what_the_machine_has_installed(monkeypatch, machine, has_torch_tpu, has_torch_xla, expect):
+    _machine(monkeypatch, machine, has_torch_tpu, has_torch_xla)
     cfg = config.load(None, [])
     assert backends.resolve_name(cfg) == expect
     assert backends.resolve_name(cfg, on="tpu") == "xla_spmd"  # planned elsewhere: what the deployments install
+
+
+def test_auto_on_a_cpu_takes_xla_spmd_where_fsdp2_does_not_train_the_config_and_says_why(monkeypatch):
+    _machine(monkeypatch, "cpu", False, True)
+    name, why = backends.auto_choice(config.load(None, ["fsdp.scan_layers=true"]), can_launch=True)
+    assert name == "xla_spmd" and why.startswith("torch_fsdp does not train this config (fsdp.scan_layers: ")
+    name, why = backends.auto_choice(config.load(None, []), can_launch=True)
+    assert (name, why) == ("torch_fsdp", "torch_fsdp: the fastest on a CPU")
+    # a program of its own (the Python API), not started by torchrun, trains in its one process: SPMD
+    name, why = backends.auto_choice(config.load(None, []), can_launch=False)
+    assert name == "xla_spmd" and why.startswith("torch_fsdp trains in processes torchrun starts")
+    _machine(monkeypatch, "cpu", False, False)  # nothing else installed: the fastest, whose check says why not
+    assert backends.auto_choice(config.load(None, ["fsdp.scan_layers=true"]), can_launch=True)[0] == "torch_fsdp"
+    assert backends.auto_choice(config.load(None, []), can_launch=False)[0] == "torch_fsdp"
 
 
 def test_torch_tpu_refuses_what_torchtpu_does_not_offer_naming_key_and_backend():

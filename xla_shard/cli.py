@@ -390,6 +390,18 @@ def _backend(cfg):
     return backend
 
 
+def _settle_auto(cfg):
+    """`backend: auto` decided once, by the launcher, and said: its workers train the backend it names."""
+    from xla_shard import backends
+
+    if cfg.backend is not BackendName.AUTO:
+        return cfg
+    name, why = backends.auto_choice(cfg, can_launch=True)
+    if why:
+        print(f"xla-shard: backend auto: {why}", file=sys.stderr)
+    return cfglib.revalidated(cfg, backend=name)
+
+
 def _train(args) -> int:
     cfg, kind, notes = cfglib.load_with_notes(args.config, args.set)
     from xla_shard import backends
@@ -404,6 +416,7 @@ def _train(args) -> int:
         print(f"xla-shard: {finished}", file=sys.stderr)
         return 0
     if not launch.torchrun_worker():
+        cfg = _settle_auto(cfg)
         cfg, said = backends.launch_from_environment(cfg)
         if said:
             print(f"xla-shard: {said}", file=sys.stderr)

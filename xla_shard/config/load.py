@@ -133,6 +133,12 @@ def _did_you_mean(loc: list[str]) -> str:
     return f"; did you mean '{'.'.join(loc[:-1] + close)}'?"
 
 
+def revalidated(cfg: ShardConfig, **changes: Any) -> ShardConfig:
+    """`cfg` with its top-level keys `changes` set, validated again as a whole (a model_copy would skip the
+    validators that read them together)."""
+    return validate({**yaml.safe_load(dump(cfg)), **changes})
+
+
 def dump(cfg: ShardConfig) -> str:
     """`cfg` as YAML, every value filled in, that validates again to the same config (what a launcher hands its
     workers, what `config check` prints): a key whose setting a validator reads (`SET_ONLY_BESIDE`) is written
