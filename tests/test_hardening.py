@@ -69,7 +69,7 @@ def test_malformed_config_files(tmp_path, capsys, suffix, content, words):
     (["fsdp.state_dict_type=FULL_STATE_DICT", "checkpoint.dir=null"], ["fsdp.state_dict_type", "checkpoint.dir"]),
     (["backend=xla_spmd", "launch.nproc_per_node=2"], ["'launch'", "xla_spmd", "torchrun"]),
     # what `train` would refuse at start-up, `config check` refuses too
-    (["backend=xla_spmd", "mesh.fsdp=3"], ["'mesh'", "xla_spmd", "4 devices"]),
+    (["backend=xla_spmd", "mesh.fsdp=3"], ["'mesh'", "xla_spmd", "2 devices"]),
     (["backend=torch_fsdp", "cpu_devices=3"], ["train.global_batch_size", "3 torchrun processes"]),
     (["backend=torch_fsdp", "launch.nproc_per_node=3"], ["train.global_batch_size", "3 torchrun processes"]),
 ])

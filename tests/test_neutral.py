@@ -63,3 +63,34 @@ def test_commands_that_do_not_run_on_xla_leave_torch_xla_unloaded(tmp_path):
                                   "tpu-vm")
     assert not _imports_torch_xla("config", "check", *tiny, "--set", "backend=torch_fsdp")
     assert _imports_torch_xla("config", "check", *tiny, "--set", "backend=xla_spmd")  # the log would show it
+
+
+@pytest.mark.xla
+@pytest.mark.e2e
+def test_the_readme_names_what_trl_does_beside_torch_xla_and_its_opt_out(model_dirs, tmp_path):
+    """What the README's "Which install" says of TRL where torch_xla is importable (true of transformers, not
+    of xla_shard, which this process never imports): its trainers checkpoint activations by default, on the XLA
+    device transformers picked, and torch's checkpointing finds no `torch.xla`; USE_TORCH_XLA=0 trains."""
+    program = (
+        "from datasets import Dataset\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "from trl import SFTConfig, SFTTrainer\nimport sys\n"
+        "model = AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+        "rows = Dataset.from_list([{'text': 'a b c d e f g h'}] * 4)\n"
+        "args = SFTConfig(output_dir=sys.argv[2], max_steps=1, per_device_train_batch_size=2, report_to=[], "
+        "use_cpu=True, bf16=False)\n"
+        "SFTTrainer(model=model, args=args, train_dataset=rows, "
+        "processing_class=AutoTokenizer.from_pretrained(sys.argv[1])).train()\n")
+
+    def trl(**env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", program, str(model_dirs.llama), str(tmp_path)],
+                              env={**_env(), **env}, capture_output=True, text=True, timeout=600)
+
+    readme = (REPO / "README.md").read_text()
+    beside = trl()
+    said = [line for line in beside.stderr.splitlines() if line.startswith("AttributeError: ")]
+    assert beside.returncode != 0 and said == ["AttributeError: module 'torch' has no attribute 'xla'"], \
+        beside.stderr[-3000:]
+    said = said[0]
+    assert f"`{said.split(': ', 1)[1]}`" in readme and "USE_TORCH_XLA=0" in readme
+    opted_out = trl(USE_TORCH_XLA="0")
+    assert opted_out.returncode == 0, opted_out.stderr[-3000:]

@@ -56,9 +56,10 @@ def _parser() -> argparse.ArgumentParser:
 
     config = commands.add_parser("config", help="check or import a config")
     config_commands = config.add_subparsers(dest="config_command", required=True)
-    check = config_commands.add_parser("check", help="validate a config and print it with every default filled in")
+    check = config_commands.add_parser("check", help="validate a config as `train` would, and say so in one line")
     check.add_argument("config", nargs="?", help="YAML config (defaults and --set alone if omitted)")
     check.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    check.add_argument("--print", action="store_true", help="print the config with every default filled in")
     check.set_defaults(func=_config_check)
     imp = config_commands.add_parser("import", help="convert an accelerate FSDP YAML or transformers fsdp_config")
     imp.add_argument("file")
@@ -352,12 +353,18 @@ def _config_check(args) -> int:
     cfg = cfglib.load(args.config, args.set)  # a mistake in it is said before torch and transformers load
     from xla_shard import backends
 
+    cfg, auto = _settle_auto(cfg)  # as `train` would
     backend = _backend(cfg)  # the backend's own checks, without starting it
     from xla_shard.train import preflight
 
-    backends.check_devices(backend)  # ... and the plan against the devices it will have, where known already
+    devices = backends.check_devices(backend)  # ... and the plan against the devices it will have, where known
     preflight(cfg, backend.capabilities)
-    print(cfglib.dump(cfg), end="")
+    if args.print:
+        print(cfglib.dump(cfg), end="")
+    where = f" on {devices} {backend.device_kind} device(s)" if devices else ""
+    print(f"xla-shard: {args.config or 'the defaults'}" + (" with --set" if args.set else "")
+          + f": valid, for backend {backend.name}{where}" + (f" (backend auto: {auto})" if auto else "")
+          + ("" if args.print else " (--print shows it with every default filled in)"), file=sys.stderr)
     return 0
 
 
@@ -391,15 +398,14 @@ def _backend(cfg):
 
 
 def _settle_auto(cfg):
-    """`backend: auto` decided once, by the launcher, and said: its workers train the backend it names."""
+    """`backend: auto` decided once, by the launcher (its workers train the backend it names), and why: to say
+    once the config has passed its checks ("" where the config names its backend)."""
     from xla_shard import backends
 
     if cfg.backend is not BackendName.AUTO:
-        return cfg
+        return cfg, ""
     name, why = backends.auto_choice(cfg, can_launch=True)
-    if why:
-        print(f"xla-shard: backend auto: {why}", file=sys.stderr)
-    return cfglib.revalidated(cfg, backend=name)
+    return cfglib.revalidated(cfg, backend=name), why
 
 
 def _train(args) -> int:
@@ -415,8 +421,9 @@ def _train(args) -> int:
     if finished:  # before any backend, process or model: a rerun of a finished run
         print(f"xla-shard: {finished}", file=sys.stderr)
         return 0
+    auto = ""
     if not launch.torchrun_worker():
-        cfg = _settle_auto(cfg)
+        cfg, auto = _settle_auto(cfg)
         cfg, said = backends.launch_from_environment(cfg)
         if said:
             print(f"xla-shard: {said}", file=sys.stderr)
@@ -433,6 +440,8 @@ def _train(args) -> int:
                            nodes=launch.Nodes(nodes.nnodes, nodes.node_rank, nodes.rdzv_endpoint, nodes.rdzv_id,
                                               nodes.timeout_s))
     train.preflight(cfg, backend.capabilities)
+    if auto:
+        print(f"xla-shard: backend auto: {auto}", file=sys.stderr)
     return launcher.start(functools.partial(train.run, cfg))
 
 
