@@ -51,6 +51,11 @@ def test_the_trainers_step_compiles_for_a_tpu_and_holds_its_shards_per_device():
     assert collectives.get("all-reduce", {}).get("count", 0) + collectives.get("reduce-scatter", {}).get("count", 0)
     assert report["flops_per_device"] > 0 and 0 < report["roofline"]["mfu_ceiling"] <= 1
     assert report["pallas_kernels"] > 0  # attention `auto` on a TPU: Pallas flash attention, compiled for it
+    assert set(report["pallas_kernel_kinds"]) == {"flash attention"}  # a dense model: no grouped matmuls
+    # every collective the program runs is one the planner accounts for, or is said to be what else it is
+    said = report["what_collectives_move"]
+    assert set(said) == set(collectives) and "not in the planner's model of this step" not in said.values(), said
+    assert set(collectives) - {"collective-permute", "all-reduce"} <= set(report["planned_collectives"]), said
 
 
 @pytest.mark.e2e

@@ -172,24 +172,28 @@ def test_when_nothing_fits_plan_names_the_gradient_accumulation_that_does(capsys
     assert accumulated["best"]["triple"] == result["accumulate"]["triple"]
 
 
-def test_rows_the_cost_model_cannot_tell_apart_are_ranked_by_memory_and_compute_bound_is_said(capsys):
-    """A Llama-3-8B shape on a v5p-64 at 32 x 4096 tokens: every row is compute-bound, their step times differ by
-    less than the cost model's resolution (1%), so they share rank 1, the least memory per device first, and the
-    pick is that row (FULL_SHARD here, not a triple chosen for a sub-millisecond difference)."""
+@pytest.mark.parametrize("chip, devices, tokens, rows", [("v5p", 32, 4096, 32), ("v6e", 8, 8192, 8)])
+def test_rows_the_cost_model_cannot_tell_apart_are_ranked_by_memory_and_compute_bound_is_said(capsys, chip, devices,
+                                                                                               tokens, rows):
+    """A Llama-3-8B shape on a v5p-64 at 32 x 4096 tokens (and a v6e-8 at 8 x 8192): every row is compute-bound,
+    their step times differ by less than the cost model's resolution (1%), so they share rank 1, the least memory
+    per device first, and the pick is that row (FULL_SHARD here, not a triple chosen for a sub-millisecond
+    difference at a third more memory)."""
     from xla_shard import backends, planner
 
     llama3_8b = ("{hidden_size: 4096, intermediate_size: 14336, num_hidden_layers: 32, num_attention_heads: 32, "
                  "num_key_value_heads: 8, vocab_size: 128256, max_position_embeddings: 8192}")
-    sets = ["model=small-llama", f"model.overrides={llama3_8b}", "train.seq_len=4096", "train.global_batch_size=32",
-            "fsdp.mixed_precision=bf16"]
+    sets = ["model=small-llama", f"model.overrides={llama3_8b}", f"train.seq_len={tokens}",
+            f"train.global_batch_size={rows}", "fsdp.mixed_precision=bf16", "fsdp.activation_checkpointing=true"]
     cfg = config.load(None, sets)
-    ranked = planner.plan(workload(cfg, 32, backends.capabilities("xla_spmd")), 32, accelerator("v5p"))
+    ranked = planner.plan(workload(cfg, devices, backends.capabilities("xla_spmd")), devices, accelerator(chip))
     fitting = [e for e in ranked.ranked if e.fits]
     fastest = min(e.step_s for e in fitting)
     assert all(e.comm_s <= e.compute_s for e in fitting)
     tied = [e for e in fitting if e.step_s <= fastest * (1 + STEP_RESOLUTION)]
     assert len(tied) > 1 and ranked.best is min(tied, key=lambda e: e.memory["total"])
-    done = run_in_process(capsys, "plan", *(a for s in sets for a in ("--set", s)), "--accelerator", "v5p-64")
+    slice_name = f"{chip}-{devices * (2 if chip == 'v5p' else 1)}"  # a v5p chip is named by its 2 cores
+    done = run_in_process(capsys, "plan", *(a for s in sets for a in ("--set", s)), "--accelerator", slice_name)
     assert done.returncode == 0
     assert "Every row that fits is compute-bound" in done.stdout
     rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| ") and "rank" not in line]

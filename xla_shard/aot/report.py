@@ -15,7 +15,7 @@ gives its MFU.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from xla_shard.aot import memory
 from xla_shard.aot.compiler import Compiled, OutOfHbm
@@ -25,6 +25,7 @@ from xla_shard.planner.hardware import Accelerator
 from xla_shard.planner.hlo import collective_totals
 
 GiB = 2**30
+_SCALARS = 4096  # bytes an op at most, for a collective of scalars (and a few short vectors)
 
 
 @dataclass
@@ -33,6 +34,8 @@ class Report:
     trace: Trace
     compiled: Compiled
     device: Accelerator  # the chip's figures per device of the program
+    # the planner's collectives for this step by op: (what they move, result bytes per device)
+    planned: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
 
     @property
     def consumers(self) -> dict[str, int]:
@@ -91,10 +94,25 @@ class Report:
                 "code_bytes": self.compiled.code_bytes,
                 "model_tflop_per_device": {"palm": self.trace.model_flops / self.compiled.devices / 1e12,
                                            "maxtext": self.trace.causal_flops / self.compiled.devices / 1e12},
-                "pallas_kernels": self.trace.kernels, "flops_per_device": self.compiled.flops,
+                "pallas_kernels": self.trace.kernels, "pallas_kernel_kinds": self.trace.kernel_kinds,
+                "flops_per_device": self.compiled.flops,
                 "bytes_accessed_per_device": self.compiled.bytes_accessed,
                 "collectives": self.collectives,
+                "planned_collectives": {kind: [{"what": what, "bytes": planned} for what, planned in found]
+                                        for kind, found in self.planned.items()},
+                "what_collectives_move": {kind: self._what_moves(kind, v) for kind, v in self.collectives.items()},
                 "roofline": self.roofline()}
+
+    def _what_moves(self, kind: str, found: dict[str, int]) -> str:
+        """The planner's account of a collective kind in this program, or what it is where the planner has none
+        (`found`: the program's count and bytes of that kind)."""
+        if kind in self.planned:
+            return "; ".join(f"{what} ({planned / 2**20:.1f} MiB planned)" for what, planned in self.planned[kind])
+        if kind == "collective-permute":
+            return "XLA's partitioner moving shards between layouts (not in the planner's model)"
+        if kind == "all-reduce" and found["bytes"] <= _SCALARS * found["count"]:
+            return "scalars: the loss, the gradient norm, the step's token counts"
+        return "not in the planner's model of this step"
 
     def largest_temporaries(self) -> list[tuple[str, memory.Slot]]:
         slots = [memory.Slot(size, dtype, tuple(shape)) for size, dtype, shape in self.compiled.slots]
@@ -114,8 +132,13 @@ class Report:
                          "that block and about its largest buffer again: docs/planner.md)")
         largest = self.largest_temporaries()
         if largest:
-            lines.append("largest temporaries: " + "; ".join(f"{_gib(slot.bytes)} {what} ({slot.spelled})"
-                                                           for what, slot in largest))
+            counted: dict[tuple[str, str, int], int] = {}
+            for what, slot in largest:  # alike slots (one a layer) said once, with their count
+                key = (what, slot.spelled, slot.bytes)
+                counted[key] = counted.get(key, 0) + 1
+            lines.append("largest temporaries: " + "; ".join(
+                (f"{n} x " if n > 1 else "") + f"{_gib(size)} {what} ({spelled})"
+                for (what, spelled, size), n in counted.items()))
         lines.append(f"compiler's cost analysis per device: {c.flops / 1e12:.3f} TFLOP, "
                      f"{c.bytes_accessed / 1e9:.3f} GB accessed"
                      + (f" (a loop's body counted once: {self.trace.loop_trips} scanned layers run it; the model's "
@@ -128,7 +151,7 @@ class Report:
         lines.append("collectives in the compiled TPU program (per device, results' bytes):")
         lines += [f"  {kind}: {v['count']} ops, {v['bytes'] / 2**20:.1f} MiB"
                   + (f", {v['dcn_bytes'] / 2**20:.1f} MiB of it across slices (DCN)" if v.get("dcn_bytes") else "")
-                  for kind, v in self.collectives.items()]
+                  + f": {self._what_moves(kind, v)}" for kind, v in self.collectives.items()]
         if not self.collectives:
             lines.append("  none (one device)")
         bound = max(("compute", "hbm", "ici", "dcn"), key=lambda k: roof.get(f"{k}_s", 0.0))
@@ -136,7 +159,7 @@ class Report:
                      f"(compute {roof['compute_s'] * 1e3:.1f}, HBM {roof['hbm_s'] * 1e3:.1f}, ICI "
                      f"{roof['ici_s'] * 1e3:.1f}" + (f", DCN {roof['dcn_s'] * 1e3:.1f}" if "dcn_s" in roof else "")
                      + f"): {bound.upper() if bound != 'compute' else 'compute'}-bound"
-                     + (f", MFU at most {roof['mfu_ceiling']:.2f}" if roof["mfu_ceiling"] < 1.0 else ""))
+                     + (f", MFU at most {roof['mfu_ceiling']:.2f}" if round(roof["mfu_ceiling"], 2) < 1 else ""))
         palm, causal = (flops / c.devices / 1e12 for flops in (self.trace.model_flops, self.trace.causal_flops))
         peak = d.peak_flops / 1e12
         lines.append(f"model FLOPs per device per step: {palm:.1f} TFLOP by PaLM's count (attention over every pair "

@@ -55,7 +55,39 @@ def compile_for(cfg: ShardConfig, slice_name: str, slices: int = 1) -> Report | 
         compiled = tpu.compile(traced.proto)
     except compiler.OutOfHbm as verdict:
         return Refused(chosen, traced, verdict, per_device)
-    return Report(chosen, traced, compiled, per_device)
+    return Report(chosen, traced, compiled, per_device, planned_collectives(cfg, tpu.count, chosen.chip))
+
+
+# What each of the planner's collectives moves, as the report says it beside the compiled program's.
+_PURPOSES = {
+    "params": "parameters gathered for forward and backward",
+    "params_backward": "parameters gathered again for backward, from where forward left them",
+    "grads": "gradients reduced to their shards",
+    "replicas": "gradient shards summed over the replicas",
+    "summed": "gradients all-reduced whole",
+    "update": "updated parameters gathered after the optimizer step",
+    "reference": "the reference model's parameters gathered",
+    "lookup": "embedding rows sent to the tokens' devices, and their gradients back",
+    "head": "the output head's gradient, summed where its shards lie (the chunked loss)",
+    "context_kv": "keys and values gathered along the sequence axis",
+    "context_kv_grads": "their gradients summed back along the sequence axis",
+}
+
+
+def planned_collectives(cfg: ShardConfig, devices: int, chip) -> dict[str, list[tuple[str, float]]]:
+    """The planner's collectives for this step by op: (what they move, result bytes per device), so that each
+    line of the compiled program's collectives says what it is, or that the planner does not model it."""
+    from xla_shard import planner
+    from xla_shard.backends.xla_spmd import XlaSpmdBackend
+    from xla_shard.planner import cost
+    from xla_shard.planner.settle import settle
+
+    work = planner.workload(cfg, devices, XlaSpmdBackend.capabilities, chip)
+    triple = settle(cfg, devices, XlaSpmdBackend.capabilities, "tpu").degrees
+    found: dict[str, list[tuple[str, float]]] = {}
+    for x in cost.collectives(work, triple, devices):
+        found.setdefault(x.op, []).append((_PURPOSES.get(x.name, x.name), cost.result_bytes([x])[x.op]))
+    return found
 
 
 def remedies(cfg: ShardConfig) -> list[tuple[str, ShardConfig]]:

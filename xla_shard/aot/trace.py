@@ -56,10 +56,17 @@ class Trace:
         kinds: dict[str, int] = {}
         for body in re.findall(rb'"body": ?"([A-Za-z0-9+/=]+)"', self.proto):
             code = base64.b64decode(body)
-            kind = ("flash attention" if b"flash_attention" in code else "MoE grouped matmuls" if b"gmm" in code
-                    else "other")
+            kind = next((kind for kind, name in _KERNEL_NAMES if name.search(code)), "other")
             kinds[kind] = kinds.get(kind, 0) + 1
         return kinds
+
+
+# A Pallas kernel's kind, by the name its Mosaic body carries (the function jax's kernel builds), matched whole:
+# the body is binary, and three letters such as `gmm` also turn up by chance inside other kernels' bytes.
+_KERNEL_NAMES = [(kind, re.compile(rb"(?<![A-Za-z0-9])" + name + rb"(?![A-Za-z0-9])")) for kind, name in (
+    ("splash attention (the sequence axis)", rb"splash_mha_[a-z_]+"),
+    ("flash attention", rb"_?flash_attention[a-z_]*"),
+    ("MoE grouped matmuls", rb"t?gmm"))]
 
 
 def step_config(cfg: ShardConfig, devices: int, workdir: str) -> ShardConfig:
