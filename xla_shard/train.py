@@ -232,7 +232,7 @@ class Trainer:
             _check_eval_labels(self.eval_source, cfg)
         self.uneven_labels = sources.uneven_labels
         self.total_steps = self._total_steps()
-        self._log(f"data: {sources.description}; {self.total_steps} steps"
+        self._log(f"data: {sources.description}; {self.total_steps} step{'' if self.total_steps == 1 else 's'}"
                   + (f" ({cfg.train.epochs:g} epoch(s))" if cfg.train.epochs else ""))
         if cfg.train.lr_warmup_steps >= self.total_steps:
             self._log(f"WARNING: train.lr_warmup_steps={cfg.train.lr_warmup_steps} is not shorter than the run's "
