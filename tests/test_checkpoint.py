@@ -98,12 +98,14 @@ def test_a_checkpoint_loads_on_another_backend_and_world_size(cli, tmp_path, ref
 @pytest.mark.xla
 @pytest.mark.e2e
 def test_a_checkpoint_resumes_under_parameters_gradients_and_optimizer_state_sharded_apart(cli, tmp_path, reference):
-    """The reference's FULL_SHARD (4/4/4) checkpoint continues under 1/2/4 (replicated parameters, gradients
-    over 2, AdamW state over 4) with the same losses; what that layout saves loads back under FULL_SHARD."""
+    """The reference's FULL_SHARD (2/2/2) checkpoint continues on 4 devices under 1/2/4 (replicated parameters,
+    gradients over 2, AdamW state over 4) with the same losses; what that layout saves loads back under
+    FULL_SHARD on 2."""
     ckpt, expected = reference
     config = tmp_path / "apart.yaml"
     config.write_text((REPO / CONFIG).read_text().replace("  sharding_strategy: FULL_SHARD\n", ""))
-    apart = ["--set", "backend=xla_spmd", "--set", "fsdp.sharding={params: 1, grads: 2, optimizer: 4}"]
+    apart = ["--set", "backend=xla_spmd", "--set", "cpu_devices=4", "--set",
+             "fsdp.sharding={params: 1, grads: 2, optimizer: 4}"]
     done = cli("train", str(config), *apart, "--set", f"train.steps={STEPS}", "--set", f"output_dir={tmp_path / 'run'}",
                "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--set", f"checkpoint.resume={ckpt / 'step-00000004'}")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -194,7 +194,8 @@ def test_cli_config_check_prints_every_default(cli, tmp_path):
     done = cli("config", "check", str(path), "--set", "train.steps=2")
     assert done.returncode == 0 and done.stdout == "", done.stderr
     assert done.stderr.strip().splitlines()[-1] == (f"xla-shard: {path} with --set: valid, for backend torch_fsdp "
-                                                    "(--print shows it with every default filled in)")
+                                                    "on 4 cpu device(s) (--print shows it with every default "
+                                                    "filled in)")
     done = cli("config", "check", str(path), "--set", "train.steps=2", "--print")
     assert done.returncode == 0, done.stderr
     printed = yaml.safe_load(done.stdout)

@@ -60,6 +60,7 @@ def test_auto_takes_what_the_machine_has_installed(monkeypatch, machine, has_tor
     assert backends.resolve_name(cfg, on="tpu") == "xla_spmd"  # planned elsewhere: what the deployments install
 
 
+@pytest.mark.xla  # xla_spmd's own checks read torch_xla
 def test_auto_on_a_cpu_takes_xla_spmd_where_fsdp2_does_not_train_the_config_and_says_why(monkeypatch):
     _machine(monkeypatch, "cpu", False, True)
     name, why = backends.auto_choice(config.load(None, ["fsdp.scan_layers=true"]), can_launch=True)
