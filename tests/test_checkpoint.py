@@ -5,19 +5,34 @@ import json
 import os
 import random
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, run_in_process, start_cli
+from tests.conftest import HAS_XLA, REPO, run_in_process, start_cli
 from xla_shard.checkpoint import layout
 
 # torch_version marks the tests whose subject is a checkpoint's tensors as torch writes and loads them; the
 # others (refusals, verification, lineage, storage faults) run on the oldest torch only.
 pytestmark = pytest.mark.slow
 
-CONFIG = "scripts/configs/tiny_llama_cpu.yaml"
+
+
+def _main_job_config() -> str:
+    """The main job's config (xla_spmd); where torch_xla is not installed (the newest torch's tier), a copy of
+    it on torch_fsdp: what these tests hold (saves, resumes, exports) is the same on either backend."""
+    main_job = "scripts/configs/tiny_llama_cpu.yaml"
+    if HAS_XLA:
+        return main_job
+    copy = Path(tempfile.mkdtemp(prefix="xla_shard_tests_")) / "tiny_llama_cpu.yaml"
+    copy.write_text((REPO / main_job).read_text().replace("backend: xla_spmd", "backend: torch_fsdp"))
+    return str(copy)
+
+
+CONFIG = _main_job_config()
 STEPS = 6
 
 
