@@ -275,9 +275,7 @@ def run_torchrun(nproc: int, settled: str, rendezvous: list[str] | None = None, 
         torchrun.run(args)
         return 0
     except SignalException as exc:  # forwarded, and the workers have stopped: they said how (rank 0 logs it)
-        interrupted = sorted(Path(errors).glob("interrupted-*.txt"))
-        if interrupted:
-            print(f"xla-shard: {interrupted[0].read_text().strip()}", file=sys.stderr)
+        _say_interrupted(errors)
         shutil.rmtree(errors, ignore_errors=True)
         # The agent's rendezvous threads, stopped where the signal found them, may print a finalizer's
         # traceback as the interpreter ends: nothing of this process is left to finalize.
@@ -292,10 +290,7 @@ def run_torchrun(nproc: int, settled: str, rendezvous: list[str] | None = None, 
         if lost and not crashed:  # every failure here a peer's loss: say it once
             print(f"xla-shard: error: {lost[0].read_text().strip()}", file=sys.stderr)
             return 1
-        interrupted = sorted(Path(errors).glob("interrupted-*.txt"))
-        if interrupted or set(codes.values()) <= {INTERRUPTED_EXIT}:  # Ctrl-C: whatever the others then said
-            if interrupted:
-                print(f"xla-shard: {interrupted[0].read_text().strip()}", file=sys.stderr)
+        if _say_interrupted(errors) or set(codes.values()) <= {INTERRUPTED_EXIT}:  # Ctrl-C: whatever else followed
             return INTERRUPTED_EXIT
         if set(codes.values()) == {PREEMPTED_EXIT}:
             return PREEMPTED_EXIT
@@ -304,6 +299,14 @@ def run_torchrun(nproc: int, settled: str, rendezvous: list[str] | None = None, 
         return 1
     finally:
         shutil.rmtree(errors, ignore_errors=True)
+
+
+def _say_interrupted(errors: str) -> bool:
+    """Print the first "stopped at once" line a worker handed over (`errors`: their folder); whether one did."""
+    said = sorted(Path(errors).glob("interrupted-*.txt"))
+    if said:
+        print(f"xla-shard: {said[0].read_text().strip()}", file=sys.stderr)
+    return bool(said)
 
 
 def report_worker_error(message: str, kind: str = "rank") -> bool:
