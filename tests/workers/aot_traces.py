@@ -33,7 +33,9 @@ def predicted(cfg, devices: int, chip) -> dict:
     work = planner.workload(cfg, devices, XlaSpmdBackend.capabilities, chip)
     triple = settle(cfg, devices, XlaSpmdBackend.capabilities, "cpu").degrees
     held = cost.memory(work, triple, devices)
+    phases = cost.scanned_phases(work, held)
     return {"params_and_optimizer": held["params"] + held["optimizer"], "logits": held["logits"],
+            "total": held["total"], "scanned_peak": max(phases, key=phases.get),
             "collectives": cost.result_bytes(cost.collectives(work, triple, devices))}
 
 

@@ -176,6 +176,7 @@ def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerato
                     grad_reductions=cfg.train.grad_accum_steps if capabilities.reduces_every_micro_batch else 1,
                     flops_per_token=flops, tokens_per_device=max(1, tokens),
                     layers=getattr(config, "num_hidden_layers", 1), hidden=getattr(config, "hidden_size", 1),
+                    intermediate=getattr(config, "intermediate_size", 0) or 0,
                     seq_len=cfg.train.seq_len, compute_bytes=2 if cfg.fsdp.mixed_precision == "bf16" else 4,
                     optimizer=cfg.train.optimizer, activation_checkpointing=cfg.fsdp.activation_checkpointing,
                     micro_batches=cfg.train.grad_accum_steps, context=cfg.mesh.context,
