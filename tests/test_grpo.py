@@ -119,3 +119,79 @@ def test_each_loss_type_gives_trls_loss_and_gradients(model_dirs, tmp_path):
             assert grpo.masked_mean(terms[f"clip_ratio/{flag}"], mask).item() == pytest.approx(
                 trl["metrics"][f"clip_ratio/{flag}_mean"], rel=1e-6), (case, flag)
     assert any(trl["metrics"]["clip_ratio/region_mean"] > 0 for trl in theirs)  # the clipping was exercised
+
+
+REWARDS = '''
+def share_of_a(prompts, completions, completion_ids, target, **kwargs):
+    return [c.count(t) / max(1, len(c)) for c, t in zip(completions, target)]
+
+def long_only(completions, **kwargs):
+    return [len(c) if len(c) > 3 else None for c in completions]
+
+def picky(completions, **kwargs):
+    return [1 / (len(c) - 2) for c in completions]
+
+def one_short(completions, **kwargs):
+    return [0.0] * (len(completions) - 1)
+
+def not_a_number(completions, **kwargs):
+    return [float("nan") if c == "bbb" else 1.0 for c in completions]
+
+def logs(completions, trainer_state, log_metric, **kwargs):
+    log_metric("seen", len(completions))
+    return [float(trainer_state.global_step)] * len(completions)
+
+table = {}
+'''
+
+
+@pytest.fixture
+def reward_file(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "my_rewards.py"
+
+
+def _score(rewards, completions):
+    prompts = ["p"] * len(completions)
+    return rewards.score(prompts, completions, [[1] * len(c) for c in completions],
+                         {"target": ["a"] * len(completions)}, rows=list(range(10, 10 + len(completions))), step=7)
+
+
+def test_reward_functions_are_the_users_python_called_as_trl_calls_them(reward_file):
+    """By module (from the working directory) and by file; a row's other columns arrive under their names, None
+    is not scored (NaN), the weights are the config's, and log_metric and trainer_state reach the function."""
+    from xla_shard.methods.rewards import Rewards
+
+    rewards = Rewards.from_specs(["my_rewards:share_of_a", f"{reward_file}:long_only", "my_rewards:logs"],
+                                 [1.0, 0.5, 2.0])
+    scores = _score(rewards, ["aab", "abcd", "b"])
+    assert rewards.names == ["share_of_a", "long_only", "logs"] and rewards.weights == [1.0, 0.5, 2.0]
+    assert scores[:, 0].tolist() == pytest.approx([2 / 3, 1 / 4, 0.0])
+    assert scores[[0, 2], 1].isnan().all() and scores[1, 1].item() == 4.0
+    assert scores[:, 2].tolist() == [7.0] * 3 and rewards.logged == {"seen": [3]}
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("my_rewards", "is not MODULE:FUNCTION"), ("no_such_module:f", "no module named 'no_such_module'"),
+    ("my_rewards:missing", "my_rewards has no missing"), ("my_rewards:table", "is a dict, not a function"),
+    ("elsewhere/r.py:f", "no file elsewhere/r.py")])
+def test_a_reward_function_that_cannot_be_found_is_one_line_naming_the_key(reward_file, spec, words):
+    from xla_shard.errors import ConfigError
+    from xla_shard.methods.rewards import Rewards
+
+    with pytest.raises(ConfigError, match="grpo.reward_funcs") as caught:
+        Rewards.from_specs([spec])
+    assert words in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("name, words", [
+    ("picky", "reward function picky raised ZeroDivisionError: division by zero on the completion of data row 11"),
+    ("one_short", "reward function one_short returned 2 rewards for 3 completions"),
+    ("not_a_number", "reward function not_a_number returned nan for the completion of data row 12")])
+def test_a_reward_function_that_fails_is_one_line_naming_it_and_the_row(reward_file, name, words):
+    from xla_shard.methods.rewards import RewardError, Rewards
+
+    with pytest.raises(RewardError) as caught:
+        _score(Rewards.from_specs([f"my_rewards:{name}"]), ["abc", "ab", "bbb"])
+    assert str(caught.value).startswith(words) and "\n" not in str(caught.value)

@@ -1,0 +1,133 @@
+"""GRPO's reward functions: the user's own Python, named by import path and called as TRL's GRPOTrainer calls
+them.
+
+A function is `module:function` (importable from the working directory or the Python path) or
+`path/to/file.py:function`. It is called with keyword arguments: `prompts`, `completions` and `completion_ids`
+(one entry per completion, a prompt repeated for each of its completions), every other column of the prompts'
+rows under its own name, `trainer_state` (its `global_step` and `max_steps`) and `log_metric(name, value)`; it
+returns one float per completion, or None where it does not score one (TRL's convention: that completion then
+takes its other functions' rewards only). A function that raises, returns another count, or a NaN or an
+infinity is one line naming it and the data row of the completion it failed on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import numbers
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from xla_shard.errors import ConfigError, UserError
+
+KEY = "grpo.reward_funcs"
+
+
+class RewardError(UserError):
+    """A reward function of the user's that failed on the completions it was handed."""
+
+
+def load(spec: str, key: str = KEY) -> Callable:
+    """The function `spec` names (`module:function` or `file.py:function`), or one line naming what is missing."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ConfigError(key, f"{spec!r} is not MODULE:FUNCTION (or path/to/file.py:FUNCTION)")
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise ConfigError(key, f"{spec!r}: no file {path}")
+        loader = importlib.util.spec_from_file_location(f"xla_shard_rewards_{path.stem}", path)
+        module = importlib.util.module_from_spec(loader)
+        _run(loader.loader.exec_module, module, spec, key)
+    else:
+        if "" not in sys.path and str(Path.cwd()) not in sys.path:
+            sys.path.insert(0, str(Path.cwd()))  # the user's own module, beside the config they run
+        module = _run(importlib.import_module, where, spec, key)
+    found = getattr(module, name, None)
+    if found is None:
+        raise ConfigError(key, f"{spec!r}: {where} has no {name}")
+    if not callable(found):
+        raise ConfigError(key, f"{spec!r}: {name} is a {type(found).__name__}, not a function")
+    return found
+
+
+def _run(call, argument, spec: str, key: str):
+    try:
+        return call(argument)
+    except ModuleNotFoundError as e:
+        raise ConfigError(key, f"{spec!r}: no module named {e.name!r} (run from the directory that holds it, or "
+                               "name its file: path/to/file.py:FUNCTION)") from None
+    except Exception as e:  # the user's module failed while importing
+        raise ConfigError(key, f"{spec!r}: importing it raised {type(e).__name__}: {e}") from None
+
+
+@dataclass
+class Rewards:
+    """The run's reward functions and their weights (1 each unless given)."""
+
+    functions: list[Callable]
+    weights: list[float]
+    names: list[str] = field(init=False)
+    logged: dict[str, list[float]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if len(self.weights) != len(self.functions):
+            raise ConfigError("grpo.reward_weights", f"{len(self.weights)} weight(s) for {len(self.functions)} "
+                                                     f"reward function(s): give one each, or none")
+        self.names = [getattr(f, "__name__", type(f).__name__) for f in self.functions]
+
+    @classmethod
+    def from_specs(cls, specs: Sequence[str], weights: Sequence[float] | None = None) -> Rewards:
+        if not specs:
+            raise ConfigError(KEY, "GRPO needs at least one reward function (MODULE:FUNCTION)")
+        return cls([load(spec) for spec in specs], list(weights) if weights is not None else [1.0] * len(specs))
+
+    def score(self, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict[str, list],
+              rows: list[int], step: int = 0, max_steps: int = 0) -> torch.Tensor:
+        """[completions, functions] of float32 scores, NaN where a function returned None. `rows`: the data row
+        each completion's prompt came from, for the error that names it."""
+        state = SimpleNamespace(global_step=step, max_steps=max_steps)
+        scores = torch.full((len(completions), len(self.functions)), float("nan"))
+        for index, (function, name) in enumerate(zip(self.functions, self.names)):
+            def call(keep: Sequence[int], function=function):
+                return function(prompts=[prompts[i] for i in keep], completions=[completions[i] for i in keep],
+                                completion_ids=[completion_ids[i] for i in keep],
+                                **{key: [values[i] for i in keep] for key, values in columns.items()},
+                                trainer_state=state, log_metric=self._log)
+
+            everything = range(len(completions))
+            try:
+                got = list(call(everything))
+            except Exception as e:
+                raise RewardError(self._failed(name, call, everything, rows, e)) from None
+            if len(got) != len(completions):
+                raise RewardError(f"reward function {name} returned {len(got)} rewards for {len(completions)} "
+                                  "completions: return one per completion (None where it does not score one)")
+            for i, value in enumerate(got):
+                if value is None:
+                    continue
+                if not isinstance(value, numbers.Real) or not math.isfinite(value):
+                    raise RewardError(f"reward function {name} returned {value!r} for the completion of data row "
+                                      f"{rows[i]}: return a finite number (or None where it does not score one)")
+                scores[i, index] = float(value)
+        return scores
+
+    @staticmethod
+    def _failed(name: str, call, everything, rows: list[int], error: Exception) -> str:
+        """The line for a function that raised: the first completion it raises on alone names the row."""
+        for i in everything:
+            try:
+                call([i])
+            except Exception as alone:
+                return (f"reward function {name} raised {type(alone).__name__}: {alone} on the completion of data "
+                        f"row {rows[i]}")
+        return f"reward function {name} raised {type(error).__name__}: {error} (on the completions together)"
+
+    def _log(self, name: str, value: float) -> None:
+        self.logged.setdefault(name, []).append(float(value))
