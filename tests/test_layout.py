@@ -19,12 +19,13 @@ LAYERS = [
               "xla_shard.planner.hlo", "xla_shard.schedule",
               "xla_shard.attention", "xla_shard.sequence", "xla_shard.experts", "xla_shard.metrics"]),
     ("storage formats and data", ["xla_shard.checkpoint", "xla_shard.data"]),
-    ("model", ["xla_shard.models", "xla_shard.wrap", "xla_shard.lm_head", "xla_shard.methods"]),
+    ("model", ["xla_shard.models", "xla_shard.wrap", "xla_shard.lm_head", "xla_shard.sampling", "xla_shard.methods"]),
     ("loading and planning", ["xla_shard.pretrained", "xla_shard.planner"]),
     ("backends", ["xla_shard.backends"]),
     ("training", ["xla_shard.train"]),
     ("front ends", ["xla_shard.cli", "xla_shard.worker", "xla_shard.deploy", "xla_shard.aot", "xla_shard.__main__",
-                    "xla_shard"]),
+                    "xla_shard.ray_train"]),
+    ("the package", []),  # `xla_shard` itself, its public names; no module falls here by its prefix
 ]
 
 
@@ -42,6 +43,8 @@ MODULES = _modules()
 
 
 def _layer(module: str) -> int:
+    if module == "xla_shard":
+        return len(LAYERS) - 1
     for index, (_, prefixes) in enumerate(LAYERS):
         if any(module == p or module.startswith(p + ".") for p in prefixes):
             return index
