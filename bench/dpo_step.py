@@ -91,8 +91,8 @@ def main() -> None:
         write_rows(data, args.rows)
         runs = {}
         for name, sets in (("SFT (prompt + chosen)", ["data.kind=prompt_completion"]),
-                           ("DPO, reference = adapters off", ["data.kind=preference"]),
-                           ("DPO, reference model of its own", ["data.kind=preference",
+                           ("DPO, reference = adapters off", ["method=dpo", "data.kind=preference"]),
+                           ("DPO, reference model of its own", ["method=dpo", "data.kind=preference",
                                                                  f"dpo.reference={directory}"])):
             worker_args = [str(directory), str(data), args.backend, str(args.steps), *sets, *common]
             runs[name] = torchrun_records(__file__, args.nproc, worker_args, name)

@@ -185,7 +185,8 @@ def test_placeholders_trace_the_program_real_parameters_do(tmp_path):
         assert (result["real"]["kernels"] > 0) == (run[0] != "model=tiny-llama"), run
 
 
-PREFERENCE = ["data.kind=preference", f"data.path={FIXTURES / 'preference_chat.jsonl'}", "train.seq_len=64"]
+PREFERENCE = ["method=dpo", "data.kind=preference", f"data.path={FIXTURES / 'preference_chat.jsonl'}",
+              "train.seq_len=64"]
 # packed chat rows at a length the flash kernel's blocks tile (transformers' chat rows of the fixture: ~6 a row)
 PACKED_CHAT = ["data.kind=chat", f"data.path={FIXTURES / 'chat.jsonl'}", "train.seq_len=256"]
 

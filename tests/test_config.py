@@ -309,8 +309,8 @@ def test_a_settled_config_validates_again_as_itself_for_every_key():
     from xla_shard.config.load import dump, validate
     from xla_shard.config.schema import ShardConfig
 
-    bases = [[], ["model.lora.r=4"], ["fsdp.sharding_strategy=HYBRID_SHARD"], ["data.kind=preference",
-             f"data.path={FIXTURES / 'preference.jsonl'}"]]
+    bases = [[], ["model.lora.r=4"], ["fsdp.sharding_strategy=HYBRID_SHARD"],
+             ["method=dpo", "data.kind=preference", f"data.path={FIXTURES / 'preference.jsonl'}"]]
     tried, keys = 0, set()
     for key, field in _leaf_keys(ShardConfig):
         for value in _other_values(field):

@@ -1,5 +1,5 @@
-"""Preference tuning (data.kind preference, DPO): the rows TRL's DPOTrainer tokenizes, the losses and evaluation
-metrics it computes from the same adapters, and one line for rows and settings that cannot be trained."""
+"""Preference tuning (method dpo on data.kind preference rows): the rows TRL's DPOTrainer tokenizes, the losses and
+evaluation metrics it computes from the same adapters, and one line for rows and settings that cannot be trained."""
 
 import json
 import shutil
@@ -29,7 +29,7 @@ BACKENDS = {
 
 
 def _cfg(model_dir, path, seq_len, *sets):
-    return config.load(None, [f"model.name={model_dir}", f"data.path={path}", "data.kind=preference",
+    return config.load(None, [f"model.name={model_dir}", f"data.path={path}", "method=dpo", "data.kind=preference",
                               f"train.seq_len={seq_len}", *LORA, *sets])
 
 
@@ -114,7 +114,7 @@ def test_text_far_past_seq_len_is_not_tokenized(model_dirs, tmp_path, monkeypatc
     took GiBs and minutes whole); the row keeps the tokens it would have kept."""
     from transformers import PreTrainedTokenizerFast
 
-    from xla_shard.data.sft import MAX_CHARS_PER_TOKEN
+    from xla_shard.data.completions import MAX_CHARS_PER_TOKEN
 
     seen, call = [], PreTrainedTokenizerFast.__call__
 
@@ -131,10 +131,13 @@ def test_text_far_past_seq_len_is_not_tokenized(model_dirs, tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("sets, words", [
-    (["data.kind=preference", *LORA, "data.completion_only_loss=true"], "always the completions'"),
-    (["data.kind=preference", *LORA, "dpo.label_smoothing=0.1"], "set dpo.loss_type: robust"),
-    (["dpo.beta=0.5"], "dpo.beta applies to data.kind preference"),
-    (["data.kind=preference", "data.prompt_field=chosen"], "data.prompt_field and data.chosen_field both name"),
+    (["method=dpo", "data.kind=preference", *LORA, "data.completion_only_loss=true"], "always the completions'"),
+    (["method=dpo", "data.kind=preference", *LORA, "dpo.label_smoothing=0.1"], "set dpo.loss_type: robust"),
+    (["dpo.beta=0.5"], "dpo.beta applies to method dpo; method is sft"),
+    (["data.kind=preference"], "data.kind preference rows train method dpo, and method is sft"),
+    (["method=dpo"], "data.kind text rows train method sft, and method is dpo"),
+    (["method=dpo", "data.kind=preference", "data.prompt_field=chosen"],
+     "data.prompt_field and data.chosen_field both name"),
     (["data.kind=prompt_completion", "data.completion_field=prompt"], "both name the column 'prompt'"),
 ])
 def test_settings_that_do_not_make_a_dpo_run_are_refused(sets, words):
@@ -144,17 +147,18 @@ def test_settings_that_do_not_make_a_dpo_run_are_refused(sets, words):
 
 @pytest.mark.xla
 def test_xla_fsdp_refuses_dpo_naming_key_and_backend():
-    cfg = config.load(None, [f"data.path={PLAIN}", "data.kind=preference", "backend=xla_fsdp", "cpu_devices=1"])
+    cfg = config.load(None, [f"data.path={PLAIN}", "method=dpo", "data.kind=preference", "backend=xla_fsdp",
+                             "cpu_devices=1"])
     with pytest.raises(ConfigError) as raised:
         backends.create(cfg)
-    assert (raised.value.key, raised.value.backend) == ("data.kind", "xla_fsdp")
+    assert (raised.value.key, raised.value.backend) == ("method", "xla_fsdp")
     assert "frozen reference model" in str(raised.value)
 
 
 def _common(model_dirs):
-    return [f"model.name={model_dirs.llama_chat}", f"data.path={CHAT}", "data.kind=preference", "train.seq_len=96",
-            "train.global_batch_size=8", "train.optimizer=sgd", "train.steps=3", f"data.eval_path={CHAT}",
-            "train.eval_every=3"]
+    return [f"model.name={model_dirs.llama_chat}", f"data.path={CHAT}", "method=dpo", "data.kind=preference",
+            "train.seq_len=96", "train.global_batch_size=8", "train.optimizer=sgd", "train.steps=3",
+            f"data.eval_path={CHAT}", "train.eval_every=3"]
 
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",

@@ -342,7 +342,7 @@ def test_a_dpo_resume_against_a_replaced_reference_is_refused(model_dirs, tmp_pa
     reference = tmp_path / "reference"
     shutil.copytree(model_dirs.llama_chat, reference)
     out = tmp_path / "run"
-    sets = [f"model.name={model_dirs.llama_chat}", f"dpo.reference={reference}", "data.kind=preference",
+    sets = [f"model.name={model_dirs.llama_chat}", f"dpo.reference={reference}", "method=dpo", "data.kind=preference",
             f"data.path={FIXTURES / 'preference.jsonl'}", "train.seq_len=64", "backend=torch_fsdp",
             "train.global_batch_size=2", f"output_dir={out}", f"checkpoint.dir={out}/ckpt", "checkpoint.every_steps=1"]
 

@@ -8,7 +8,7 @@ import time
 import pytest
 from model_dirs import CHAT_TEMPLATE, CHAT_TEMPLATE_MARKED, bpe_tokenizer
 
-from xla_shard.data import chat_template, sft
+from xla_shard.data import chat_template, completions
 from xla_shard.data.tokenize import IGNORE
 from xla_shard.errors import ConfigError
 from xla_shard.hostmem import peak_growth
@@ -31,8 +31,8 @@ def _encode(template, rows, kind="chat", seq_len=64, completion_only=True, token
 
     tokenizer = tokenizer or bpe_tokenizer(CHAT_TEMPLATE)
     tokenizer.chat_template = template
-    fields = sft.SftFields(kind, "messages", "prompt", "completion", completion_only)
-    return sft.examples(datasets.Dataset.from_list(rows), tokenizer, fields, seq_len, None, "rows.jsonl")
+    fields = completions.CompletionFields(kind, "messages", "prompt", "completion", completion_only)
+    return completions.examples(datasets.Dataset.from_list(rows), tokenizer, fields, seq_len, None, "rows.jsonl")
 
 
 def _refused(template, rows, key="data.tokenizer", **options) -> str:

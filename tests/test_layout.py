@@ -121,6 +121,26 @@ def test_nothing_outside_the_methods_room_names_a_concrete_method():
         assert "xla_shard.methods" in GRAPH[asking], asking
 
 
+def test_a_methods_name_and_section_appear_only_in_its_room_and_the_schema():
+    """A method is chosen by the config's `method` and reached through `method_for`: outside `xla_shard/methods`
+    and the schema that composes the config, no module names one (as a string, or its section as an attribute),
+    and the schema's list of methods is the room's registry."""
+    import re
+    import typing
+
+    from xla_shard.config import schema
+    from xla_shard.methods import METHODS
+
+    assert set(typing.get_args(schema.Method)) == set(METHODS) == set(schema.METHOD_DATA)
+    names = "|".join(METHODS)
+    named = re.compile(rf"""["']({names})["']|\.({names})\b(?!\()""")
+    found = [f"{module}: {match.group(0)}" for module, path in MODULES.items()
+             if not module.startswith("xla_shard.methods") and module != "xla_shard.config.schema"
+             for match in named.finditer(path.read_text())]
+    assert not found, found
+    assert named.search('cfg.dpo.beta') and named.search('method == "sft"')  # the check sees both spellings
+
+
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_each_backend_declares_one_frozen_capabilities_under_its_own_name(name):
     capabilities = BACKENDS[name].capabilities

@@ -211,7 +211,7 @@ def test_dpo_plans_both_completions_the_reference_forward_and_the_reference_mode
 
     base = [f"model.name={model_dirs.llama_chat}", "train.seq_len=64", "train.global_batch_size=8",
             f"data.path={FIXTURES / 'preference_chat.jsonl'}"]
-    dpo = [*base, "data.kind=preference"]
+    dpo = [*base, "method=dpo", "data.kind=preference"]
     caps, triple = TorchFsdpBackend.capabilities, Triple(4, 4, 4, 4)
     sft, full = (workload(config.load(None, sets), 4, caps) for sets in (base, dpo))
     lora = workload(config.load(None, [*dpo, "model.lora.r=4"]), 4, caps)

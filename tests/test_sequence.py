@@ -140,7 +140,7 @@ def test_processes_splitting_a_sequence_train_as_one_holding_it_whole(tmp_path, 
               "train.lr=1e-3", "train.max_grad_norm=1e6", "checkpoint.async=false"]
     chat = ["data.kind=chat", f"data.path={FIXTURES / 'chat.jsonl'}", "train.seq_len=256"]
     lora = [*chat, "model.lora.r=4"]
-    dpo = ["data.kind=preference", f"data.path={FIXTURES / 'preference_chat.jsonl'}", "train.seq_len=64"]
+    dpo = ["method=dpo", "data.kind=preference", f"data.path={FIXTURES / 'preference_chat.jsonl'}", "train.seq_len=64"]
     two = ["mesh.context=2", "checkpoint.every_steps=2", f"checkpoint.dir={tmp_path / 'two' / 'ckpt'}"]
     runs = run_trainings(tmp_path, common, {
         "whole": chat, "two": [*chat, *two], "four": [*chat, "mesh.context=4"],
@@ -164,7 +164,7 @@ def test_a_split_sequence_trains_lora_on_scanned_layers_and_dpo_as_the_whole_one
               "train.global_batch_size=4", "train.lr=1e-3", "train.max_grad_norm=1e6"]
     lora = ["model.lora.r=4", "fsdp.scan_layers=true", "data.kind=chat", f"data.path={FIXTURES / 'chat.jsonl'}",
             "train.seq_len=256"]
-    dpo = ["data.kind=preference", f"data.path={FIXTURES / 'preference_chat.jsonl'}", "train.seq_len=64"]
+    dpo = ["method=dpo", "data.kind=preference", f"data.path={FIXTURES / 'preference_chat.jsonl'}", "train.seq_len=64"]
     runs = run_trainings(tmp_path, common, {"lora": lora, "lora_two": [*lora, "mesh.context=2"],
                                             "dpo": dpo, "dpo_four": [*dpo, "mesh.context=4"]})
     _exact({"lora_two": runs["lora_two"], "lora": runs["lora"]}, "lora")

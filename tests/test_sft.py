@@ -11,7 +11,7 @@ from model_dirs import CHAT_TEMPLATE_MARKED
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from xla_shard import config
-from xla_shard.data import build, packing, sft
+from xla_shard.data import build, completions, packing
 from xla_shard.data.files import read_rows
 from xla_shard.data.tokenize import IGNORE
 from xla_shard.errors import ConfigError
@@ -36,7 +36,7 @@ def _examples(model_dir, path, seq_len, *sets, tokenizer=None):
     cfg = _cfg(model_dir, f"data.path={path}", f"train.seq_len={seq_len}", *sets)
     tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
     rows = read_rows(str(path), None, "data.path")
-    return sft.examples(rows, tokenizer, sft.fields_of(cfg.data), seq_len, None, str(path))
+    return completions.examples(rows, tokenizer, completions.fields_of(cfg.data), seq_len, None, str(path))
 
 
 def _trl_rows(model_dir, path, seq_len, tokenizer=None, **args):
@@ -147,7 +147,7 @@ def test_best_fit_decreasing_packs_the_rows_trls_pack_dataset_packs(strategy):
 
 def test_padded_examples_mask_the_padding(model_dirs):
     examples, _ = _examples(model_dirs.llama_chat, PROMPTS, 64, "data.kind=prompt_completion")
-    rows = sft.padded(examples, 64, 0, None)
+    rows = completions.padded(examples, 64, 0, None)
     for example, ids, mask, labels in zip(examples["input_ids"], rows["input_ids"], rows["attention_mask"],
                                           rows["labels"]):
         n = len(example)

@@ -12,7 +12,8 @@ The public API, for your own training loop (see the README's "Use from Python"):
     build_data                     the config's data: training (and evaluation) batches for any step and process
     Checkpointer                   sharded, atomic, async checkpoints on any fsspec URL, with `restore`
     Trainer                        the whole job for a config, with a `loss_fn` hook
-    objective_for                  what a step computes and evaluation reports (`xla_shard.methods`)
+    method_for                     the config's fine-tuning method: adapter, objective, needs (`xla_shard.methods`)
+    objective_for                  what a step computes and evaluation reports (the method's objective)
     evaluate                       loss (perplexity, accuracy) over every row of an evaluation source
     ConfigError, CheckpointError   what user mistakes raise (one line each)
 
@@ -37,6 +38,7 @@ _EXPORTS = {
     "Checkpointer": ("xla_shard.checkpoint", "Checkpointer"),
     "Trainer": ("xla_shard.train", "Trainer"),
     "evaluate": ("xla_shard.train", "evaluate"),
+    "method_for": ("xla_shard.methods", "method_for"),
     "objective_for": ("xla_shard.methods", "objective_for"),
     "make_optimizer": ("xla_shard.train", "make_optimizer"),
     "ConfigError": ("xla_shard.errors", "ConfigError"),

@@ -31,7 +31,7 @@ from xla_shard.errors import ConfigError, UserError, file_in_the_way, redact
 from xla_shard.hostmem import mib
 from xla_shard.io.overlap import Protected, refuse_overlap
 from xla_shard.io.staged import is_url
-from xla_shard.methods import Objective, adapter_for, objective_for
+from xla_shard.methods import Objective, method_for
 from xla_shard.metrics import StepClock, StepLogger, peak_for, train_flops_per_token
 from xla_shard.models import check_sequence_length, model_config, resolve_source
 from xla_shard.preemption import PreemptionGuard
@@ -68,7 +68,7 @@ def preflight(cfg: ShardConfig, capabilities=None) -> None:
         check_final_export(cfg, source.directory)
     if cfg.train.tensorboard:
         metrics.require_tensorboard()
-    objective = objective_for(cfg)
+    objective = method_for(cfg).objective
     if objective.reference_directory not in (None, cfg.model.name):  # the policy's own directory was just built
         with torch.device("meta"):
             reference_model(cfg, objective, model.config, capabilities=capabilities)
@@ -187,8 +187,8 @@ class Trainer:
                  on_step_end: list[StepHook] | None = None, on_evaluate: list[EvalHook] | None = None):
         self.cfg = cfg
         self.backend = backend or backends.create(cfg)
-        self.objective = objective_for(cfg, loss_fn)
-        self.adapter = adapter_for(cfg)
+        self.method = method_for(cfg, loss_fn)
+        self.objective, self.adapter = self.method.objective, self.method.adapter
         self.on_step_end = list(on_step_end or [])
         self.on_evaluate = list(on_evaluate or [])
         self.records: list[dict[str, Any]] = []  # every logged and evaluation record, in order
@@ -234,6 +234,8 @@ class Trainer:
         self.total_steps = self._total_steps()
         self._log(f"data: {sources.description}; {self.total_steps} step{'' if self.total_steps == 1 else 's'}"
                   + (f" ({cfg.train.epochs:g} epoch(s))" if cfg.train.epochs else ""))
+        if self.objective.describe():
+            self._log(f"method: {self.method.describe()}")
         if cfg.train.lr_warmup_steps >= self.total_steps:
             self._log(f"WARNING: train.lr_warmup_steps={cfg.train.lr_warmup_steps} is not shorter than the run's "
                       f"{self.total_steps} steps: the learning rate never reaches train.lr={cfg.train.lr:g}")
@@ -653,7 +655,7 @@ def evaluate(model, backend, source, cfg, objective: Objective | None = None) ->
     train = cfg.train
     batches = min(source.batches, train.eval_steps or source.batches)
     rows = micro_rows(train.global_batch_size, 0, 1, *backend.processes.batch_part)
-    result = (objective or objective_for(cfg)).evaluate(model, backend, source, batches, rows)
+    result = (objective or method_for(cfg).objective).evaluate(model, backend, source, batches, rows)
     return {**result, "eval_batches": batches, "eval_rows": source.rows_covered(batches)}
 
 

@@ -439,8 +439,9 @@ class DataSection(_Section):
 
 
 class DpoSection(_Section):
-    """Direct preference optimisation (data.kind preference), with TRL's DPOTrainer's keys and defaults: the loss
-    pushes the policy's log-probability ratio of chosen over rejected completions above the reference model's."""
+    """Direct preference optimisation (method dpo, on data.kind preference rows), with TRL's DPOTrainer's keys and
+    defaults: the loss pushes the policy's log-probability ratio of chosen over rejected completions above the
+    reference model's."""
 
     # How far the policy may move from the reference: the rewards are beta x (log-ratio to the reference).
     beta: float = Field(default=0.1, gt=0)
@@ -664,8 +665,17 @@ class DeploySection(_Section):
         return self
 
 
+# The fine-tuning methods (xla_shard.methods holds each; its registry, `METHODS`, is held to this list), and the
+# rows each trains on.
+Method = Literal["sft", "dpo"]
+METHOD_DATA = {"sft": ("text", "chat", "prompt_completion"), "dpo": ("preference",)}
+
+
 class ShardConfig(_Section):
     backend: Backend = Backend.AUTO
+    # The fine-tuning method: sft (the model's own loss on text, chat or prompt/completion rows), dpo (preference
+    # rows; its keys: the `dpo` section).
+    method: Method = "sft"
     # Devices to use on CPU: XLA virtual devices (xla_spmd) or gloo processes (torch_fsdp, via torchrun).
     cpu_devices: int = Field(default=4, ge=1, le=64)
     model: ModelSection = Field(default_factory=ModelSection)
@@ -712,14 +722,23 @@ class ShardConfig(_Section):
         if self.data.path == "synthetic" and self.train.eval_every is not None:
             raise ValueError("train.eval_every is set but data.path is synthetic: nothing to evaluate on")
         changed = [key for key, value in self.dpo if value != DpoSection.model_fields[key].default]
-        if self.data.kind != "preference" and changed:
-            raise ValueError(f"dpo.{changed[0]} applies to data.kind preference; data.kind is {self.data.kind}")
+        if self.method != "dpo" and changed:
+            raise ValueError(f"dpo.{changed[0]} applies to method dpo; method is {self.method}")
         if self.model.lora is not None and self.model.lora.use_dora and self.fsdp.scan_layers:
             raise ValueError("model.lora.use_dora with fsdp.scan_layers: DoRA's magnitudes start from each "
                              "layer's weights, which a scanned model holds stacked; drop one of them")
         if self.data.kind != "text" and self.model.task != "causal_lm":
             raise ValueError(f"data.kind {self.data.kind} trains a causal LM on answers; model.task is "
                              f"{self.model.task} (its rows are data.text_fields and data.label_field)")
+        return self
+
+    @model_validator(mode="after")
+    def _method_trains_its_rows(self) -> ShardConfig:
+        kinds = METHOD_DATA[self.method]
+        if self.data.kind not in kinds:
+            trains = next(method for method, rows in METHOD_DATA.items() if self.data.kind in rows)
+            raise ValueError(f"data.kind {self.data.kind} rows train method {trains}, and method is {self.method} "
+                             f"(it trains on data.kind {' or '.join(kinds)}): set method: {trains}")
         return self
 
     @model_validator(mode="after")

@@ -81,7 +81,7 @@ def build(cfg, model_config, model_directory: str | None = None) -> DataSources:
     fill = "" if filled is None else (f", {100 * filled:.1f}% of their tokens real (the rest "
                                       f"{'filler' if data.packs else 'padding'})")
     scope = {"text": "", "chat": "; loss on the assistant turns", "prompt_completion": "; loss on the completions",
-             "preference": f"; DPO ({cfg.dpo.loss_type}, beta {cfg.dpo.beta:g}) on the completions' log-probabilities"}
+             "preference": "; the loss on the completions' log-probabilities"}
     # A DPO loss is a mean over rows, every one of which counts: no tokens to weigh.
     uneven = task == "causal_lm" and data.kind != "preference" and (data.kind != "text" or data.packs != "wrapped")
     return DataSources(DatasetSource(train_rows, train.global_batch_size, train.seed), evaluation,
@@ -189,25 +189,25 @@ def _tokenized(cfg, tokenizer, model_config, task):
 
 def _sft_rows(cfg, tokenizer, model_config, rows, path):
     """Chat or prompt/completion rows, tokenized as TRL does, then packed or padded to seq_len."""
-    from xla_shard.data import packing, sft, tokenize
+    from xla_shard.data import completions, packing, tokenize
 
     data, seq_len = cfg.data, cfg.train.seq_len
     workers = tokenize.worker_count(len(rows), data.num_proc)
-    examples, dropped = sft.examples(rows, tokenizer, sft.fields_of(data), seq_len, workers, path)
-    pad = sft.pad_id(tokenizer)
+    examples, dropped = completions.examples(rows, tokenizer, completions.fields_of(data), seq_len, workers, path)
+    pad = completions.pad_id(tokenizer)
     if data.packs:
-        sft.require_position_ids(model_config)
+        completions.require_position_ids(model_config)
         return packing.pack(examples, seq_len, pad, workers, split=data.packs == "bfd_split"), dropped
-    return sft.padded(examples, seq_len, pad, workers), dropped
+    return completions.padded(examples, seq_len, pad, workers), dropped
 
 
 def _preference_rows(cfg, tokenizer, rows, path):
     """Prompt / chosen / rejected rows, tokenized as TRL's DPOTrainer does, both sequences of a row padded."""
-    from xla_shard.data import preference, sft, tokenize
+    from xla_shard.data import completions, preference, tokenize
 
     workers = tokenize.worker_count(len(rows), cfg.data.num_proc)
     return preference.examples(rows, tokenizer, preference.fields_of(cfg.data), cfg.train.seq_len,
-                               sft.pad_id(tokenizer), workers, path)
+                               completions.pad_id(tokenizer), workers, path)
 
 
 def load_tokenizer(location: str | None, model_config, explicit: bool, model_name: str):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xla_shard.data.sft import Renderer, common_prefix, padded_example
+from xla_shard.data.completions import Renderer, common_prefix, padded_example
 from xla_shard.data.tokenize import IGNORE, require_columns
 from xla_shard.errors import ConfigError
 

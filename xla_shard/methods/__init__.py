@@ -1,15 +1,53 @@
-"""The room for fine-tuning methods: how the model is changed (`Adapter`: full fine-tuning, LoRA, DoRA) and what a
-step computes and evaluation reports (`Objective`: the model's own loss, one of yours, DPO).
-
-The trainer, the pretrained loader, the planner, the backends and a loop of your own ask `adapter_for(cfg)`
-and `objective_for(cfg)` and the objects they return; nothing outside this package names a concrete method
-(tests/test_layout.py holds that). A method is a module here with its tests, and a line in one of the two.
+"""The room for fine-tuning methods. A run's method (`method` in the config) is resolved once, by `method_for`,
+into a `Method`: how the model is changed (its `Adapter`: full fine-tuning, LoRA, DoRA), what a step computes and
+evaluation reports (its `Objective`: the model's own loss, one of yours, DPO), and what it needs of a backend.
+The trainer, the pretrained loader, the planner and the backends are handed that object, or ask `method_for`;
+nothing outside this package names a concrete method (tests/test_layout.py holds that). A method is a module
+here with its tests, and a line in `METHODS`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from xla_shard.methods.adapter import Adapter
 from xla_shard.methods.objective import Objective
+
+# What a method may need of a backend beyond training a model (`Method.needs`).
+REFERENCE_MODEL = "a frozen reference model beside the policy"
+
+
+@dataclass(frozen=True)
+class Method:
+    """A run's fine-tuning method, as every part of the run sees it."""
+
+    name: str  # the config's `method`
+    adapter: Adapter
+    objective: Objective
+    needs: frozenset[str] = frozenset()  # REFERENCE_MODEL, ...: a backend that cannot refuses the run
+
+    def describe(self) -> str:
+        return self.objective.describe() or self.name
+
+
+def _sft(cfg, adapter: Adapter, loss_fn) -> tuple[Objective, frozenset[str]]:
+    from xla_shard.methods.objective import CustomLoss, ModelLoss
+
+    causal = cfg.model.task == "causal_lm"
+    return (ModelLoss(causal) if loss_fn is None else CustomLoss(loss_fn, causal)), frozenset()
+
+
+def _dpo(cfg, adapter: Adapter, loss_fn) -> tuple[Objective, frozenset[str]]:
+    if loss_fn is not None:  # a loss of the user's own on preference rows
+        return _sft(cfg, adapter, loss_fn)
+    from xla_shard.methods.dpo import Dpo
+
+    return Dpo(cfg.dpo, adapter, cfg.model.name), frozenset({REFERENCE_MODEL})
+
+
+# The config's `method` -> what builds its objective (and says what it needs), given the config and the adapter.
+METHODS: dict[str, Callable] = {"sft": _sft, "dpo": _dpo}
 
 
 def adapter_for(cfg) -> Adapter:
@@ -26,16 +64,16 @@ def adapter_for(cfg) -> Adapter:
     return Adapter()
 
 
+def method_for(cfg, loss_fn=None) -> Method:
+    """The method `cfg` trains (with `loss_fn(model, batch)`, a loss of your own in its objective's place)."""
+    adapter = adapter_for(cfg)
+    objective, needs = METHODS[cfg.method](cfg, adapter, loss_fn)
+    return Method(cfg.method, adapter, objective, needs)
+
+
 def objective_for(cfg, loss_fn=None) -> Objective:
-    """The objective `cfg` trains (with `loss_fn(model, batch)`, a loss of your own in its place)."""
-    from xla_shard.methods.objective import CustomLoss, ModelLoss
-
-    if cfg.data.kind == "preference" and loss_fn is None:
-        from xla_shard.methods.dpo import Dpo
-
-        return Dpo(cfg.dpo, adapter_for(cfg), cfg.model.name)
-    causal = cfg.model.task == "causal_lm"
-    return ModelLoss(causal) if loss_fn is None else CustomLoss(loss_fn, causal)
+    """The objective of the method `cfg` trains (your own loop's step: `objective.loss(model, batch)`)."""
+    return method_for(cfg, loss_fn).objective
 
 
-__all__ = ["Adapter", "Objective", "adapter_for", "objective_for"]
+__all__ = ["METHODS", "REFERENCE_MODEL", "Adapter", "Method", "Objective", "adapter_for", "method_for", "objective_for"]

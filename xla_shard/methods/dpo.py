@@ -1,4 +1,5 @@
-"""Direct preference optimisation (`data.kind: preference`), computed as TRL's `DPOTrainer` computes it.
+"""Direct preference optimisation (`method: dpo`, on `data.kind: preference` rows), computed as TRL's `DPOTrainer`
+computes it.
 
 A row holds a prompt with its chosen and its rejected completion ([2, seq_len], see `xla_shard.data.preference`);
 the two sequences of every row go through the model in one forward. Each completion's log-probability is the
@@ -42,6 +43,9 @@ class Dpo(Objective):
         # inside the step's graph), read only when a record is written.
         self._sums: dict[str, torch.Tensor] = {}
         self._micro_batches = 0
+
+    def describe(self) -> str:
+        return f"dpo ({self.loss_type}, beta {self.beta:g}) on the completions' log-probabilities"
 
     def use_reference(self, model: nn.Module) -> None:
         self.reference = model

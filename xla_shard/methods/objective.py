@@ -28,6 +28,10 @@ class Objective:
     reference_key: str | None = None
     reference: nn.Module | None = None  # that model, once `use_reference` gave it
 
+    def describe(self) -> str:
+        """What the step trains, for the run's log (empty: the method's name says it)."""
+        return ""
+
     def use_reference(self, model: nn.Module) -> None:
         """The frozen model built from `reference_directory`, on its devices and in eval mode."""
 

@@ -139,7 +139,7 @@ def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerato
     import torch
 
     from xla_shard import experts
-    from xla_shard.methods import adapter_for, objective_for
+    from xla_shard.methods import method_for
     from xla_shard.metrics import train_flops_per_token
     from xla_shard.models import build_model
     from xla_shard.wrap import wrap_targets
@@ -147,7 +147,8 @@ def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerato
     with torch.device("meta"):
         model = build_model(cfg.model, cfg.train.seed)
     config = model.config
-    objective = objective_for(cfg)
+    method = method_for(cfg)
+    objective = method.objective
     tokens = cfg.train.global_batch_size * cfg.train.seq_len * objective.sequences_per_row // devices
     params = sum(p.numel() for p in model.parameters())
     targets = wrap_targets(model, cfg.fsdp)
@@ -155,7 +156,7 @@ def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerato
     root, last = _gathered_last(model, targets)
     flops = train_flops_per_token(model, cfg.train.seq_len)
     embedding = embedding_params(model) if capabilities.gathers_per_tensor else 0
-    adapter = adapter_for(cfg)
+    adapter = method.adapter
     trained, frozen_bytes = adapter.trained_parameters(model, cfg.model.task), adapter.frozen_bytes
     if trained is not None:  # counted on the meta device: nothing allocated
         flops -= 2 * max(0, params - trained)  # backward computes no weight gradient for the frozen base

@@ -32,7 +32,7 @@ MAX_CHARS_PER_TOKEN = 256  # a rendering's bound, per token of seq_len (see Rend
 
 
 @dataclass(frozen=True)
-class SftFields:
+class CompletionFields:
     """Which columns hold what, and whether the prompt tokens are left out of the loss."""
 
     kind: str  # chat | prompt_completion
@@ -42,12 +42,12 @@ class SftFields:
     completion_only: bool
 
 
-def fields_of(data) -> SftFields:
+def fields_of(data) -> CompletionFields:
     only = data.completion_only_loss is not False  # null: true for chat and prompt_completion
-    return SftFields(data.kind, data.messages_field, data.prompt_field, data.completion_field, only)
+    return CompletionFields(data.kind, data.messages_field, data.prompt_field, data.completion_field, only)
 
 
-def examples(rows, tokenizer, fields: SftFields, seq_len: int, num_proc: int | None, path: str):
+def examples(rows, tokenizer, fields: CompletionFields, seq_len: int, num_proc: int | None, path: str):
     """(`datasets.Dataset` of input_ids and labels, one example per row and of any length up to `seq_len`,
     how many rows were dropped because truncation left them no labelled token)."""
     if fields.kind == "chat":
@@ -110,7 +110,7 @@ class Renderer:
     whose labels are every token is cut there (tokens past `seq_len` are dropped anyway); any other is refused,
     since its labels depend on where each turn ends."""
 
-    def __init__(self, tokenizer, fields: SftFields, path: str, seq_len: int):
+    def __init__(self, tokenizer, fields: CompletionFields, path: str, seq_len: int):
         self.tokenizer, self.fields, self.path, self.seq_len = tokenizer, fields, path, seq_len
         self.template = chat_template.template_of(tokenizer)
         self.max_chars = MAX_CHARS_PER_TOKEN * seq_len + 65536
@@ -169,7 +169,7 @@ class Renderer:
 
 
 class _ChatEncoder(Renderer):
-    def __init__(self, tokenizer, fields: SftFields, path: str, seq_len: int):
+    def __init__(self, tokenizer, fields: CompletionFields, path: str, seq_len: int):
         if not tokenizer.chat_template:
             raise ConfigError("data.kind", f"chat renders {fields.messages!r} with the tokenizer's chat template, and "
                                            f"the tokenizer ({tokenizer.name_or_path}) has none: name a tokenizer "
