@@ -80,7 +80,8 @@ def test_restore_refuses_a_checkpoint_without_the_extra_state_it_asks_for(tmp_pa
 def test_evaluate_without_an_evaluation_set_is_one_line_naming_the_key(model_dirs, source):
     import xla_shard
 
-    cfg = xla_shard.load_config(None, [f"model.name={model_dirs.llama}", "data.path=tests/fixtures/corpus.jsonl"])
+    # the config's own data, which holds no evaluation rows (synthetic tokens: nothing tokenized, in the unit budget)
+    cfg = xla_shard.load_config(None, [f"model.name={model_dirs.llama}", "data.path=synthetic"])
     eval_source = None if source == "none" else xla_shard.build_data(cfg).eval
     with pytest.raises(xla_shard.ConfigError) as refused:
         xla_shard.evaluate(None, None, eval_source, cfg)
