@@ -5,10 +5,28 @@ import statistics
 
 import pytest
 import torch
-from conftest import run_worker
+from conftest import FIXTURES, backend_params, run_in_process, run_trainings, run_worker, runnable
 from transformers import AutoModelForCausalLM
 
 from xla_shard.methods import grpo
+
+
+PROMPTS = FIXTURES / "prompts.jsonl"
+REWARDS_FILE = FIXTURES / "rewards.py"
+RUN_BACKENDS = {"xla_spmd": (["backend=xla_spmd", "cpu_devices=2"], 0),
+                "torch_fsdp": (["backend=torch_fsdp", "cpu_devices=2"], 2)}
+TRL_NAMES = ("reward", "reward_std", "frac_reward_zero_std", "rewards/low_token_share/mean",
+             "rewards/low_token_share/std", "rewards/mentions_topic/mean", "completions/mean_length",
+             "completions/clipped_ratio", "completions/mean_terminated_length", "entropy", "clip_ratio/region_mean")
+
+
+def _grpo_common(model_dir) -> list[str]:
+    return [f"model.name={model_dir}", f"data.path={PROMPTS}", "method=grpo", "data.kind=prompt",
+            f"grpo.reward_funcs=[{REWARDS_FILE}:low_token_share, {REWARDS_FILE}:mentions_topic]",
+            "grpo.reward_weights=[1.0, 0.5]", "grpo.num_generations=4", "grpo.max_completion_length=8",
+            "train.seq_len=48", "train.global_batch_size=8", "train.grad_accum_steps=2", "train.lr=1e-2",
+            "train.log_every=1", "train.steps=16", "checkpoint.every_steps=100"]
+
 
 
 def _expected_advantages(rewards: list[float], size: int, scale: str) -> list[float]:
@@ -61,7 +79,7 @@ CASES.append({**CASES[-1], "kl_correction": False})
 
 
 def _inputs(model) -> dict[str, torch.Tensor]:
-    """Four completions of two prompts (left-padded), of 6, 4, 6 and 2 tokens, and log-probabilities for an older
+    """Four completions of two prompts (left-padded), of 6, 3, 4 and 5 tokens, and log-probabilities for an older
     policy and a reference, off the model's by enough that some ratios fall outside the clip range."""
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -69,7 +87,8 @@ def _inputs(model) -> dict[str, torch.Tensor]:
     prompt_mask = torch.ones(4, 5, dtype=torch.long)
     prompt_mask[1, :2] = prompt_mask[3, :2] = 0
     completion_ids = torch.randint(3, vocab, (4, 6), generator=generator)
-    completion_mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] * 6, [1] * 2 + [0] * 4])
+    # as many tokens in either half (two processes' rows): bnpo's per-process mean is then the whole batch's
+    completion_mask = torch.tensor([[1] * 6, [1] * 3 + [0] * 3, [1] * 4 + [0] * 2, [1] * 5 + [0]])
     with torch.no_grad():
         logps = _log_probs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0)
     return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
@@ -85,20 +104,31 @@ def _log_probs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 
     return grpo.token_log_probs(logits[:, prompt_ids.shape[1] - 1:-1], completion_ids, temperature)[0]
 
 
+def _trl(model_dir, tmp_path, inputs, adapters=None) -> list[dict]:
+    torch.save({"inputs": inputs, "cases": CASES}, tmp_path / "inputs.pt")
+    extra = []
+    if adapters is not None:
+        torch.save(adapters, tmp_path / "adapters.pt")
+        extra = [str(tmp_path / "adapters.pt")]
+    run_worker("trl_grpo.py", str(model_dir), str(tmp_path / "inputs.pt"), str(tmp_path / "trl.pt"), *extra,
+               cwd=tmp_path, env={"USE_TORCH_XLA": "0"})
+    return torch.load(tmp_path / "trl.pt")
+
+
 @pytest.mark.e2e
-def test_each_loss_type_gives_trls_loss_and_gradients(model_dirs, tmp_path):
+def test_each_loss_type_gives_trls_loss_and_gradients_on_each_backend(model_dirs, tmp_path):
     """dapo, grpo, dr_grpo and bnpo, each on the step that generated the completions (ratio 1, no KL) and on a
     later one (old log-probabilities, two-sided clipping 0.2 / 0.28, beta 0.04 with a reference, temperature
-    0.7; the last once more without the KL's ratio weighting): the loss and every parameter's gradient equal
-    GRPOTrainer's `_compute_loss` (1e-5 relative), run in a process of its own; so do the KL and clip-ratio
-    metrics."""
+    0.7; the last once more without the KL's ratio weighting): the loss and every trained parameter's gradient
+    equal GRPOTrainer's `_compute_loss` (1e-5 relative), run in a process of its own; so do the KL and
+    clip-ratio metrics. Held there: `grpo.policy_loss` in plain torch, and the objective a GRPO run trains
+    (`Grpo.loss`: the completions' log-probabilities from the sharded model, the policy loss, the metrics) on
+    each backend's two devices (torch_fsdp: two processes, each its half of the rows), fully fine-tuned and
+    with LoRA adapters (TRL's model given the same ones)."""
     pytest.importorskip("trl")
     model_dir = model_dirs.llama
     inputs = _inputs(AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager"))
-    torch.save({"inputs": inputs, "cases": CASES}, tmp_path / "inputs.pt")
-    run_worker("trl_grpo.py", str(model_dir), str(tmp_path / "inputs.pt"), str(tmp_path / "trl.pt"), cwd=tmp_path,
-               env={"USE_TORCH_XLA": "0"})
-    theirs = torch.load(tmp_path / "trl.pt")
+    theirs = _trl(model_dir, tmp_path, inputs)
     mask = inputs["completion_mask"]
     for case, trl in zip(CASES, theirs):
         model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
@@ -119,7 +149,26 @@ def test_each_loss_type_gives_trls_loss_and_gradients(model_dirs, tmp_path):
             assert grpo.masked_mean(terms[f"clip_ratio/{flag}"], mask).item() == pytest.approx(
                 trl["metrics"][f"clip_ratio/{flag}_mean"], rel=1e-6), (case, flag)
     assert any(trl["metrics"]["clip_ratio/region_mean"] > 0 for trl in theirs)  # the clipping was exercised
-
+    trl_lora = None
+    for backend, (sets, nproc) in runnable(RUN_BACKENDS).items():
+        common = [*_grpo_common(model_dir), *sets, "train.grad_accum_steps=1", "train.global_batch_size=4",
+                  "grpo.num_generations=2", "fsdp.mixed_precision=no", f"output_dir={tmp_path / 'out'}"]
+        for lora in (False, True):
+            run_worker("grpo_loss.py", str(tmp_path / "inputs.pt"), str(tmp_path / "ours.pt"), *common,
+                       *(["model.lora.r=4", "model.lora.alpha=8"] if lora else []), nproc=nproc, cwd=tmp_path)
+            ours = torch.load(tmp_path / "ours.pt")
+            assert bool(ours["adapters"]) == lora
+            if lora and trl_lora is None:  # the adapters start from train.seed: the same on every backend
+                trl_lora = _trl(model_dir, tmp_path, inputs, ours["adapters"])
+            for case, got, trl in zip(CASES, ours["cases"], trl_lora if lora else theirs):
+                what = (backend, lora, case)
+                assert got["loss"] == pytest.approx(trl["loss"].item(), rel=1e-5, abs=1e-7), what
+                trained = {name for name in trl["grads"] if not lora or ".lora_" in name}
+                assert set(got["grads"]) == trained, what
+                for name, grad in got["grads"].items():
+                    torch.testing.assert_close(grad, trl["grads"][name], rtol=1e-5, atol=1e-7, msg=f"{what} {name}")
+                for key in ("clip_ratio/region_mean", *(("kl",) if case["beta"] else ())):
+                    assert got["metrics"][key] == pytest.approx(trl["metrics"][key], rel=1e-5), (what, key)
 
 REWARDS = '''
 def share_of_a(prompts, completions, completion_ids, target, **kwargs):
@@ -195,3 +244,102 @@ def test_a_reward_function_that_fails_is_one_line_naming_it_and_the_row(reward_f
     with pytest.raises(RewardError) as caught:
         _score(Rewards.from_specs([f"my_rewards:{name}"]), ["abc", "ab", "bbb"])
     assert str(caught.value).startswith(words) and "\n" not in str(caught.value)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend", backend_params(list(RUN_BACKENDS)))
+def test_grpo_learns_a_toy_task_resumes_exactly_and_exports(model_dirs, tmp_path, backend, capsys):
+    """A tiny Llama rewarded for the share of low token ids in its completions (a random policy: about 1 in 8)
+    learns it within 16 steps of 2 prompts x 4 completions, on the run's own devices (2 of them, in two
+    micro-batches). A run stopped by SIGTERM after step 6 resumes to draw the very completions and take the very
+    steps of the uninterrupted run (every record equal), its records carry TRL's metric names, and the last
+    checkpoint exports as a model transformers loads."""
+    sets, nproc = runnable(RUN_BACKENDS)[backend]
+    got = run_trainings(tmp_path, [*_grpo_common(model_dirs.llama_chat), *sets], {
+        "full": [f"checkpoint.dir={tmp_path / 'a'}"],
+        "stopped": [f"checkpoint.dir={tmp_path / 'b'}", "sigterm_after=6"],
+        "resumed": [f"checkpoint.dir={tmp_path / 'b'}"]}, nproc=nproc)
+    drop = ("step_time_s", "tokens_per_s", "real_tokens_per_s", "compile_time_s", "compilations", "mfu_basis",
+            "recompiles", "eta_s")
+
+    def steps(records):
+        return [{k: v for k, v in r.items() if k not in drop} for r in records if "loss" in r]
+
+    full = steps(got["full"])
+    assert steps(got["stopped"]) + steps(got["resumed"]) == full
+    assert [r["step"] for r in steps(got["resumed"])] == list(range(7, 17))
+    assert all(name in r for r in full for name in TRL_NAMES)
+    assert not any("recompiles" in r for r in got["full"])  # the sampler and the step compile once
+    reward = [r["rewards/low_token_share/mean"] for r in full]
+    assert sum(reward[-4:]) / 4 > sum(reward[:4]) / 4 + 0.25, reward
+    done = run_in_process(capsys, "ckpt", "export", str(tmp_path / "a" / "step-00000016"), "--to",
+                          str(tmp_path / "export"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
+    start = AutoModelForCausalLM.from_pretrained(model_dirs.llama_chat).state_dict()
+    assert set(exported) == set(start) and not torch.equal(exported["lm_head.weight"], start["lm_head.weight"])
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["grpo.beta=0.1"], "grpo.beta applies to method grpo; method is sft"),
+    (["method=grpo", "data.kind=prompt", "grpo.reward_funcs=[]"], "set grpo.reward_funcs"),
+    (["method=grpo", "data.kind=prompt", "train.global_batch_size=6"], "the batch must hold whole groups"),
+    (["method=grpo", "data.kind=prompt", "grpo.max_completion_length=48"], "leaves the prompt nothing"),
+    (["method=grpo", "data.kind=prompt", "data.eval_fraction=0.25"], "method grpo has no evaluation yet"),
+    (["data.kind=prompt"], "data.kind prompt rows train method grpo, and method is sft"),
+    (["method=grpo", "data.kind=prompt", "grpo.reward_weights=[1.0, 2.0]"], "2 weight(s) for 1 reward function"),
+    (["method=grpo", "data.kind=prompt", "grpo.reference=/elsewhere"], "grpo.reference scores the KL term")])
+def test_a_grpo_config_that_cannot_train_is_one_line_naming_its_key(sets, words):
+    from xla_shard import config
+    from xla_shard.errors import ConfigError
+
+    base = [f"data.path={PROMPTS}", "train.seq_len=48", "train.global_batch_size=8"]
+    if "method=grpo" in sets:
+        base += [f"grpo.reward_funcs=[{REWARDS_FILE}:low_token_share]", "grpo.num_generations=4",
+                 "grpo.max_completion_length=8"]
+    with pytest.raises(ConfigError) as caught:
+        config.load(None, [*base, *sets])
+    assert words in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("path", [PROMPTS, FIXTURES / "prompts_chat.jsonl"])
+def test_prompts_are_tokenized_as_trl_and_left_padded_longer_ones_dropped(model_dirs, path):
+    """Text through the tokenizer as TRL's GRPOTrainer calls it (special tokens added), messages through the chat
+    template with its generation prompt; each left-padded to what the completion leaves, masked there; a prompt
+    longer than that is dropped and counted."""
+    from transformers import AutoTokenizer
+
+    from xla_shard.data import prompts
+    from xla_shard.data.files import read_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs.llama_chat)
+    rows = read_rows(str(path), None, "data.path")
+    want = [tokenizer(text=r["prompt"])["input_ids"] if isinstance(r["prompt"], str) else
+            tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True,
+                                          return_dict=True)["input_ids"] for r in rows]
+    length = sorted(len(w) for w in want)[4]  # a length the longer prompts exceed
+    got, dropped = prompts.examples(rows, tokenizer, prompts.PromptFields("prompt"), length, 0, None, str(path),
+                                    "grpo.max_completion_length")
+    kept = [(i, w) for i, w in enumerate(want) if len(w) <= length]
+    assert dropped == len(want) - len(kept) > 0 and len(got) == len(kept)
+    for row, (index, ids) in zip(got, kept):
+        fill = length - len(ids)
+        assert row["row"] == index and row["input_ids"] == [0] * fill + ids
+        assert row["attention_mask"] == [0] * fill + [1] * len(ids)
+
+
+def test_a_step_holds_groups_of_one_prompt_and_a_generation_trains_num_iterations_steps():
+    """Rows of a step: each prompt num_generations times in a row; steps 2k and 2k+1 share their prompts
+    (num_iterations 2); an epoch is every prompt's group trained num_iterations times."""
+    import datasets
+
+    from xla_shard.data.prompts import Generations, PromptSource
+
+    rows = datasets.Dataset.from_dict({"input_ids": [[i, i] for i in range(6)], "attention_mask": [[1, 1]] * 6,
+                                       "row": list(range(6))})
+    source = PromptSource(rows, None, None, Generations(3, 2, 4, "k"), global_batch_size=6, seed=1)
+    steps = [source.rows(step, range(6))["row"].tolist() for step in range(6)]
+    assert all(s[0] == s[1] == s[2] and s[3] == s[4] == s[5] and s[0] != s[3] for s in steps)
+    assert steps[0] == steps[1] and steps[2] == steps[3] and steps[1] != steps[2]
+    assert sorted({*steps[0], *steps[2], *steps[4]}) == list(range(6))  # an epoch: every prompt once
+    assert source.rows_per_epoch == 6 * 3 * 2 and source.rows(0, range(3, 5))["row"].tolist() == steps[0][3:5]

@@ -17,6 +17,7 @@ masked out.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,16 +51,24 @@ def filtered(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return scores
 
 
-def gumbel_noise(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    """-log(-log u) for u uniform in (0, 1), drawn on the host: argmax(scores + noise) samples softmax(scores)."""
-    uniform = torch.rand(shape, generator=generator, dtype=torch.float32).clamp_(1e-20, 1.0 - 1e-7)
+def gumbel_noise(shape: tuple[int, ...], generator: torch.Generator | Sequence[torch.Generator]) -> torch.Tensor:
+    """-log(-log u) for u uniform in (0, 1), drawn on the host: argmax(scores + noise) samples softmax(scores).
+    A generator per row (a sequence of them) draws each row's noise from its own: a row's draws then do not
+    depend on which rows share its batch or its process."""
+    if isinstance(generator, torch.Generator):
+        uniform = torch.rand(shape, generator=generator, dtype=torch.float32)
+    else:
+        uniform = torch.stack([torch.rand(shape[1:], generator=each, dtype=torch.float32) for each in generator])
+    uniform = uniform.clamp_(1e-20, 1.0 - 1e-7)
     return -torch.log(-torch.log(uniform))
 
 
 @torch.no_grad()
 def sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling,
-           generator: torch.Generator, after_token=None, cached: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(completion ids, completion mask), [rows, max_new_tokens] each, on the prompts' device. `after_token`:
+           generator: torch.Generator | Sequence[torch.Generator], after_token=None,
+           cached: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(completion ids, completion mask), [rows, max_new_tokens] each, on the prompts' device. `generator`: one
+    for the batch, or one per row (see `gumbel_noise`). `after_token`:
     called after each token (XLA's step marker, so each token runs the one compiled forward). `cached`: keys and
     values in a static cache of prompt + max_new_tokens positions (one forward of one token per token); else a
     forward over the whole buffer per token (for a model whose forward takes no static cache)."""

@@ -68,12 +68,13 @@ def preflight(cfg: ShardConfig, capabilities=None) -> None:
         check_final_export(cfg, source.directory)
     if cfg.train.tensorboard:
         metrics.require_tensorboard()
-    objective = method_for(cfg).objective
+    method = method_for(cfg)
+    objective = method.objective
     if objective.reference_directory not in (None, cfg.model.name):  # the policy's own directory was just built
         with torch.device("meta"):
             reference_model(cfg, objective, model.config, capabilities=capabilities)
     # Reads and tokenizes the files (cached by `datasets`: the training processes then read the cache).
-    datalib.build(cfg, model.config, source.directory)
+    datalib.build(cfg, model.config, source.directory, method.generations)
 
 
 def reference_model(cfg: ShardConfig, objective: Objective, policy_config, **build) -> tuple[nn.Module, Any]:
@@ -121,7 +122,7 @@ def build_data(cfg: ShardConfig) -> datalib.DataSources:
     """The config's data for your own loop, read as the trainer reads it: through the tokenizer of the config's
     model directory (or `data.tokenizer`), checked against the model's vocabulary and labels."""
     source = resolve_source(cfg.model, cfg.checkpoint.retry_deadline_s)
-    return datalib.build(cfg, model_config(cfg.model, source), source.directory)
+    return datalib.build(cfg, model_config(cfg.model, source), source.directory, method_for(cfg).generations)
 
 
 def check_output_dir(path: str) -> None:
@@ -226,7 +227,7 @@ class Trainer:
         self.flops_per_token = (train_flops_per_token(model, cfg.train.seq_len)
                                 * (1 + self.objective.forwards_without_grad / 3))
         with backend.processes.main_first():
-            sources = datalib.build(cfg, model.config, source.directory)
+            sources = datalib.build(cfg, model.config, source.directory, self.method.generations)
         self.source, self.eval_source = sources.train, sources.eval
         if self.eval_source is not None:
             _check_eval_labels(self.eval_source, cfg)
@@ -417,10 +418,7 @@ class Trainer:
 
     def micro_batches(self, step: int) -> list[Batch]:
         """This process's rows of each micro-batch of `step`, read from the source (not yet on the device)."""
-        backend, train = self.backend, self.cfg.train
-        k = train.grad_accum_steps
-        return [self.source.rows(step, micro_rows(train.global_batch_size, j, k, *backend.processes.batch_part))
-                for j in range(k)]
+        return [self.source.rows(step, rows) for rows in process_rows(self.cfg.train, self.backend.processes)]
 
     def _read(self, step: int) -> tuple[list[Batch], int]:
         """`step`'s micro-batches and its global batch's real tokens, read together in the prefetch thread: a
@@ -431,11 +429,14 @@ class Trainer:
         """One optimizer step over `grad_accum_steps` micro-batches; the mean loss (a device tensor)."""
         backend, train = self.backend, self.cfg.train
         micro_batches = micro_batches or self.micro_batches(step)
+        micro_batches = self.objective.rollout(self.model, backend, self.source, step, micro_batches,
+                                               process_rows(train, backend.processes))
         k = len(micro_batches)
         weights = self.objective.weights(micro_batches, backend.processes, backend.world, self.uneven_labels)
         equal = all(w == 1.0 / k for w in weights)  # the plain mean (a process's own shares can be equal, not 1/k)
         total = None
-        trim = backend.capabilities.varying_shapes and not train.compile  # one length a graph under torch.compile
+        # one length a graph under torch.compile
+        trim = backend.capabilities.varying_shapes and not train.compile and self.objective.trims_padding
         for j, rows in enumerate(micro_batches):
             batch = backend.place(trimmed(rows) if trim else rows)
             with backend.grad_sync(self.model, enabled=j == k - 1):
@@ -628,6 +629,12 @@ class Trainer:
 
         return MemoryReport(sum(local(params)), sum(local(grads)), sum(local(states)),
                             full(params), full(grads), full(states))
+
+
+def process_rows(train: TrainSection, processes) -> list[range]:
+    """The rows of every step's global batch a process feeds, in each of its micro-batches."""
+    k = train.grad_accum_steps
+    return [micro_rows(train.global_batch_size, j, k, *processes.batch_part) for j in range(k)]
 
 
 def _check_eval_labels(source, cfg: ShardConfig) -> None:

@@ -156,6 +156,10 @@ class Backend(abc.ABC):
     def after_step(self) -> None:
         """Cut the step (XLA: materialise the graph); a no-op for eager backends."""
 
+    def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Device tensors' whole values, on the host (what a method reads of its device results: completions)."""
+        return [tensor.cpu() for tensor in tensors]
+
     @abc.abstractmethod
     def mean_loss(self, loss: torch.Tensor) -> float:
         """The global-batch mean of the loss, as a Python float (this synchronises)."""

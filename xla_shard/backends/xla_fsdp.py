@@ -20,7 +20,7 @@ from xla_shard.backends.processes import Processes
 from xla_shard.backends.state import BackendState, optimizer_state
 from xla_shard.capabilities import Capabilities
 from xla_shard.checkpoint.contract import StateTensor, range_to_boxes
-from xla_shard.methods import REFERENCE_MODEL, method_for
+from xla_shard.methods import GENERATION, REFERENCE_MODEL, method_for
 from xla_shard.config.schema import ShardingStrategy
 
 _HYBRID = "needs a 2-D mesh; use backend xla_spmd (replica x fsdp mesh) for hybrid sharding"
@@ -146,9 +146,10 @@ class XlaFsdpBackend(xla_common.XlaBackend):
         super().check()
         self._check_xla_settings()
         method = method_for(self.cfg)
-        if REFERENCE_MODEL in method.needs:
-            self.capabilities.refuse("method", f"{method.name} needs {REFERENCE_MODEL}, which xla_shard does not "
-                                               "build as XlaFullyShardedDataParallel: use xla_spmd")
+        for need in (REFERENCE_MODEL, GENERATION):
+            if need in method.needs:
+                self.capabilities.refuse("method", f"{method.name} needs {need}, which xla_shard does not run as "
+                                                   "XlaFullyShardedDataParallel: use xla_spmd")
         if not xla_common.on_tpu() and self.cfg.cpu_devices != 1:
             self.capabilities.refuse("cpu_devices", f"FSDPv1 runs on XLA's CPU client at 1 device only (got "
                                                     f"{self.cfg.cpu_devices}): its multi-replica collectives fail "

@@ -628,6 +628,17 @@ class XlaSpmdBackend(xla_common.XlaBackend):
     def mean_loss(self, loss: torch.Tensor) -> float:
         return loss.item()  # already the global-batch mean: SPMD computes one global program
 
+    def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Reading a sharded result gathers it in a program torch_xla compiles at every read; copies marked
+        replicated while still pending are gathered inside one program of their own, compiled once."""
+        import torch_xla.distributed.spmd as xs
+
+        copies = [tensor.clone() for tensor in tensors]
+        for copy in copies:
+            xs.mark_sharding(copy, self.mesh, (None,) * copy.dim())
+        self.after_step()
+        return [copy.cpu() for copy in copies]
+
     def unit_type(self) -> type[nn.Module]:
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
 

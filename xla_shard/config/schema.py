@@ -356,8 +356,9 @@ class DataSection(_Section):
     # `messages_field`, rendered with the tokenizer's chat template; prompt_completion: a prompt and its answer in
     # `prompt_field` and `completion_field` (strings, or lists of messages); preference: a prompt and two answers
     # to it, `chosen_field` preferred over `rejected_field` (strings, or lists of messages), trained with DPO (the
-    # `dpo` section).
-    kind: Literal["text", "chat", "prompt_completion", "preference"] = "text"
+    # `dpo` section); prompt: a prompt alone in `prompt_field` (a string or a list of messages), its row's other
+    # columns handed to the reward functions, trained with GRPO (the `grpo` section).
+    kind: Literal["text", "chat", "prompt_completion", "preference", "prompt"] = "text"
     # causal_lm: the column holding the text (txt files: each line is a row of `text`).
     text_field: str = "text"
     messages_field: str = "messages"
@@ -391,7 +392,7 @@ class DataSection(_Section):
     @property
     def packs(self) -> str | None:
         """The packing strategy rows are packed with, None where they are not."""
-        if not self.packing or self.kind == "preference":
+        if not self.packing or self.kind in ("preference", "prompt"):
             return None
         return self.packing_strategy or ("wrapped" if self.kind == "text" else "bfd")
 
@@ -406,9 +407,10 @@ class DataSection(_Section):
         if self.kind == "text" and self.completion_only_loss:
             raise ValueError("data.completion_only_loss applies to data.kind chat and prompt_completion; a text row "
                              "has no prompt to leave out of the loss")
-        if self.packing_strategy is not None and (not self.packing or self.kind == "preference"):
+        if self.packing_strategy is not None and (not self.packing or self.kind in ("preference", "prompt")):
             raise ValueError(f"data.packing_strategy {self.packing_strategy} packs rows, but "
-                             + ("data.packing is false" if not self.packing else "preference rows are always padded"))
+                             + ("data.packing is false" if not self.packing else
+                                f"{self.kind} rows are always padded"))
         if self.packing_strategy == "wrapped" and self.kind != "text":
             raise ValueError(f"data.packing_strategy wrapped cuts rows across examples; data.kind {self.kind} keeps "
                              "each example whole: use bfd or bfd_split")
@@ -426,9 +428,9 @@ class DataSection(_Section):
             if same:
                 raise ValueError(f"data.{same} and data.{key} both name the column {column!r}: a data.kind "
                                  f"{self.kind} row's parts are columns of their own")
-        if self.kind == "preference" and self.completion_only_loss is not None:
-            raise ValueError("data.completion_only_loss applies to chat and prompt_completion; DPO's log-probabilities "
-                             "are always the completions' (drop the key)")
+        if self.kind in ("preference", "prompt") and self.completion_only_loss is not None:
+            raise ValueError("data.completion_only_loss applies to chat and prompt_completion; DPO's and GRPO's "
+                             "log-probabilities are always the completions' (drop the key)")
         if self.streaming and self.packing and self.packs != "wrapped":
             raise ValueError(f"data.streaming packs documents as it reads them (wrapped); data.packing_strategy "
                              f"{self.packing_strategy} packs a thousand at a time from prepared rows: drop one")
@@ -458,6 +460,51 @@ class DpoSection(_Section):
         if self.label_smoothing and self.loss_type != "robust":
             raise ValueError("dpo.label_smoothing is Robust DPO's flip probability; TRL's sigmoid loss does not use "
                              "it: set dpo.loss_type: robust, or drop it")
+        return self
+
+
+class GrpoSection(_Section):
+    """Group relative policy optimisation (method grpo, on data.kind prompt rows), with TRL's GRPOTrainer's keys and
+    defaults: each prompt gets `num_generations` completions from the policy being trained, the reward functions
+    score them, and each completion's advantage over its group weighs its tokens' clipped policy loss.
+    train.global_batch_size counts completions (as TRL's per-device batch does): global_batch_size /
+    num_generations prompts a step."""
+
+    # The user's reward functions: import paths, MODULE:FUNCTION or path/to/file.py:FUNCTION, each called with
+    # TRL's keywords (prompts, completions, completion_ids, the row's other columns) and returning a float (or
+    # None) per completion; `reward_weights`: one weight each (null: 1 each).
+    reward_funcs: list[str] = Field(default_factory=list)
+    reward_weights: list[float] | None = None
+    num_generations: int = Field(default=8, ge=2)
+    # Tokens a completion may have; the prompt has train.seq_len minus these (longer prompts are dropped, counted).
+    max_completion_length: int = Field(default=256, ge=1)
+    temperature: float = Field(default=1.0, gt=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)  # 0: off
+    # dapo: over every completion token of the step (TRL's default); grpo: each sequence's mean, then their
+    # mean; dr_grpo: over rows x max_completion_length; bnpo: over the micro-batch's tokens.
+    loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo"] = "dapo"
+    # What a reward's advantage is divided by: its group's standard deviation, the batch's, or nothing.
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    epsilon: float = Field(default=0.2, gt=0)  # the ratio's clip below 1 (and above, unless epsilon_high)
+    epsilon_high: float | None = Field(default=None, gt=0)
+    # The KL term's weight; > 0 scores the completions with the reference too.
+    beta: float = Field(default=0.0, ge=0)
+    # Optimizer steps each generation trains (> 1: the ratio to the generating policy's probabilities moves).
+    num_iterations: int = Field(default=1, ge=1)
+    # Weigh each token's KL by its importance ratio (TRL's use_bias_correction_kl).
+    kl_correction: bool = True
+    # The reference model for beta > 0: a model directory; null: the policy with its LoRA adapters switched off
+    # (model.lora), else the weights it starts from.
+    reference: str | None = None
+
+    @model_validator(mode="after")
+    def _reference_needs_beta(self) -> GrpoSection:
+        if self.reference is not None and self.beta == 0:
+            raise ValueError("grpo.reference scores the KL term, and grpo.beta is 0: set grpo.beta > 0, or drop it")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(f"grpo.reward_weights has {len(self.reward_weights)} weight(s) for "
+                             f"{len(self.reward_funcs)} reward function(s): give one each, or none")
         return self
 
 
@@ -667,14 +714,16 @@ class DeploySection(_Section):
 
 # The fine-tuning methods (xla_shard.methods holds each; its registry, `METHODS`, is held to this list), and the
 # rows each trains on.
-Method = Literal["sft", "dpo"]
-METHOD_DATA = {"sft": ("text", "chat", "prompt_completion"), "dpo": ("preference",)}
+Method = Literal["sft", "dpo", "grpo"]
+METHOD_DATA = {"sft": ("text", "chat", "prompt_completion"), "dpo": ("preference",), "grpo": ("prompt",)}
+METHOD_SECTIONS = {"dpo": DpoSection, "grpo": GrpoSection}  # a method's own keys, refused under another method
 
 
 class ShardConfig(_Section):
     backend: Backend = Backend.AUTO
     # The fine-tuning method: sft (the model's own loss on text, chat or prompt/completion rows), dpo (preference
-    # rows; its keys: the `dpo` section).
+    # rows; its keys: the `dpo` section), grpo (prompts, completions generated and scored by reward functions; its
+    # keys: the `grpo` section).
     method: Method = "sft"
     # Devices to use on CPU: XLA virtual devices (xla_spmd) or gloo processes (torch_fsdp, via torchrun).
     cpu_devices: int = Field(default=4, ge=1, le=64)
@@ -684,6 +733,7 @@ class ShardConfig(_Section):
     train: TrainSection = Field(default_factory=TrainSection)
     data: DataSection = Field(default_factory=DataSection)
     dpo: DpoSection = Field(default_factory=DpoSection)
+    grpo: GrpoSection = Field(default_factory=GrpoSection)
     launch: LaunchSection = Field(default_factory=LaunchSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     deploy: DeploySection = Field(default_factory=DeploySection)
@@ -721,9 +771,11 @@ class ShardConfig(_Section):
     def _eval_needs_data(self) -> ShardConfig:
         if self.data.path == "synthetic" and self.train.eval_every is not None:
             raise ValueError("train.eval_every is set but data.path is synthetic: nothing to evaluate on")
-        changed = [key for key, value in self.dpo if value != DpoSection.model_fields[key].default]
-        if self.method != "dpo" and changed:
-            raise ValueError(f"dpo.{changed[0]} applies to method dpo; method is {self.method}")
+        for method, section in METHOD_SECTIONS.items():
+            changed = [key for key, value in getattr(self, method)
+                       if value != section.model_fields[key].get_default(call_default_factory=True)]
+            if self.method != method and changed:
+                raise ValueError(f"{method}.{changed[0]} applies to method {method}; method is {self.method}")
         if self.model.lora is not None and self.model.lora.use_dora and self.fsdp.scan_layers:
             raise ValueError("model.lora.use_dora with fsdp.scan_layers: DoRA's magnitudes start from each "
                              "layer's weights, which a scanned model holds stacked; drop one of them")
@@ -739,6 +791,29 @@ class ShardConfig(_Section):
             trains = next(method for method, rows in METHOD_DATA.items() if self.data.kind in rows)
             raise ValueError(f"data.kind {self.data.kind} rows train method {trains}, and method is {self.method} "
                              f"(it trains on data.kind {' or '.join(kinds)}): set method: {trains}")
+        return self
+
+    @model_validator(mode="after")
+    def _grpo_fits(self) -> ShardConfig:
+        if self.method != "grpo":
+            return self
+        grpo, train = self.grpo, self.train
+        if not grpo.reward_funcs:
+            raise ValueError("method grpo scores its completions with your reward functions: set grpo.reward_funcs "
+                             "(MODULE:FUNCTION or path/to/file.py:FUNCTION, one or more)")
+        if train.global_batch_size % grpo.num_generations:
+            raise ValueError(f"train.global_batch_size={train.global_batch_size} counts completions, "
+                             f"grpo.num_generations={grpo.num_generations} a prompt: the batch must hold whole groups")
+        if grpo.max_completion_length >= train.seq_len:
+            raise ValueError(f"grpo.max_completion_length={grpo.max_completion_length} leaves the prompt nothing of "
+                             f"train.seq_len={train.seq_len} (a row is the prompt, then its completion)")
+        if self.mesh.context > 1:
+            raise ValueError(f"mesh.context={self.mesh.context} splits sequences; GRPO generates whole ones: set "
+                             "mesh.context: 1")
+        if self.data.eval_path or self.data.eval_fraction:
+            key = "data.eval_path" if self.data.eval_path else "data.eval_fraction"
+            raise ValueError(f"{key}: method grpo has no evaluation yet (its records carry the rewards of every "
+                             "step's completions); drop the key")
         return self
 
     @model_validator(mode="after")

@@ -33,11 +33,12 @@ class DataSources:
     uneven_labels: bool = False
 
 
-def build(cfg, model_config, model_directory: str | None = None) -> DataSources:
+def build(cfg, model_config, model_directory: str | None = None, generations=None) -> DataSources:
     """The sources for a run: `model_config` is the transformers config of the model being trained (its
     vocabulary and labels), `model_directory` the directory it came from, whose tokenizer is the default.
     Processes of one host call it one after the other (`backend.processes.main_first`): the first tokenizes and
-    fills the `datasets` cache, the others read it."""
+    fills the `datasets` cache, the others read it. `generations` (`prompts.Generations`): what a method that
+    generates its completions asks of prompt rows (its `Method.generations`)."""
     data, train = cfg.data, cfg.train
     task = cfg.model.task
     labels = model_config.num_labels if task == "sequence_classification" else None
@@ -54,7 +55,7 @@ def build(cfg, model_config, model_directory: str | None = None) -> DataSources:
     if data.streaming:
         return _streamed(cfg, tokenizer, model_config)
     try:
-        train_rows, eval_rows, dropped = _tokenized(cfg, tokenizer, model_config, task)
+        train_rows, eval_rows, dropped = _tokenized(cfg, tokenizer, model_config, task, generations)
     except UnicodeDecodeError as exc:  # arrow hands undecodable text on when the rows are first read
         raise ConfigError("data.path", f"{data.path} (or data.eval_path) is not UTF-8 text: byte {exc.start} of a "
                                        f"value cannot be decoded ({exc.reason})") from None
@@ -65,9 +66,20 @@ def build(cfg, model_config, model_directory: str | None = None) -> DataSources:
             raise ConfigError("data.eval_path" if data.eval_path else "data.eval_fraction",
                               f"gives no evaluation rows of train.seq_len={train.seq_len} tokens")
     rows = len(train_rows)
+    if data.kind == "prompt":  # a prompt stands for its group of completions
+        rows *= generations.per_prompt
     if rows < train.global_batch_size:
         raise ConfigError("data.path", f"{data.path} gives {rows} training rows of {train.seq_len} tokens, fewer "
                                        f"than one batch of train.global_batch_size={train.global_batch_size}")
+    if data.kind == "prompt":
+        from xla_shard.data.prompts import PromptSource
+
+        return DataSources(PromptSource(train_rows, raw_rows(cfg), tokenizer, generations, train.global_batch_size,
+                                        train.seed),
+                           description=f"{data.path}: {len(train_rows)} prompts, left-padded to "
+                                       f"{train.seq_len - generations.completion_tokens} tokens, "
+                                       f"{generations.per_prompt} completions each"
+                                       + (f"; {dropped} prompt(s) longer dropped" if dropped else ""))
     if data.kind == "preference":
         what = "prompt + chosen and prompt + rejected, padded"
     elif task == "causal_lm" and data.packs == "wrapped":
@@ -139,7 +151,7 @@ def _streamed(cfg, tokenizer, model_config) -> DataSources:
                                            f"{data.shuffle_buffer} rows)", uneven_labels=not data.packing)
 
 
-def _tokenized(cfg, tokenizer, model_config, task):
+def _tokenized(cfg, tokenizer, model_config, task, generations):
     from xla_shard.data import files, tokenize
 
     data, train = cfg.data, cfg.train
@@ -158,6 +170,10 @@ def _tokenized(cfg, tokenizer, model_config, task):
         nonlocal dropped
         if data.kind == "preference":
             rows, cut = _preference_rows(cfg, tokenizer, rows, path)
+            dropped += cut
+            return rows
+        if data.kind == "prompt":
+            rows, cut = _prompt_rows(cfg, tokenizer, rows, path, generations)
             dropped += cut
             return rows
         if data.kind != "text":
@@ -208,6 +224,23 @@ def _preference_rows(cfg, tokenizer, rows, path):
     workers = tokenize.worker_count(len(rows), cfg.data.num_proc)
     return preference.examples(rows, tokenizer, preference.fields_of(cfg.data), cfg.train.seq_len,
                                completions.pad_id(tokenizer), workers, path)
+
+
+def _prompt_rows(cfg, tokenizer, rows, path, generations):
+    """Prompts alone, tokenized as TRL's GRPOTrainer does, left-padded to what the completion leaves of seq_len."""
+    from xla_shard.data import completions, prompts, tokenize
+
+    workers = tokenize.worker_count(len(rows), cfg.data.num_proc)
+    return prompts.examples(rows, tokenizer, prompts.fields_of(cfg.data),
+                            cfg.train.seq_len - generations.completion_tokens, completions.pad_id(tokenizer),
+                            workers, path, generations.length_key)
+
+
+def raw_rows(cfg):
+    """The training file's rows as read (their text and every column), for what a method hands its functions."""
+    from xla_shard.data import files
+
+    return files.read_rows(cfg.data.path, cfg.data.format, "data.path")
 
 
 def load_tokenizer(location: str | None, model_config, explicit: bool, model_name: str):

@@ -16,6 +16,7 @@ from xla_shard.methods.objective import Objective
 
 # What a method may need of a backend beyond training a model (`Method.needs`).
 REFERENCE_MODEL = "a frozen reference model beside the policy"
+GENERATION = "generation with the policy being trained"
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class Method:
     adapter: Adapter
     objective: Objective
     needs: frozenset[str] = frozenset()  # REFERENCE_MODEL, ...: a backend that cannot refuses the run
+    # What a method that generates its completions asks of its prompt rows (`data.prompts.Generations`).
+    generations: object | None = None
 
     def describe(self) -> str:
         return self.objective.describe() or self.name
@@ -46,8 +49,20 @@ def _dpo(cfg, adapter: Adapter, loss_fn) -> tuple[Objective, frozenset[str]]:
     return Dpo(cfg.dpo, adapter, cfg.model.name), frozenset({REFERENCE_MODEL})
 
 
+def _grpo(cfg, adapter: Adapter, loss_fn) -> tuple[Objective, frozenset[str]]:
+    if loss_fn is not None:
+        from xla_shard.errors import ConfigError
+
+        raise ConfigError("method", "grpo's loss is its own (the clipped policy loss of its completions); a loss_fn "
+                                    "of yours replaces the objective of methods sft and dpo")
+    from xla_shard.methods.grpo_objective import Grpo
+
+    objective = Grpo(cfg, adapter)
+    return objective, frozenset({GENERATION} | ({REFERENCE_MODEL} if cfg.grpo.beta > 0 else set()))
+
+
 # The config's `method` -> what builds its objective (and says what it needs), given the config and the adapter.
-METHODS: dict[str, Callable] = {"sft": _sft, "dpo": _dpo}
+METHODS: dict[str, Callable] = {"sft": _sft, "dpo": _dpo, "grpo": _grpo}
 
 
 def adapter_for(cfg) -> Adapter:
@@ -68,7 +83,7 @@ def method_for(cfg, loss_fn=None) -> Method:
     """The method `cfg` trains (with `loss_fn(model, batch)`, a loss of your own in its objective's place)."""
     adapter = adapter_for(cfg)
     objective, needs = METHODS[cfg.method](cfg, adapter, loss_fn)
-    return Method(cfg.method, adapter, objective, needs)
+    return Method(cfg.method, adapter, objective, needs, getattr(objective, "generations", None))
 
 
 def objective_for(cfg, loss_fn=None) -> Objective:
@@ -76,4 +91,5 @@ def objective_for(cfg, loss_fn=None) -> Objective:
     return method_for(cfg, loss_fn).objective
 
 
-__all__ = ["METHODS", "REFERENCE_MODEL", "Adapter", "Method", "Objective", "adapter_for", "method_for", "objective_for"]
+__all__ = ["GENERATION", "METHODS", "REFERENCE_MODEL", "Adapter", "Method", "Objective", "adapter_for", "method_for",
+           "objective_for"]

@@ -27,6 +27,9 @@ class Objective:
     reference_directory: str | None = None
     reference_key: str | None = None
     reference: nn.Module | None = None  # that model, once `use_reference` gave it
+    # Whether the step may cut a batch's padding off its end (`data.batches.trimmed`): not where a batch lays out
+    # other tensors by position (a generated completion beside its prompt).
+    trims_padding = True
 
     def describe(self) -> str:
         """What the step trains, for the run's log (empty: the method's name says it)."""
@@ -39,6 +42,13 @@ class Objective:
         """Metrics of the training steps since the last call, for the step's record beside the loss; `mean`
         (the backend's `mean_loss`) averages a device scalar over the processes. None by default."""
         return {}
+
+    def rollout(self, model: nn.Module, backend, source, step: int, micro_batches: list[Batch],
+                rows: list[range]) -> list[Batch]:
+        """What `loss` trains on in `step`, from the rows read for it (host tensors; `rows`: each micro-batch's
+        rows of the global batch): the rows themselves, unless the method first makes its examples with the model
+        (an online method generates and scores completions). Every process calls it."""
+        return micro_batches
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """The micro-batch's loss (a device scalar): `batch` holds this process's rows, on its device."""
