@@ -2,6 +2,7 @@
 and the loss and gradients of every loss type on fixed completions."""
 
 import statistics
+from dataclasses import replace
 
 import pytest
 import torch
@@ -253,12 +254,21 @@ def test_grpo_learns_a_toy_task_resumes_exactly_and_exports(model_dirs, tmp_path
     learns it within 16 steps of 2 prompts x 4 completions, on the run's own devices (2 of them, in two
     micro-batches). A run stopped by SIGTERM after step 6 resumes to draw the very completions and take the very
     steps of the uninterrupted run (every record equal), its records carry TRL's metric names, and the last
-    checkpoint exports as a model transformers loads."""
+    checkpoint exports as a model transformers loads. With num_iterations 2 and beta 0.04 under LoRA, a
+    generation's first step is the policy that drew it (no ratio clipped) and its reference (the adapters off:
+    KL 0), its second has moved (clipping counted, KL above 0); on XLA the second generation compiles nothing
+    the first did not (the warm-up counts generations)."""
     sets, nproc = runnable(RUN_BACKENDS)[backend]
     got = run_trainings(tmp_path, [*_grpo_common(model_dirs.llama_chat), *sets], {
         "full": [f"checkpoint.dir={tmp_path / 'a'}"],
         "stopped": [f"checkpoint.dir={tmp_path / 'b'}", "sigterm_after=6"],
-        "resumed": [f"checkpoint.dir={tmp_path / 'b'}"]}, nproc=nproc)
+        "resumed": [f"checkpoint.dir={tmp_path / 'b'}"],
+        "iterations": ["grpo.num_iterations=2", "grpo.beta=0.04", "model.lora.r=4", "model.lora.alpha=8",
+                       "train.lr=5e-2", "train.steps=6", "train.recompile_warmup_steps=2"]}, nproc=nproc)
+    records = [r for r in got["iterations"] if "loss" in r]
+    assert records[0]["kl"] == 0 and records[0]["clip_ratio/region_mean"] == 0
+    assert records[1]["kl"] > 0 and records[1]["clip_ratio/region_mean"] > 0
+    assert not any("recompiles" in r for r in records)
     drop = ("step_time_s", "tokens_per_s", "real_tokens_per_s", "compile_time_s", "compilations", "mfu_basis",
             "recompiles", "eta_s")
 
@@ -343,3 +353,45 @@ def test_a_step_holds_groups_of_one_prompt_and_a_generation_trains_num_iteration
     assert steps[0] == steps[1] and steps[2] == steps[3] and steps[1] != steps[2]
     assert sorted({*steps[0], *steps[2], *steps[4]}) == list(range(6))  # an epoch: every prompt once
     assert source.rows_per_epoch == 6 * 3 * 2 and source.rows(0, range(3, 5))["row"].tolist() == steps[0][3:5]
+
+
+def test_the_plan_holds_generations_kv_cache_beside_the_step(model_dirs):
+    """Generation runs between steps, its static cache holding every layer's keys and values for each of a
+    device's completions at every position: 2 x layers x KV heads x head_dim x seq_len x rows x bytes. The plan
+    counts it (kv_cache) and its phase (state at rest, a unit gathered, the cache, a token's logits) in the
+    total where it is the larger."""
+    from transformers import AutoConfig
+
+    from xla_shard import config, planner
+    from xla_shard.backends.xla_spmd import XlaSpmdBackend
+    from xla_shard.plan import Triple
+    from xla_shard.planner import cost
+
+    model = AutoConfig.from_pretrained(model_dirs.llama_chat)
+    head_dim = getattr(model, "head_dim", None) or model.hidden_size // model.num_attention_heads
+    for rows, seq_len, micro in ((64, 512, 2), (4096, 2048, 256)):
+        cfg = config.load(None, [*_grpo_common(model_dirs.llama_chat), f"train.global_batch_size={rows}",
+                                 f"train.seq_len={seq_len}", "fsdp.mixed_precision=bf16",
+                                 f"train.grad_accum_steps={micro}"])
+        work = planner.workload(cfg, 4, XlaSpmdBackend.capabilities)
+        found = cost.memory(work, Triple(4, 4, 4), 4)
+        want = 2 * model.num_hidden_layers * model.num_key_value_heads * head_dim * seq_len * (rows / 4) * 2
+        assert found["kv_cache"] == want
+        phase = found["params"] + found["optimizer"] + found["gathered"] + want + 4 * rows / 4 * model.vocab_size
+        assert found["total"] == max(phase, cost.memory(replace(work, generated_rows=0), Triple(4, 4, 4), 4)["total"])
+    assert found["total"] == phase  # 1024 completions a device at once, 4 a micro-batch: generation is the larger
+
+
+@pytest.mark.e2e
+def test_xla_shard_compile_traces_grpos_training_step_and_plans_its_generation(model_dirs):
+    """`xla-shard compile` of a GRPO config compiles its training step (prompt + completion rows, the policy
+    loss) for a v5p-8 with libtpu, and reports generation's planned memory beside it."""
+    pytest.importorskip("jax")
+    from tpu_compiles import compile_json
+
+    report = compile_json(
+        "--tpu", "v5p-8", *(f"--set={s}" for s in [*_grpo_common(model_dirs.llama_chat), "train.seq_len=256",
+                                                     "grpo.max_completion_length=64", "backend=xla_spmd"]))
+    assert report["fits"] and report["planned_generation"]["kv_cache_bytes"] > 0
+    assert report["collectives"]["all-gather"]["count"] > 0  # the sharded policy's forward and backward
+

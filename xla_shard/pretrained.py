@@ -242,11 +242,13 @@ class PretrainedWeights:
             buffer.copy_((torch.stack(values) if name in per_layer else values[0]).to(buffer.device))
 
 
-def build_for(cfg, accelerator: str | None = None, capabilities=None, empty: bool = False):
+def build_for(cfg, accelerator: str | None = None, capabilities=None, empty: bool = False,
+              adapter: Adapter | None = None):
     """The config's model and its pretrained weights (None for random init), matched to each other: on the
     meta device when weights will fill it after wrapping, or when `empty` (a trace that never reads a value:
     `xla-shard compile`). `accelerator` picks the attention kernel, the backend's `capabilities` how MoE experts
-    run and whether their router loss can. Returns (model, weights, source)."""
+    run and whether their router loss can; `adapter` is the run's method's (`Method.adapter`; None: the
+    config's). Returns (model, weights, source)."""
     deadline = cfg.checkpoint.retry_deadline_s
     source = resolve_source(cfg.model, deadline)
     weights = PretrainedWeights.find(source, cfg.model.init, deadline)
@@ -257,7 +259,7 @@ def build_for(cfg, accelerator: str | None = None, capabilities=None, empty: boo
         capabilities.refuse("model.overrides.output_router_logits", f"is true for {source.name}, and "
                                                                     f"{capabilities.router_aux_loss}: set it to false, "
                                                                     "or train on backend torch_fsdp, which adds it")
-    adapter = adapter_for(cfg)
+    adapter = adapter or adapter_for(cfg)
     adapters = adapter.inject(model, cfg.model.task, cfg.train.seed)
     if adapters and not empty:
         adapter.materialize(model, adapters)

@@ -55,8 +55,9 @@ def preflight(cfg: ShardConfig, capabilities=None) -> None:
     """Everything about the model that can be wrong, found on the meta device before any process starts
     (pretrained weights included: their names and shapes, from the safetensors headers; with the backend's
     `capabilities`, what it cannot run of the model)."""
+    method = method_for(cfg)
     with torch.device("meta"):
-        model, _, source = build_for(cfg, capabilities=capabilities)
+        model, _, source = build_for(cfg, capabilities=capabilities, adapter=method.adapter)
     check_sequence_length(model.config, cfg.train.seq_len)
     check_output_dir(cfg.output_dir)
     wrap_targets(model, cfg.fsdp)
@@ -68,7 +69,6 @@ def preflight(cfg: ShardConfig, capabilities=None) -> None:
         check_final_export(cfg, source.directory)
     if cfg.train.tensorboard:
         metrics.require_tensorboard()
-    method = method_for(cfg)
     objective = method.objective
     if objective.reference_directory not in (None, cfg.model.name):  # the policy's own directory was just built
         with torch.device("meta"):
@@ -220,7 +220,7 @@ class Trainer:
         backend = backends.start(cfg, self.backend)
         self._log(f"{backend.name} on {backend.num_devices} {backend.device_kind} device(s): {backend.plan}")
         model, weights, source = build_for(cfg, backend.accelerator, backend.capabilities,
-                                           empty=backend.placeholders)
+                                           empty=backend.placeholders, adapter=self.adapter)
         check_sequence_length(model.config, cfg.train.seq_len)
         check_output_dir(cfg.output_dir)
         # A forward without backward is a third of a training step's FLOPs.
@@ -505,7 +505,7 @@ class Trainer:
         on a resume, said once) is counted apart from the steps' graphs, so a resumed run counts as a fresh one."""
         compiled = self.backend.compilations()
         self.clock = StepClock(lambda: None if compiled is None else self.backend.compilations().seconds,
-                               self.start_step, self.cfg.train.recompile_warmup_steps)
+                               self.start_step, self._warmup_steps())
         self._real_tokens, self._real_since = 0, self.start_step
         if compiled is None:
             return
@@ -513,6 +513,11 @@ class Trainer:
         if compiled.graphs and self.start_step:
             self._log(f"restoring the step-{self.start_step} checkpoint compiled {compiled.graphs} graph(s) "
                       f"({compiled.seconds:.1f} s), not counted in the steps' compilations")
+
+    def _warmup_steps(self) -> int:
+        """Steps whose compilations are the warm-up's: train.recompile_warmup_steps rounds of the method's programs
+        (an online method compiles its sampler again once the weights it samples from are a step's outputs)."""
+        return self.cfg.train.recompile_warmup_steps * self.objective.steps_per_round
 
     def _evaluate(self, done: int, logger: StepLogger) -> None:
         start, before = time.perf_counter(), self.backend.compilations()
@@ -606,7 +611,7 @@ class Trainer:
         compiled = backend.compilations()
         if compiled is not None:
             graphs = record["compilations"] = compiled.graphs - self._graphs
-            if self._graphs_after_warmup is None and done >= self.start_step + cfg.train.recompile_warmup_steps:
+            if self._graphs_after_warmup is None and done >= self.start_step + self._warmup_steps():
                 self._graphs_after_warmup = graphs
             elif self._graphs_after_warmup is not None and graphs > self._graphs_after_warmup:
                 record["recompiles"] = graphs - self._graphs_after_warmup

@@ -36,6 +36,9 @@ class Report:
     device: Accelerator  # the chip's figures per device of the program
     # the planner's collectives for this step by op: (what they move, result bytes per device)
     planned: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
+    # An online method's generation, which runs apart from the step and is planned, not compiled: (its static KV
+    # cache, the whole phase's bytes) per device; (0, 0) without one.
+    generation: tuple[float, float] = (0.0, 0.0)
 
     @property
     def consumers(self) -> dict[str, int]:
@@ -100,6 +103,7 @@ class Report:
                 "collectives": self.collectives,
                 "planned_collectives": {kind: [{"what": what, "bytes": planned} for what, planned in found]
                                         for kind, found in self.planned.items()},
+                "planned_generation": {"kv_cache_bytes": self.generation[0], "phase_bytes": self.generation[1]},
                 "what_collectives_move": {kind: self._what_moves(kind, v) for kind, v in self.collectives.items()},
                 "roofline": self.roofline()}
 
@@ -127,6 +131,11 @@ class Report:
                  + (f"fits, {_gib(d.hbm_bytes - self.needed)} to spare" if self.fits
                     else f"does NOT fit, {_gib(self.needed - d.hbm_bytes)} over")]
         lines += [f"  {name}: {_gib(size)}" for name, size in self.consumers.items()]
+        cache, generating = self.generation
+        if cache:
+            lines.append(f"generation (planned; the sampler's programs are not compiled here): {_gib(generating)} per "
+                         f"device, its static KV cache {_gib(cache)}: "
+                         + ("fits" if generating <= d.hbm_bytes else "does NOT fit"))
         if c.heap_bytes is not None and c.heap_bytes != c.temp_bytes:
             lines.append(f"  (temporaries: the buffer assignment's block; libtpu's own stat says {_gib(c.temp_bytes)}, "
                          "that block and about its largest buffer again: docs/planner.md)")

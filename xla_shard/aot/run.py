@@ -55,7 +55,8 @@ def compile_for(cfg: ShardConfig, slice_name: str, slices: int = 1) -> Report | 
         compiled = tpu.compile(traced.proto)
     except compiler.OutOfHbm as verdict:
         return Refused(chosen, traced, verdict, per_device)
-    return Report(chosen, traced, compiled, per_device, planned_collectives(cfg, tpu.count, chosen.chip))
+    return Report(chosen, traced, compiled, per_device, planned_collectives(cfg, tpu.count, chosen.chip),
+                  planned_generation(cfg, tpu.count, chosen.chip))
 
 
 # What each of the planner's collectives moves, as the report says it beside the compiled program's.
@@ -72,6 +73,18 @@ _PURPOSES = {
     "context_kv": "keys and values gathered along the sequence axis",
     "context_kv_grads": "their gradients summed back along the sequence axis",
 }
+
+
+def planned_generation(cfg: ShardConfig, devices: int, chip) -> tuple[float, float]:
+    """The planner's (static KV cache, generation phase) bytes per device for an online method (0s: none)."""
+    from xla_shard import planner
+    from xla_shard.backends.xla_spmd import XlaSpmdBackend
+    from xla_shard.planner import cost
+    from xla_shard.planner.settle import settle
+
+    work = planner.workload(cfg, devices, XlaSpmdBackend.capabilities, chip)
+    triple = settle(cfg, devices, XlaSpmdBackend.capabilities, "tpu").degrees
+    return work.generation_bytes(cost.memory(work, triple, devices))
 
 
 def planned_collectives(cfg: ShardConfig, devices: int, chip) -> dict[str, list[tuple[str, float]]]:

@@ -43,6 +43,7 @@ class Grpo(Objective):
         self.prompt_field = cfg.data.prompt_field
         self.rewards = Rewards.from_specs(section.reward_funcs, section.reward_weights)
         self.forwards_without_grad = int(section.num_iterations > 1) + int(section.beta > 0)
+        self.steps_per_round = section.num_iterations
         if section.beta > 0:
             self.reference_directory = section.reference or (None if adapter.switches_off else cfg.model.name)
             self.reference_key = "grpo.reference" if section.reference else "model.name"
@@ -64,6 +65,8 @@ class Grpo(Objective):
     # -- the rollout ----------------------------------------------------------------------------------------
 
     def rollout(self, model, backend, source, step, micro_batches, rows):
+        if backend.placeholders:  # a traced step (`xla-shard compile`): the training step's shapes, nothing drawn
+            return [self._shaped_like(batch) for batch in micro_batches]
         generation = source.generation(step)
         if self._generated is not None and self._generated[0] == generation:
             return self._generated[1]
@@ -111,6 +114,19 @@ class Grpo(Objective):
                          "step_tokens": torch.full((n,), step_tokens)})
             start += n
         self._score_without_grad(model, backend, made)
+        return made
+
+    def _shaped_like(self, batch: Batch) -> Batch:
+        """A micro-batch as the training step takes it, every completion full length: for tracing the step."""
+        rows, length = batch["input_ids"].shape[0], self.section.max_completion_length
+        made = {"input_ids": torch.cat([batch["input_ids"], torch.zeros(rows, length, dtype=torch.long)], 1),
+                "attention_mask": torch.cat([batch["attention_mask"], torch.ones(rows, length, dtype=torch.long)], 1),
+                "completion_mask": torch.ones(rows, length, dtype=torch.long), "advantages": torch.zeros(rows),
+                "step_tokens": torch.full((rows,), float(self.batch_size * length))}
+        if self.section.num_iterations > 1:
+            made["old_logps"] = torch.zeros(rows, length)
+        if self.section.beta > 0:
+            made["ref_logps"] = torch.zeros(rows, length)
         return made
 
     def _whole_batch(self, backend, places: list[int], *columns: torch.Tensor) -> list[torch.Tensor]:

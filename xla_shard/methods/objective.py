@@ -30,6 +30,9 @@ class Objective:
     # Whether the step may cut a batch's padding off its end (`data.batches.trimmed`): not where a batch lays out
     # other tensors by position (a generated completion beside its prompt).
     trims_padding = True
+    # Optimizer steps that run each of the method's programs (an online method's generation and the steps that
+    # reuse it): train.recompile_warmup_steps counts in these.
+    steps_per_round = 1
 
     def describe(self) -> str:
         """What the step trains, for the run's log (empty: the method's name says it)."""

@@ -139,7 +139,7 @@ def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerato
     import torch
 
     from xla_shard import experts
-    from xla_shard.methods import method_for
+    from xla_shard.methods import GENERATION, method_for
     from xla_shard.metrics import train_flops_per_token
     from xla_shard.models import build_model
     from xla_shard.wrap import wrap_targets
@@ -182,6 +182,7 @@ def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerato
                     optimizer=cfg.train.optimizer, activation_checkpointing=cfg.fsdp.activation_checkpointing,
                     micro_batches=cfg.train.grad_accum_steps, context=cfg.mesh.context,
                     kv_width=attention_widths(config)[1],
+                    generated_rows=cfg.train.global_batch_size / devices if GENERATION in method.needs else 0.0,
                     vocab=getattr(config, "vocab_size", 0) if cfg.model.task == "causal_lm" else 0)
 
 

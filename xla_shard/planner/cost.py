@@ -101,6 +101,19 @@ class Workload:
     # width per token (KV heads x head_dim), which each layer gathers whole along the axis.
     context: int = 1
     kv_width: int = 0
+    # An online method's generation (GRPO): the completions a device samples at once (its rows of the whole
+    # step), each holding its keys and values for every one of seq_len positions in a static cache.
+    generated_rows: float = 0.0
+
+    def generation_bytes(self, found: dict[str, float]) -> tuple[float, float]:
+        """(the static KV cache, the generation phase's bytes): between steps, with parameters and optimizer
+        state at rest, no gradients and no activations, a unit's weights gathered, the cache and one token's
+        fp32 logits per row. (0, 0) without generation."""
+        if not self.generated_rows:
+            return 0.0, 0.0
+        cache = 2 * self.layers * self.kv_width * self.seq_len * self.generated_rows * self.compute_bytes
+        logits = 4 * self.generated_rows * self.vocab
+        return cache, found["params"] + found["optimizer"] + found["gathered"] + cache + logits
 
     def context_kv_bytes(self) -> float:
         """One layer's keys and values, whole along the sequence axis, for one micro-batch of this device's
@@ -218,6 +231,9 @@ def memory(work: Workload, triple: Triple, devices: int | None = None) -> dict[s
         found["total"] = at_rest + max(scanned_phases(work, found).values())
     else:
         found["total"] = sum(found.values())
+    cache, generating = work.generation_bytes(found)
+    if cache:  # generation runs apart from the step: the larger of the two phases
+        found["kv_cache"], found["total"] = cache, max(found["total"], generating)
     return found
 
 
