@@ -257,14 +257,15 @@ def test_grpo_learns_a_toy_task_resumes_exactly_and_exports(model_dirs, tmp_path
     checkpoint exports as a model transformers loads. With num_iterations 2 and beta 0.04 under LoRA, a
     generation's first step is the policy that drew it (no ratio clipped) and its reference (the adapters off:
     KL 0), its second has moved (clipping counted, KL above 0); on XLA the second generation compiles nothing
-    the first did not (the warm-up counts generations)."""
+    the first did not (the warm-up counts generations); its checkpoint exports as the adapter peft loads."""
     sets, nproc = runnable(RUN_BACKENDS)[backend]
     got = run_trainings(tmp_path, [*_grpo_common(model_dirs.llama_chat), *sets], {
         "full": [f"checkpoint.dir={tmp_path / 'a'}"],
         "stopped": [f"checkpoint.dir={tmp_path / 'b'}", "sigterm_after=6"],
         "resumed": [f"checkpoint.dir={tmp_path / 'b'}"],
         "iterations": ["grpo.num_iterations=2", "grpo.beta=0.04", "model.lora.r=4", "model.lora.alpha=8",
-                       "train.lr=5e-2", "train.steps=6", "train.recompile_warmup_steps=2"]}, nproc=nproc)
+                       "train.lr=5e-2", "train.steps=6", "train.recompile_warmup_steps=2",
+                       f"checkpoint.dir={tmp_path / 'c'}"]}, nproc=nproc)
     records = [r for r in got["iterations"] if "loss" in r]
     assert records[0]["kl"] == 0 and records[0]["clip_ratio/region_mean"] == 0
     assert records[1]["kl"] > 0 and records[1]["clip_ratio/region_mean"] > 0
@@ -278,7 +279,7 @@ def test_grpo_learns_a_toy_task_resumes_exactly_and_exports(model_dirs, tmp_path
     full = steps(got["full"])
     assert steps(got["stopped"]) + steps(got["resumed"]) == full
     assert [r["step"] for r in steps(got["resumed"])] == list(range(7, 17))
-    assert all(name in r for r in full for name in TRL_NAMES)
+    assert all(name in r for r in full for name in (*TRL_NAMES, "topic_mentions"))  # (what log_metric logged)
     assert not any("recompiles" in r for r in got["full"])  # the sampler and the step compile once
     reward = [r["rewards/low_token_share/mean"] for r in full]
     assert sum(reward[-4:]) / 4 > sum(reward[:4]) / 4 + 0.25, reward
@@ -288,6 +289,18 @@ def test_grpo_learns_a_toy_task_resumes_exactly_and_exports(model_dirs, tmp_path
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
     start = AutoModelForCausalLM.from_pretrained(model_dirs.llama_chat).state_dict()
     assert set(exported) == set(start) and not torch.equal(exported["lm_head.weight"], start["lm_head.weight"])
+    # ... and under LoRA, the adapter peft loads over the base, trained away from it
+    from peft import PeftModel
+
+    done = run_in_process(capsys, "ckpt", "export", str(tmp_path / "c" / "step-00000006"), "--to",
+                          str(tmp_path / "adapter"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    base = AutoModelForCausalLM.from_pretrained(model_dirs.llama_chat)
+    ids = torch.arange(3, 19)[None]
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(input_ids=ids).logits
+    assert not torch.allclose(adapted, plain)
 
 
 @pytest.mark.parametrize("sets, words", [

@@ -64,11 +64,12 @@ def advantages(scores: torch.Tensor, weights: torch.Tensor, num_generations: int
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each position's log-probability of its token under the sampling distribution (the logits over the
-    temperature, in fp32), and that distribution's entropy: ([rows, tokens] each)."""
+    temperature, in fp32), and that distribution's entropy (without gradient): ([rows, tokens] each)."""
     scaled = logits.float() / temperature
     log_probs = scaled.log_softmax(-1)
     picked = log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    with torch.no_grad():  # a metric: no graph (it would hold another [rows, tokens, vocabulary] until backward)
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
     return picked, entropy
 
 

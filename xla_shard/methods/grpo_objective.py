@@ -214,7 +214,8 @@ class Grpo(Objective):
     def step_metrics(self, mean) -> dict[str, float]:
         """TRL's metrics since the last record: the rollouts' (rewards, completion lengths) and the losses' (the
         masked means over every completion token of the micro-batches)."""
-        got = {key: sum(values) / len(values) for key, values in self._host.items()}
+        got = {key: sum(values) / len(values) for key, values in (*self._host.items(), *self.rewards.logged.items())}
+        self.rewards.logged.clear()  # (what the reward functions logged through log_metric, as TRL logs it)
         if self._sums:
             count = mean(self._sums["count"])
             for key, name in TOKEN_METRICS.items():
