@@ -3,12 +3,14 @@ function and generation settings: step time and generated tokens per second of s
 and the ratios.
 
     python bench/grpo_step.py [--hidden 256 --layers 4 --prompts 4 --generations 4 --new 64 --steps 4]
+                              [--processes 1]
 
 Makes a Llama directory and its tokenizer with `save_pretrained` (tests/model_dirs.py; nothing downloaded), a
 file of prompts and a reward function (the share of low token ids in a completion). Each side trains fully
 (AdamW, fp32, this machine's CPU, one process, torch's threads) for one warm-up step, then `--steps` timed ones,
-in a process of its own: xla_shard's Trainer on torch_fsdp, and TRL's GRPOTrainer (which samples with
-transformers' `generate`, as it does without vLLM). A step generates every completion of the batch (prompts x
+in a process of its own: xla_shard's Trainer on torch_fsdp (`--processes` gloo processes sharing the batch and
+the model's shards), and TRL's GRPOTrainer (which samples with transformers' `generate`, as it does without
+vLLM). A step generates every completion of the batch (prompts x
 generations, up to `--new` tokens each), scores them and trains on them; tokens/s counts the completions'
 tokens over the step's wall time. The EOS token is out of the random model's likely draws, so both sample
 about `--new` tokens a row.
@@ -42,13 +44,15 @@ def write_prompts(path: Path, prompts: int) -> None:
                             for i in range(prompts)))
 
 
-def ours(directory: str, data: str, rewards: str, generations: int, new: int, batch: int, steps: int) -> dict:
+def ours(directory: str, data: str, rewards: str, generations: int, new: int, batch: int, steps: int,
+         processes: int) -> dict:
     from xla_shard import config
     from xla_shard.train import Trainer
 
     trainer = Trainer(config.load(None, [
-        f"model.name={directory}", f"data.path={data}", "backend=torch_fsdp", "cpu_devices=1", "method=grpo",
-        "data.kind=prompt", f"grpo.reward_funcs=[{rewards}:low_token_share]", f"grpo.num_generations={generations}",
+        f"model.name={directory}", f"data.path={data}", "backend=torch_fsdp", f"cpu_devices={processes}",
+        "method=grpo", "data.kind=prompt", f"grpo.reward_funcs=[{rewards}:low_token_share]",
+        f"grpo.num_generations={generations}",
         f"grpo.max_completion_length={new}", f"train.seq_len={new + 64}", f"train.global_batch_size={batch}",
         "train.lr=1e-6", "train.optimizer=adamw", "output_dir=" + str(Path(data).parent / "ours")])).setup()
     times, tokens = [], []
@@ -108,6 +112,7 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=4)
     parser.add_argument("--new", type=int, default=64, help="max_completion_length")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--processes", type=int, default=1, help="xla_shard's torch_fsdp processes (TRL: one)")
     parser.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -136,9 +141,11 @@ def main() -> None:
         if done.returncode:
             sys.exit(f"TRL: {done.stderr[-3000:]}")
         results["trl"] = json.loads(done.stdout.strip().splitlines()[-1])
-        results["ours"] = torchrun_records(__file__, 1, ["ours", *given], "xla_shard")[-1]  # torch_fsdp's launcher
+        results["ours"] = torchrun_records(__file__, args.processes, ["ours", *given, str(args.processes)],
+                                           "xla_shard")[-1]  # torch_fsdp's launcher
     print(f"Llama hidden {args.hidden} x {args.layers} layers, {args.prompts} prompts x {args.generations} "
-          f"completions of up to {args.new} tokens a step, AdamW fp32, CPU, one process:")
+          f"completions of up to {args.new} tokens a step, AdamW fp32, CPU; xla_shard on {args.processes} "
+          "process(es), TRL on one:")
     print(f"{'':28} {'step s':>8} {'generated tokens/s':>19}")
     for side, name in (("trl", "TRL GRPOTrainer"), ("ours", "xla_shard method: grpo")):
         print(f"{name:28} {results[side]['step_s']:8.3f} {results[side]['tokens_per_s']:19.0f}")

@@ -80,7 +80,7 @@ def bytes_after_backward(trainer, step: int) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state on one device, read in one more step (number `step`)
     cut after backward so the gradients exist, then stepped."""
     backend, model = trainer.backend, trainer.model
-    batch = backend.place(trainer.micro_batches(step)[0])
+    batch = backend.place(trainer.trained_batches(step)[0])
     with backend.forward_context():
         trainer.objective.loss(model, batch).backward()
     backend.after_step()

@@ -310,7 +310,9 @@ def test_a_settled_config_validates_again_as_itself_for_every_key():
     from xla_shard.config.schema import ShardConfig
 
     bases = [[], ["model.lora.r=4"], ["fsdp.sharding_strategy=HYBRID_SHARD"],
-             ["method=dpo", "data.kind=preference", f"data.path={FIXTURES / 'preference.jsonl'}"]]
+             ["method=dpo", "data.kind=preference", f"data.path={FIXTURES / 'preference.jsonl'}"],
+             ["method=grpo", "data.kind=prompt", f"data.path={FIXTURES / 'prompts.jsonl'}", "train.seq_len=512",
+              f"grpo.reward_funcs=[{FIXTURES / 'rewards.py'}:short]", "grpo.num_generations=4"]]
     tried, keys = 0, set()
     for key, field in _leaf_keys(ShardConfig):
         for value in _other_values(field):
@@ -324,3 +326,15 @@ def test_a_settled_config_validates_again_as_itself_for_every_key():
                 tried, keys = tried + 1, keys | {key}
                 break
     assert len(keys) > 100 and tried > 200, (len(keys), tried)
+    assert {"dpo.beta", "grpo.beta", "grpo.top_k"} <= keys
+
+
+@pytest.mark.parametrize("method", ["sft", "dpo"])
+def test_a_dumped_config_holds_the_runs_method_section_alone_after_the_data(method):
+    from xla_shard.config.load import dump
+
+    kind, data = {"sft": ("text", "synthetic"), "dpo": ("preference", FIXTURES / "preference.jsonl")}[method]
+    keys = list(yaml.safe_load(dump(config.load(None, [f"method={method}", f"data.kind={kind}", f"data.path={data}"]))))
+    sections = [name for name in keys if name in ("dpo", "grpo")]
+    assert sections == ([] if method == "sft" else [method])
+    assert method == "sft" or keys[keys.index("data") + 1] == method

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import FIXTURES, backend_params, run_in_process, run_trainings, run_worker, runnable
+from conftest import FIXTURES, backend_params, run_in_process, run_trainings, run_worker, runnable, runs_args
 from transformers import AutoModelForCausalLM
 
 from xla_shard.methods import grpo
@@ -304,6 +304,26 @@ def test_grpo_learns_a_toy_task_resumes_exactly_and_exports(model_dirs, tmp_path
     assert not torch.allclose(adapted, plain)
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.torch_version
+@pytest.mark.fsdp2  # FSDP2's parameter groups, kept gathered through a generation, change with torch
+def test_fsdp2_gathers_each_unit_once_a_generation_whatever_its_length(model_dirs, tmp_path):
+    """Sampling runs a forward per token; on torch_fsdp the units stay gathered through the whole generation, so a
+    step's all-gathers do not grow with the completions' length (gathered per token, 8 more tokens would be 8
+    more gathers of every unit), and the step after a generation gathers as a training step does."""
+    import json
+
+    out = tmp_path / "counts.json"
+    sets = [*_grpo_common(model_dirs.llama_chat), "backend=torch_fsdp", "train.steps=2", "train.grad_accum_steps=1",
+            "grpo.num_generations=2", "train.global_batch_size=4"]
+    runs = [["grpo.max_completion_length=4"], ["grpo.max_completion_length=12"]]
+    run_worker("fsdp2_collectives.py", str(out), "1", *sets, *runs_args(runs), nproc=2, cwd=tmp_path)
+    gathers = [sum(v["count"] for k, v in run["collectives"].items() if k.startswith("all-gather"))
+               for run in json.loads(out.read_text())]
+    assert gathers[0] > 0 and gathers[1] == gathers[0], gathers
+
+
 @pytest.mark.parametrize("sets, words", [
     (["grpo.beta=0.1"], "grpo.beta applies to method grpo; method is sft"),
     (["method=grpo", "data.kind=prompt", "grpo.reward_funcs=[]"], "set grpo.reward_funcs"),
@@ -373,10 +393,11 @@ def test_the_plan_holds_generations_kv_cache_beside_the_step(model_dirs):
     """Generation runs between steps, its static cache holding every layer's keys and values for each of a
     device's completions at every position: 2 x layers x KV heads x head_dim x seq_len x rows x bytes. The plan
     counts it (kv_cache) and its phase (state at rest, a unit gathered, the cache, a token's logits) in the
-    total where it is the larger."""
+    total where it is the larger; on torch_fsdp, which keeps the model gathered to generate, the whole model."""
     from transformers import AutoConfig
 
     from xla_shard import config, planner
+    from xla_shard.backends.torch_fsdp import TorchFsdpBackend
     from xla_shard.backends.xla_spmd import XlaSpmdBackend
     from xla_shard.plan import Triple
     from xla_shard.planner import cost
@@ -394,6 +415,11 @@ def test_the_plan_holds_generations_kv_cache_beside_the_step(model_dirs):
         phase = found["params"] + found["optimizer"] + found["gathered"] + want + 4 * rows / 4 * model.vocab_size
         assert found["total"] == max(phase, cost.memory(replace(work, generated_rows=0), Triple(4, 4, 4), 4)["total"])
     assert found["total"] == phase  # 1024 completions a device at once, 4 a micro-batch: generation is the larger
+    # torch_fsdp holds the whole model gathered (bf16) while it generates, not a unit at a time
+    work = planner.workload(cfg, 4, TorchFsdpBackend.capabilities)
+    fsdp = cost.memory(work, Triple(4, 4, 4), 4)
+    assert work.generation_gathers_model
+    assert fsdp["total"] == fsdp["params"] + fsdp["optimizer"] + work.params * 2 + want + rows * model.vocab_size
 
 
 @pytest.mark.e2e

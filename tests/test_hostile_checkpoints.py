@@ -372,20 +372,21 @@ def test_the_warm_up_rule_is_recorded_restored_and_checked(tmp_path):
     from xla_shard.checkpoint.manifest import CorruptCheckpointError
     from xla_shard.errors import ConfigError
     from xla_shard.schedule import EARLIER_WARMUP_RULE, WARMUP_RULE
+    from xla_shard.checkpoint import RunRecord
     from xla_shard.train import Trainer
 
     ckpt = _checkpointer(tmp_path / "ckpt", f"output_dir={tmp_path}")
     ckpt.restore(_model(), None)
-    ckpt.lr_warmup_rule = WARMUP_RULE
+    ckpt.record.lr_warmup_rule = WARMUP_RULE
     ckpt.save(1, _model(1), None)
     again = _checkpointer(tmp_path / "ckpt", f"output_dir={tmp_path}")
-    assert again.restore(_model(), None) == 1 and again.restored_lr_warmup_rule == WARMUP_RULE
+    assert again.restore(_model(), None) == 1 and again.restored.lr_warmup_rule == WARMUP_RULE
 
     said = []
 
     def resumed(step, recorded, warmup=4):
         trainer = types.SimpleNamespace(start_step=step, checkpointer=types.SimpleNamespace(
-            restored_lr_warmup_rule=recorded), cfg=config.load(None, [f"train.lr_warmup_steps={warmup}"]),
+            restored=RunRecord(lr_warmup_rule=recorded)), cfg=config.load(None, [f"train.lr_warmup_steps={warmup}"]),
             _log=said.append)
         return Trainer._resumed_warmup_rule(trainer)
 

@@ -2,6 +2,9 @@
 down the layers below or stays inside its own layer, and no set of modules imports itself round in a loop."""
 
 import ast
+import fnmatch
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,10 +14,11 @@ from xla_shard.capabilities import Capabilities
 
 PACKAGE = Path(__file__).resolve().parent.parent / "xla_shard"
 
-# Lowest first. A module belongs to the first layer with a prefix that names it or a package holding it.
+# Lowest first. A module belongs to the first layer with a prefix that names it or a package holding it (a
+# prefix may hold shell wildcards: a method's keys, `methods/<name>_config.py`, are the config's).
 LAYERS = [
     ("ground", ["xla_shard.errors", "xla_shard.io", "xla_shard.hostmem", "xla_shard.preemption", "xla_shard.launch"]),
-    ("config", ["xla_shard.config"]),
+    ("config", ["xla_shard.config", "xla_shard.methods.registry", "xla_shard.methods.*_config"]),
     ("plan", ["xla_shard.plan", "xla_shard.capabilities", "xla_shard.planner.cost", "xla_shard.planner.hardware",
               "xla_shard.planner.hlo", "xla_shard.schedule",
               "xla_shard.attention", "xla_shard.sequence", "xla_shard.experts", "xla_shard.metrics"]),
@@ -46,7 +50,7 @@ def _layer(module: str) -> int:
     if module == "xla_shard":
         return len(LAYERS) - 1
     for index, (_, prefixes) in enumerate(LAYERS):
-        if any(module == p or module.startswith(p + ".") for p in prefixes):
+        if any(fnmatch.fnmatchcase(module, p) or module.startswith(p + ".") for p in prefixes):
             return index
     raise AssertionError(f"{module} is in no layer of tests/test_layout.py: place it")
 
@@ -113,25 +117,28 @@ def test_the_check_sees_function_local_imports():
 
 def test_nothing_outside_the_methods_room_names_a_concrete_method():
     """The trainer, evaluation and the rest ask `xla_shard.methods` for the objective; only the room itself
-    imports the modules that hold the methods."""
+    imports the modules that hold the methods (and the config, which composes itself from the registry)."""
     reaching_in = [f"{module} imports {target}" for module, targets in GRAPH.items() for target in targets
-                   if target.startswith("xla_shard.methods.") and not module.startswith("xla_shard.methods")]
+                   if target.startswith("xla_shard.methods.") and not module.startswith("xla_shard.methods")
+                   and not (module.startswith("xla_shard.config.") and target == "xla_shard.methods.registry")]
     assert not reaching_in, reaching_in
-    for asking in ("xla_shard.train", "xla_shard.pretrained", "xla_shard.planner", "xla_shard.backends.torch_fsdp"):
+    for asking in ("xla_shard.train", "xla_shard.pretrained", "xla_shard.planner", "xla_shard.backends.base"):
         assert "xla_shard.methods" in GRAPH[asking], asking
 
 
 def test_a_methods_name_and_section_appear_only_in_its_room_and_the_schema():
     """A method is chosen by the config's `method` and reached through `method_for`: outside `xla_shard/methods`
     and the schema that composes the config, no module names one (as a string, or its section as an attribute),
-    and the schema's list of methods is the room's registry."""
+    and the schema's methods and sections are the room's registry."""
     import re
     import typing
 
     from xla_shard.config import schema
     from xla_shard.methods import METHODS
 
-    assert set(typing.get_args(schema.Method)) == set(METHODS) == set(schema.METHOD_DATA)
+    assert set(typing.get_args(schema.Method)) == set(METHODS)
+    sections = {name: entry.section for name, entry in METHODS.items() if entry.section}
+    assert {name: schema.ShardConfig.model_fields[name].annotation for name in sections} == sections
     names = "|".join(METHODS)
     named = re.compile(rf"""["']({names})["']|\.({names})\b(?!\()""")
     found = [f"{module}: {match.group(0)}" for module, path in MODULES.items()
@@ -139,6 +146,19 @@ def test_a_methods_name_and_section_appear_only_in_its_room_and_the_schema():
              for match in named.finditer(path.read_text())]
     assert not found, found
     assert named.search('cfg.dpo.beta') and named.search('method == "sft"')  # the check sees both spellings
+
+
+def test_a_methods_keys_sit_below_its_code_and_the_config_reads_without_torch():
+    """The schema composes the methods' sections from the registry: the registry and the sections import no torch
+    (a config is checked, and the CLI answers, before torch is imported)."""
+    for module in MODULES:
+        if module == "xla_shard.methods.registry" or fnmatch.fnmatchcase(module, "xla_shard.methods.*_config"):
+            assert LAYERS[_layer(module)][0] == "config", module
+    for first in ("xla_shard.config", "xla_shard.methods", "xla_shard.methods.registry", "xla_shard.config.section",
+                  "xla_shard.methods.dpo_config"):  # whichever is imported first, no import loop
+        code = (f"import sys, {first}, xla_shard.config, xla_shard.methods.registry; "
+                "assert 'torch' not in sys.modules, 'torch imported'")
+        subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
@@ -196,7 +216,7 @@ def test_the_backend_interface_stays_small_and_its_parts_are_objects_of_their_ow
 
     methods = [name for name, value in vars(Backend).items()
                if not isinstance(value, type) and (callable(value) or isinstance(value, property))]
-    assert len(methods) <= 26, methods  # (26: `to_host`, `place`'s inverse, for what a method reads back)
+    assert len(methods) <= 27, methods  # (26: `to_host`, for what a method reads back; 27: `generation_context`)
     protocol = {name for name in vars(ShardedState) if not name.startswith("_")}
     assert protocol <= set(dir(BackendState)) and not protocol & set(dir(Backend))
     assert not {"is_main", "writer", "any_rank", "barrier", "main_first"} & set(dir(Backend))

@@ -55,6 +55,8 @@ class Capabilities:
     # gradient reduction per micro-batch (GSPMD cannot keep partial sums: see the README).
     gathers_per_tensor: bool = False
     reduces_every_micro_batch: bool = False
+    # Generation (`Backend.generation_context`) holds the whole model gathered, not a unit at a time each token.
+    gathers_model_to_generate: bool = False
     # A sequence axis (mesh.context > 1): each sequence split over several devices.
     context: str | None = ("it has no sequence axis (each device holds whole sequences); use backend xla_spmd, or "
                            "set it to 1")

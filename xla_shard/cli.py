@@ -358,7 +358,7 @@ def _config_check(args) -> int:
     from xla_shard.train import preflight
 
     devices = backends.check_devices(backend)  # ... and the plan against the devices it will have, where known
-    preflight(cfg, backend.capabilities)
+    preflight(cfg, backend.capabilities, backend.method)
     if args.print:
         print(cfglib.dump(cfg), end="")
     where = f" on {devices} {backend.device_kind} device(s)" if devices else ""
@@ -439,7 +439,7 @@ def _train(args) -> int:
                            grace_s=cfg.checkpoint.preemption_grace_s,
                            nodes=launch.Nodes(nodes.nnodes, nodes.node_rank, nodes.rdzv_endpoint, nodes.rdzv_id,
                                               nodes.timeout_s))
-    train.preflight(cfg, backend.capabilities)
+    train.preflight(cfg, backend.capabilities, backend.method)
     if auto:
         print(f"xla-shard: backend auto: {auto}", file=sys.stderr)
     return launcher.start(functools.partial(train.run, cfg))

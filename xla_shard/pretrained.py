@@ -271,11 +271,12 @@ def build_for(cfg, accelerator: str | None = None, capabilities=None, empty: boo
 def load_model(cfg, backend) -> nn.Module:
     """For your own loop: the config's model wrapped by `backend` (after `backend.setup()`), holding its
     pretrained weights (read shard by shard) if `model.name` is a directory with weights, else random init."""
-    model, weights, _ = build_for(cfg, backend.accelerator, backend.capabilities)
+    adapter = backend.method.adapter
+    model, weights, _ = build_for(cfg, backend.accelerator, backend.capabilities, adapter=adapter)
     wrapped = backend.wrap(model)
     if weights is not None:
         weights.load(backend, wrapped)
-    adapter_for(cfg).derive(wrapped)
+    adapter.derive(wrapped)
     return wrapped
 
 

@@ -22,7 +22,8 @@ from torch import nn
 from xla_shard import backends, launch, lm_head, metrics
 from xla_shard import data as datalib
 from xla_shard.backends.base import Backend
-from xla_shard.checkpoint import Checkpointer, CheckpointError, NoCheckpoints, finished_message, hf_dir
+from xla_shard.checkpoint import (Checkpointer, CheckpointError, NoCheckpoints, RunRecord, finished_message,
+                                  hf_dir)
 from xla_shard.config.schema import ShardConfig, TrainSection
 from xla_shard.data import Batch, micro_rows
 from xla_shard.data.batches import trimmed
@@ -31,7 +32,7 @@ from xla_shard.errors import ConfigError, UserError, file_in_the_way, redact
 from xla_shard.hostmem import mib
 from xla_shard.io.overlap import Protected, refuse_overlap
 from xla_shard.io.staged import is_url
-from xla_shard.methods import Objective, method_for
+from xla_shard.methods import Method, Objective, method_for
 from xla_shard.metrics import StepClock, StepLogger, peak_for, train_flops_per_token
 from xla_shard.models import check_sequence_length, model_config, resolve_source
 from xla_shard.preemption import PreemptionGuard
@@ -51,11 +52,11 @@ def make_optimizer(params, train: TrainSection, accelerator: str = "cpu") -> tor
                              foreach=None if accelerator == "cuda" else False)
 
 
-def preflight(cfg: ShardConfig, capabilities=None) -> None:
+def preflight(cfg: ShardConfig, capabilities=None, method: Method | None = None) -> None:
     """Everything about the model that can be wrong, found on the meta device before any process starts
     (pretrained weights included: their names and shapes, from the safetensors headers; with the backend's
-    `capabilities`, what it cannot run of the model)."""
-    method = method_for(cfg)
+    `capabilities`, what it cannot run of the model; `method`: the run's, None: the config's)."""
+    method = method or method_for(cfg)
     with torch.device("meta"):
         model, _, source = build_for(cfg, capabilities=capabilities, adapter=method.adapter)
     check_sequence_length(model.config, cfg.train.seq_len)
@@ -187,8 +188,8 @@ class Trainer:
     def __init__(self, cfg: ShardConfig, backend: Backend | None = None, loss_fn: LossFn | None = None,
                  on_step_end: list[StepHook] | None = None, on_evaluate: list[EvalHook] | None = None):
         self.cfg = cfg
-        self.backend = backend or backends.create(cfg)
         self.method = method_for(cfg, loss_fn)
+        self.backend = backend or backends.create(cfg, self.method)
         self.objective, self.adapter = self.method.objective, self.method.adapter
         self.on_step_end = list(on_step_end or [])
         self.on_evaluate = list(on_evaluate or [])
@@ -201,7 +202,9 @@ class Trainer:
         self.total_steps = 0
         self.start_step = 0  # where this run starts: 0, or the step of the checkpoint it resumed
         self.warmup_rule = WARMUP_RULE  # a resumed run's is its checkpoint's (`_resumed_warmup_rule`)
-        self.checkpointer: Checkpointer | NoCheckpoints = NoCheckpoints()
+        # What every checkpoint records of the run beside its tensors (filled in as setup learns it).
+        self.record = RunRecord()
+        self.checkpointer: Checkpointer | NoCheckpoints = NoCheckpoints(self.record)
         self.load_report = None  # what the pretrained load read, on this process (None: nothing loaded)
         self.flops_per_token = 0.0
         self.peak_per_device, self.mfu_basis = None, ""
@@ -257,10 +260,10 @@ class Trainer:
         self.peak_per_device, self.mfu_basis = self._mfu_basis()
         if cfg.checkpoint.dir:
             self.checkpointer = Checkpointer(cfg.checkpoint, backend.state, log=self._log,
-                                             trained_only=self.adapter.freezes_base)
+                                             trained_only=self.adapter.freezes_base, record=self.record)
             self.start_step = self.checkpointer.restore(self.model, self.optimizer)
             self.warmup_rule = self._resumed_warmup_rule()
-            self.checkpointer.lr_warmup_rule = self.warmup_rule
+            self.record.lr_warmup_rule = self.warmup_rule
             key = "train.epochs" if cfg.train.epochs else "train.steps"
             if self.start_step > self.total_steps:
                 raise ConfigError(key, f"{self.total_steps} steps are behind the checkpoint's step {self.start_step} "
@@ -270,29 +273,36 @@ class Trainer:
                                            self.total_steps))
         self._log(f"model: attention {model.config._attn_implementation}"
                   + (" (model.attn_implementation=auto)" if cfg.model.attn_implementation == "auto" else ""))
+        self._fill_model(weights, source, model_class)
+        if self.objective.reference_directory:
+            self.objective.use_reference(self._reference_model(model.config))
+        return self
+
+    def _fill_model(self, weights: PretrainedWeights | None, source, model_class: str) -> None:
+        """What the wrapped model's values come from, past what a resume restored: nothing more (no weights
+        file: random init or a trace's placeholders), the frozen base of a resumed LoRA run (its checkpoint holds
+        what trains), the stored buffers of a resumed full run, or the pretrained weights of a fresh run."""
+        cfg, backend, resumed = self.cfg, self.backend, self.start_step
         if weights is None:
-            origin = (f"weights from the step-{self.start_step} checkpoint" if self.start_step
+            origin = (f"weights from the step-{resumed} checkpoint" if resumed
                       else "placeholders for its parameters (traced, never run)" if backend.placeholders
                       else f"random init from train.seed={cfg.train.seed}")
             self._log(f"model: {model_class}, " + origin
                       + ("" if source.directory is None else f" (model.init={cfg.model.init})"))
-        elif self.start_step and self.adapter.freezes_base:  # the checkpoint held what is trained, not the base
+        elif resumed and self.adapter.freezes_base:
             self._check_base(weights)
             report = weights.load(backend, self.model, frozen_only=True)
             self._log(f"model: resumed the trained parameters; the frozen weights read from {source.directory} "
                       f"({report.describe()})")
-        elif self.start_step:
+        elif resumed:
             weights.load_buffers(backend, self.model)  # checkpoints hold parameters; stored buffers come from here
             self._log(f"model: resumed, so the pretrained weights of {source.directory} were not read")
         else:
             if self.adapter.freezes_base and backend.processes.is_main:  # the base the adapters will be trained on
-                self.checkpointer.base = weights.identity()
+                self.record.base = weights.identity()
             self._load_pretrained(weights, model_class)
-        if not self.start_step and not backend.placeholders:  # a resume read them from its checkpoint
+        if not resumed and not backend.placeholders:  # a resume read them from its checkpoint
             self.adapter.derive(self.model)
-        if self.objective.reference_directory:
-            self.objective.use_reference(self._reference_model(model.config))
-        return self
 
     def _reference_model(self, policy_config) -> nn.Module:
         """The objective's reference model, sharded as the policy is and in eval mode. Never checkpointed: the
@@ -312,7 +322,7 @@ class Trainer:
         """A resume reads the reference again: it must be the one the run started with (the same bytes, as far
         as `hf_dir.identity` tells), or the objective changes under the run without a word. Recorded in every
         manifest, as a LoRA base is."""
-        recorded = self.checkpointer.restored_reference if self.start_step else None
+        recorded = self.checkpointer.restored.reference if self.start_step else None
         differs = self._differs_from_record(recorded, weights, "reference") if self.start_step else None
         if differs:
             raise ConfigError(self.objective.reference_key, f"{differs}: the step-{self.start_step} checkpoint was "
@@ -320,14 +330,14 @@ class Trainer:
                                                             f"({recorded.get('directory')}); restore those weights, "
                                                             "or start a new run in another checkpoint.dir")
         if self.backend.processes.is_main:  # the one process that writes manifests
-            self.checkpointer.reference = recorded if recorded is not None else weights.identity()
+            self.record.reference = recorded if recorded is not None else weights.identity()
 
     def _resumed_warmup_rule(self) -> str:
         """The warm-up rule this run goes on with: a fresh run's is transformers'; a resumed one keeps its
         checkpoint's, and one written before the rule was recorded went a step ahead (said, where it matters)."""
         if not self.start_step:
             return WARMUP_RULE
-        recorded = self.checkpointer.restored_lr_warmup_rule
+        recorded = self.checkpointer.restored.lr_warmup_rule
         if recorded is None:
             if self.start_step < self.cfg.train.lr_warmup_steps:
                 self._log(f"the step-{self.start_step} checkpoint was written under the earlier learning-rate warm-up "
@@ -342,16 +352,16 @@ class Trainer:
         """A resume over a frozen base (LoRA) reads that base from model.name again: it must be the base the
         checkpoint's adapters were trained on (the same bytes, as far as `hf_dir.identity` tells), not merely
         its shapes."""
-        recorded = self.checkpointer.restored_base
+        recorded = self.checkpointer.restored.base
         differs = self._differs_from_record(recorded, weights, "base")
         if differs:
             raise ConfigError("model.name", f"{differs}: the adapters of the step-{self.start_step} checkpoint "
                                             f"were trained on another base ({recorded.get('directory')}); point "
                                             "model.name at that base, or start a new run in another checkpoint.dir")
         if recorded is not None:
-            self.checkpointer.base = recorded
+            self.record.base = recorded
         elif self.backend.processes.is_main:  # the one process that writes manifests
-            self.checkpointer.base = weights.identity()
+            self.record.base = weights.identity()
 
     def _differs_from_record(self, recorded: dict | None, weights: PretrainedWeights, what: str) -> str | None:
         """What differs between the directory `weights` reads and the resumed checkpoint's record of its `what`
@@ -425,12 +435,17 @@ class Trainer:
         stream's rows are read once, in order (asked for an earlier step, a stream starts again from the top)."""
         return self.micro_batches(step), self.source.real_tokens(step)
 
+    def trained_batches(self, step: int, micro_batches: list[Batch] | None = None) -> list[Batch]:
+        """What `step` trains on: its micro-batches (read, or given), as the objective makes them (an online
+        method's rollout: generated and scored)."""
+        backend = self.backend
+        return self.objective.rollout(self.model, backend, self.source, step, micro_batches or self.micro_batches(step),
+                                      process_rows(self.cfg.train, backend.processes))
+
     def step(self, step: int, micro_batches: list[Batch] | None = None) -> torch.Tensor:
         """One optimizer step over `grad_accum_steps` micro-batches; the mean loss (a device tensor)."""
         backend, train = self.backend, self.cfg.train
-        micro_batches = micro_batches or self.micro_batches(step)
-        micro_batches = self.objective.rollout(self.model, backend, self.source, step, micro_batches,
-                                               process_rows(train, backend.processes))
+        micro_batches = self.trained_batches(step, micro_batches)
         k = len(micro_batches)
         weights = self.objective.weights(micro_batches, backend.processes, backend.world, self.uneven_labels)
         equal = all(w == 1.0 / k for w in weights)  # the plain mean (a process's own shares can be equal, not 1/k)

@@ -116,9 +116,9 @@ def launch_from_environment(cfg: ShardConfig) -> tuple[ShardConfig, str | None]:
     return cfg.model_copy(update={"launch": nodes}), said
 
 
-def create(cfg: ShardConfig) -> Backend:
-    """The config's backend, its options checked; nothing started."""
-    backend = BACKENDS[resolve_name(cfg)](cfg)
+def create(cfg: ShardConfig, method=None) -> Backend:
+    """The config's backend for the run's `method` (None: the config's), its options checked; nothing started."""
+    backend = BACKENDS[resolve_name(cfg)](cfg, method)
     backend.check()
     return backend
 
@@ -128,7 +128,7 @@ def start(cfg: ShardConfig, backend: Backend | None = None) -> Backend:
     backend = backend or create(cfg)
     backend.check_runtime()
     backend.start()
-    backend.setup(settle(cfg, backend.num_devices, backend.capabilities, backend.device_kind))
+    backend.setup(settle(cfg, backend.num_devices, backend.capabilities, backend.device_kind, backend.method))
     return backend
 
 
@@ -137,7 +137,7 @@ def check_devices(backend: Backend, nproc_per_node: int | None = None) -> int | 
     where that is known already. Returns them (None: only the started runtime can tell)."""
     devices = backend.expected_devices(nproc_per_node)
     if devices is not None:
-        settle(backend.cfg, devices, backend.capabilities, backend.device_kind)
+        settle(backend.cfg, devices, backend.capabilities, backend.device_kind, backend.method)
     return devices
 
 

@@ -27,6 +27,7 @@ from xla_shard.backends.state import BackendState
 from xla_shard.capabilities import Capabilities
 from xla_shard.config.schema import ShardConfig
 from xla_shard.data import Batch, local_rows
+from xla_shard.methods import Method, method_for
 from xla_shard.plan import ShardingPlan
 from xla_shard.wrap import cast_activations
 
@@ -55,8 +56,10 @@ class Backend(abc.ABC):
     # How the devices share the chunked loss's work (`lm_head.Partials`): eager and FSDP need nothing of it.
     partials: lm_head.Partials = lm_head.Partials()
 
-    def __init__(self, cfg: ShardConfig):
+    def __init__(self, cfg: ShardConfig, method: Method | None = None):
         self.cfg = cfg
+        # The run's method (None: the config's), for what it needs of this backend and how its adapter shards.
+        self.method = method if method is not None else method_for(cfg)
         self.rank = 0  # this process's data-parallel rank
         self.world = 1  # data-parallel processes, each with its own loss (SPMD: 1, one program over every host)
         self.device = torch.device("cpu")
@@ -152,6 +155,10 @@ class Backend(abc.ABC):
     def forward_context(self):
         """Wraps the forward pass (autocast where the backend needs it)."""
         return contextlib.nullcontext()
+
+    def generation_context(self, model: nn.Module):
+        """Wraps a generation's forwards (a forward a token: a method's sampling)."""
+        return self.forward_context()
 
     def after_step(self) -> None:
         """Cut the step (XLA: materialise the graph); a no-op for eager backends."""

@@ -28,7 +28,6 @@ from xla_shard.backends.state import BackendState, pack_bytes, unpack_bytes
 from xla_shard.capabilities import Capabilities
 from xla_shard.checkpoint.contract import Box, Chunk
 from xla_shard.config.schema import ShardingStrategy
-from xla_shard.methods import adapter_for
 from xla_shard.errors import ConfigError, one_line
 from xla_shard.plan import ShardingPlan
 from xla_shard.wrap import checkpoint_targets, wrap_targets
@@ -103,6 +102,7 @@ class SequencePieces(lm_head.Partials):
 class TorchFsdpBackend(Backend):
     capabilities = Capabilities(
         "torch_fsdp", launcher="torchrun", platforms=("cuda", "cpu"), unit="torchrun processes",
+        gathers_model_to_generate=True,
         offload_params=None,  # FSDP2's CPUOffloadPolicy, on a machine with GPUs
         nonuniform_triple="FSDP2 keeps gradients and optimizer state in the parameters' DTensor layout and cannot "
                           "shard them wider: pytorch/pytorch#148257",
@@ -194,7 +194,7 @@ class TorchFsdpBackend(Backend):
                                            functools.partial(checkpoint, use_reentrant=False))
         units = wrap_targets(model, fsdp)
         if len({p.dtype for p in model.parameters()}) > 1:  # fp32 adapters over a bf16 base (model.lora)
-            units = adapter_for(self.cfg).trained_modules(model) + units
+            units = self.method.adapter.trained_modules(model) + units
         if self.cfg.train.compile:
             self._compile(units or [model])
         empty = on_meta(model)  # to be filled by a pretrained load: shard first, then allocate only the shards
@@ -251,6 +251,14 @@ class TorchFsdpBackend(Backend):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
     @contextlib.contextmanager
+    def generation_context(self, model: nn.Module):
+        """Sampling runs a forward per token, and FSDP2 would all-gather (and free) every unit each time. The units
+        stay gathered for the whole generation instead, as TRL gathers a ZeRO-3 policy to generate: one all-gather
+        a unit per rollout, the whole model's parameters held meanwhile (the plan counts them)."""
+        with self.forward_context(), _gathered_throughout(model):
+            yield
+
+    @contextlib.contextmanager
     def grad_sync(self, model: nn.Module, enabled: bool):
         """FSDP2 skips the gradient reduce-scatter (DDP the all-reduce) on all but the last micro-batch."""
         if isinstance(model, FSDPModule):
@@ -294,3 +302,36 @@ class TorchFsdpBackend(Backend):
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _gathered_throughout(model: nn.Module):
+    """FSDP2's units left gathered after each forward (then resharded once), by their parameter groups' post-forward
+    mesh (None: keep them gathered), as `FSDPModule.set_reshard_after_forward(False)` sets it; that call cannot set
+    back an int or the root's own setting, so the groups' values are kept and restored here. Where FSDP2 keeps its
+    groups elsewhere (another torch), the forwards gather as they always do."""
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    if not units:
+        yield
+        return
+    model._get_fsdp_state()._lazy_init()  # the root decides its own setting at its first forward: before ours
+    groups = [group for unit in units for group in _param_groups(unit)]
+    kept = [group.post_forward_mesh_info for group in groups]
+    for group in groups:
+        group.post_forward_mesh_info = None
+    try:
+        yield
+    finally:
+        for group, info in zip(groups, kept):
+            group.post_forward_mesh_info = info
+        for unit in units:
+            unit.reshard()
+
+
+def _param_groups(unit: FSDPModule) -> list:
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)  # newer torch: a list
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return [group for group in groups if hasattr(group, "post_forward_mesh_info")]

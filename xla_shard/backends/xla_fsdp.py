@@ -20,7 +20,7 @@ from xla_shard.backends.processes import Processes
 from xla_shard.backends.state import BackendState, optimizer_state
 from xla_shard.capabilities import Capabilities
 from xla_shard.checkpoint.contract import StateTensor, range_to_boxes
-from xla_shard.methods import GENERATION, REFERENCE_MODEL, method_for
+from xla_shard.methods import GENERATION, REFERENCE_MODEL
 from xla_shard.config.schema import ShardingStrategy
 
 _HYBRID = "needs a 2-D mesh; use backend xla_spmd (replica x fsdp mesh) for hybrid sharding"
@@ -145,7 +145,7 @@ class XlaFsdpBackend(xla_common.XlaBackend):
     def check(self) -> None:
         super().check()
         self._check_xla_settings()
-        method = method_for(self.cfg)
+        method = self.method
         for need in (REFERENCE_MODEL, GENERATION):
             if need in method.needs:
                 self.capabilities.refuse("method", f"{method.name} needs {need}, which xla_shard does not run as "

@@ -4,11 +4,12 @@
 resume, `inspect` and `export` the tools built on the reader.
 """
 
-from xla_shard.checkpoint.manager import Checkpointer, NoCheckpoints, finished_message, nothing_to_train
+from xla_shard.checkpoint.manager import Checkpointer, NoCheckpoints, RunRecord, finished_message, nothing_to_train
 from xla_shard.checkpoint.manifest import (CheckpointError, CorruptCheckpointError, Manifest, committed_steps,
                                            read_manifest)
 from xla_shard.checkpoint.reader import ChunkReader
 from xla_shard.io.storage import Storage, StorageError
 
 __all__ = ["CheckpointError", "Checkpointer", "ChunkReader", "CorruptCheckpointError", "Manifest", "NoCheckpoints",
-           "Storage", "StorageError", "committed_steps", "finished_message", "nothing_to_train", "read_manifest"]
+           "RunRecord", "Storage", "StorageError", "committed_steps", "finished_message", "nothing_to_train",
+           "read_manifest"]

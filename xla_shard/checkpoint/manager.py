@@ -16,6 +16,7 @@ falls back past committed checkpoints that fail verification, setting them aside
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
@@ -151,6 +152,26 @@ def _load_extra(manifest: Manifest, wanted: Extra) -> None:
 
 
 # ---- writing ------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class RunRecord:
+    """What every manifest records of the run beside its tensors, for a resume (or a merge) to tell that it goes
+    on with the same run: the frozen base a LoRA run adapts and the frozen reference an objective compares
+    against (DPO's, GRPO's), each {"directory", "files": hf_dir.identity}; and the learning-rate warm-up rule
+    (`schedule.WARMUP_RULE`) the run started with. None: not recorded (nothing of the kind, or a checkpoint from
+    before the key)."""
+
+    base: dict[str, Any] | None = None
+    reference: dict[str, Any] | None = None
+    lr_warmup_rule: str | None = None
+
+    def to_manifest(self) -> dict[str, Any]:
+        return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
+
+    @classmethod
+    def from_manifest(cls, data: dict[str, Any]) -> RunRecord:
+        return cls(**{field.name: data.get(field.name) for field in dataclasses.fields(cls)})
+
+
 class Checkpointer:
     """One per training process. `restore` picks up where `checkpoint.resume` says; `save` returns once the
     step may go on; `wait` surfaces any failure.
@@ -161,7 +182,8 @@ class Checkpointer:
     run's is refused by `restore`, naming the key: it would not continue that run.
     """
 
-    def __init__(self, section, state: ShardedState, log: Callable[[str], None] = print, trained_only: bool = False):
+    def __init__(self, section, state: ShardedState, log: Callable[[str], None] = print, trained_only: bool = False,
+                 record: RunRecord | None = None):
         self.section = section
         self.state = state
         self.log = log
@@ -173,19 +195,10 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._hf_config: dict[str, Any] | None = None
         self._extra: dict[str, Any] | None = None  # what the save in flight stores as extra state
-        # The frozen base a LoRA run adapts ({"directory", "files": hf_dir.identity}), recorded in every manifest
-        # so that a resume or a merge can tell that the base is still the one the adapters were trained on;
-        # `restored_base` is what the checkpoint restored from recorded (None: nothing, or an older checkpoint).
-        self.base: dict[str, Any] | None = None
-        self.restored_base: dict[str, Any] | None = None
-        # Likewise the frozen reference an objective compares against (DPO's), re-read at each resume.
-        self.reference: dict[str, Any] | None = None
-        self.restored_reference: dict[str, Any] | None = None
-        # The trainer's learning-rate warm-up rule (`schedule.WARMUP_RULE`), recorded in every manifest so a resume
-        # continues on the rule its run started with; `restored_lr_warmup_rule` is the restored one's (None: none
-        # recorded, as before there was a choice).
-        self.lr_warmup_rule: str | None = None
-        self.restored_lr_warmup_rule: str | None = None
+        # The run's record (its owner, the trainer, fills it in as it learns it), written into every manifest;
+        # `restored`: the record of the checkpoint `restore` read.
+        self.record = record if record is not None else RunRecord()
+        self.restored = RunRecord()
         self._error: BaseException | None = None
         self.saving_step: int | None = None
         self.last_saved: int | None = None  # newest step this process saved (committed or in flight)
@@ -280,12 +293,7 @@ class Checkpointer:
                     "files": files, "rng": rng, "tensors": tensors}
         if self._extra is not None:
             manifest["extra"] = self._extra
-        if self.base is not None:
-            manifest["base"] = self.base
-        if self.reference is not None:
-            manifest["reference"] = self.reference
-        if self.lr_warmup_rule is not None:
-            manifest["lr_warmup_rule"] = self.lr_warmup_rule
+        manifest.update(self.record.to_manifest())
         raw = json.dumps(manifest, indent=1).encode()
         try:  # what is committed must read back: the reader's own rules, on the very bytes (the tensors' tiling
             # was checked above, and is the costly part on a pod)
@@ -432,9 +440,7 @@ class Checkpointer:
         _check_extra(manifest, extra)
         fill(ChunkReader(storage, manifest), targets)
         _load_extra(manifest, extra)
-        self.restored_base = manifest.data.get("base")
-        self.restored_reference = manifest.data.get("reference")
-        self.restored_lr_warmup_rule = manifest.data.get("lr_warmup_rule")
+        self.restored = RunRecord.from_manifest(manifest.data)
         rank, world = self.state.writer
         if manifest.data["writers"] == world and str(rank) in manifest.data["rng"]:
             try:
@@ -533,12 +539,10 @@ class NoCheckpoints:
     `Checkpointer`, so it never asks whether there is one."""
 
     last_committed: int | None = None
-    # what a resume restored (nothing: there is none) and what a save would record
-    restored_base: dict[str, Any] | None = None
-    restored_reference: dict[str, Any] | None = None
-    restored_lr_warmup_rule: str | None = None
-    base: dict[str, Any] | None = None
-    reference: dict[str, Any] | None = None
+
+    def __init__(self, record: RunRecord | None = None):
+        self.record = record if record is not None else RunRecord()  # kept, never written
+        self.restored = RunRecord()  # what a resume restored: nothing, there is none
 
     def save(self, step: int, model, optimizer, block: bool = False, extra: Extra | None = None) -> None:
         pass

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 from xla_shard.config import importers
 from xla_shard.config.files import check_depth, check_keys, parse_yaml, read_raw
 from xla_shard.config.schema import ShardConfig
+from xla_shard.methods.registry import METHODS
 from xla_shard.errors import ConfigError, one_line
 
 
@@ -142,8 +143,9 @@ def revalidated(cfg: ShardConfig, **changes: Any) -> ShardConfig:
 def dump(cfg: ShardConfig) -> str:
     """`cfg` as YAML, every value filled in, that validates again to the same config (what a launcher hands its
     workers, what `config check` prints): a key whose setting a validator reads (`SET_ONLY_BESIDE`) is written
-    only where it was set."""
-    data = cfg.model_dump(mode="json", by_alias=True)
+    only where it was set. Of the methods' sections, the run's method's alone (the others hold their defaults),
+    after the data section."""
+    data = _method_section_after_data(cfg, cfg.model_dump(mode="json", by_alias=True))
     for key, beside in cfg.SET_ONLY_BESIDE.items():
         section, name = key.split(".")
         other_section, other = beside.split(".")
@@ -151,3 +153,13 @@ def dump(cfg: ShardConfig) -> str:
                 name not in getattr(cfg, section).model_fields_set:
             del data[section][name]
     return yaml.safe_dump(data, sort_keys=False)
+
+
+def _method_section_after_data(cfg: ShardConfig, data: dict[str, Any]) -> dict[str, Any]:
+    sections = {name: data.pop(name) for name, entry in METHODS.items() if entry.section is not None}
+    placed = {}
+    for key, value in data.items():
+        placed[key] = value
+        if key == "data" and cfg.method in sections:
+            placed[cfg.method] = sections[cfg.method]
+    return placed

@@ -9,24 +9,12 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, create_model, field_validator, model_validator
 
-
-class _Section(BaseModel):
-    # inf/nan are refused everywhere: an infinite lr or timeout is a mistake, never a setting.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_for_number(cls, value: Any, info) -> Any:
-        """YAML's `true` is an int to pydantic (steps: true would train one step): refuse it for numbers."""
-        annotation = cls.model_fields[info.field_name].annotation
-        kinds = set(get_args(annotation)) or {annotation}
-        if isinstance(value, bool) and bool not in kinds and kinds & {int, float}:
-            raise ValueError(f"expected a number, got {str(value).lower()}")
-        return value
+from xla_shard.config.section import Section
+from xla_shard.methods.registry import METHODS
 
 
 class ShardingStrategy(str, enum.Enum):
@@ -77,7 +65,7 @@ class Backend(str, enum.Enum):
     TORCH_TPU = "torch_tpu"
 
 
-class ShardingTriple(_Section):
+class ShardingTriple(Section):
     """How many devices each of parameters, gradients and optimizer state is split over (AMSP's P, G, OS):
     a device count dividing the devices, `all`, or `none` (replicated); nested, P <= G <= OS.
 
@@ -105,7 +93,7 @@ class ShardingTriple(_Section):
         return params, grads, optimizer, (params if after is None else 1 if after == "none" else after)
 
 
-class FsdpSection(_Section):
+class FsdpSection(Section):
     sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
     # Instead of a strategy: the sharding degrees of {params, grads, optimizer} (see ShardingTriple), or auto:
     # the cost model's fastest choice for the devices and model (`xla-shard plan` shows the ranking).
@@ -170,7 +158,7 @@ class FsdpSection(_Section):
         return aliases.get(str(value).lower(), str(value).lower()) if isinstance(value, str) else value
 
 
-class MeshSection(_Section):
+class MeshSection(Section):
     """SPMD device mesh: `fsdp` devices shard parameters, `replica` groups hold copies (HYBRID_SHARD).
 
     `fsdp: -1` means "all devices left after the replica axis". torch_fsdp uses the same two numbers for
@@ -206,7 +194,7 @@ class MeshSection(_Section):
         return self.replica, fsdp
 
 
-class LoraSection(_Section):
+class LoraSection(Section):
     """LoRA adapters (peft's): the model's weights stay frozen, small low-rank matrices beside the chosen layers
     are trained, and checkpoints hold only what is trained."""
 
@@ -233,7 +221,7 @@ class LoraSection(_Section):
         return value
 
 
-class ModelSection(_Section):
+class ModelSection(Section):
     # A preset name (see `xla_shard.config.presets`), a transformers config.json, or a model directory
     # (`save_pretrained` output: config.json + safetensors) on a local disk or any fsspec URL (gs://, hf://).
     name: str = "tiny-llama"
@@ -267,7 +255,7 @@ class ModelSection(_Section):
         return value
 
 
-class TrainSection(_Section):
+class TrainSection(Section):
     # Optimizer steps; or `epochs` (passes over the training rows, fractions allowed), not both.
     steps: int = Field(default=8, ge=1)
     epochs: float | None = Field(default=None, gt=0)
@@ -342,7 +330,7 @@ class TrainSection(_Section):
         return self
 
 
-class DataSection(_Section):
+class DataSection(Section):
     """What the model trains on. Files are read with Hugging Face `datasets` (memory-mapped Arrow, tokenized
     once and cached), so a corpus larger than host memory works."""
 
@@ -440,80 +428,12 @@ class DataSection(_Section):
         return self
 
 
-class DpoSection(_Section):
-    """Direct preference optimisation (method dpo, on data.kind preference rows), with TRL's DPOTrainer's keys and
-    defaults: the loss pushes the policy's log-probability ratio of chosen over rejected completions above the
-    reference model's."""
-
-    # How far the policy may move from the reference: the rewards are beta x (log-ratio to the reference).
-    beta: float = Field(default=0.1, gt=0)
-    # sigmoid: -log sigmoid(beta x margin), DPO's own; robust: Robust DPO, for labels flipped with probability
-    # `label_smoothing`.
-    loss_type: Literal["sigmoid", "robust"] = "sigmoid"
-    label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)
-    # The reference model: a model directory (local or a URL), frozen, sharded like the policy and never saved;
-    # null: the policy with its LoRA adapters switched off (model.lora), else the weights it starts from.
-    reference: str | None = None
-
-    @model_validator(mode="after")
-    def _smoothing_is_robusts(self) -> DpoSection:
-        if self.label_smoothing and self.loss_type != "robust":
-            raise ValueError("dpo.label_smoothing is Robust DPO's flip probability; TRL's sigmoid loss does not use "
-                             "it: set dpo.loss_type: robust, or drop it")
-        return self
-
-
-class GrpoSection(_Section):
-    """Group relative policy optimisation (method grpo, on data.kind prompt rows), with TRL's GRPOTrainer's keys and
-    defaults: each prompt gets `num_generations` completions from the policy being trained, the reward functions
-    score them, and each completion's advantage over its group weighs its tokens' clipped policy loss.
-    train.global_batch_size counts completions (as TRL's per-device batch does): global_batch_size /
-    num_generations prompts a step."""
-
-    # The user's reward functions: import paths, MODULE:FUNCTION or path/to/file.py:FUNCTION, each called with
-    # TRL's keywords (prompts, completions, completion_ids, the row's other columns) and returning a float (or
-    # None) per completion; `reward_weights`: one weight each (null: 1 each).
-    reward_funcs: list[str] = Field(default_factory=list)
-    reward_weights: list[float] | None = None
-    num_generations: int = Field(default=8, ge=2)
-    # Tokens a completion may have; the prompt has train.seq_len minus these (longer prompts are dropped, counted).
-    max_completion_length: int = Field(default=256, ge=1)
-    temperature: float = Field(default=1.0, gt=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)  # 0: off
-    # dapo: over every completion token of the step (TRL's default); grpo: each sequence's mean, then their
-    # mean; dr_grpo: over rows x max_completion_length; bnpo: over the micro-batch's tokens.
-    loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo"] = "dapo"
-    # What a reward's advantage is divided by: its group's standard deviation, the batch's, or nothing.
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    epsilon: float = Field(default=0.2, gt=0)  # the ratio's clip below 1 (and above, unless epsilon_high)
-    epsilon_high: float | None = Field(default=None, gt=0)
-    # The KL term's weight; > 0 scores the completions with the reference too.
-    beta: float = Field(default=0.0, ge=0)
-    # Optimizer steps each generation trains (> 1: the ratio to the generating policy's probabilities moves).
-    num_iterations: int = Field(default=1, ge=1)
-    # Weigh each token's KL by its importance ratio (TRL's use_bias_correction_kl).
-    kl_correction: bool = True
-    # The reference model for beta > 0: a model directory; null: the policy with its LoRA adapters switched off
-    # (model.lora), else the weights it starts from.
-    reference: str | None = None
-
-    @model_validator(mode="after")
-    def _reference_needs_beta(self) -> GrpoSection:
-        if self.reference is not None and self.beta == 0:
-            raise ValueError("grpo.reference scores the KL term, and grpo.beta is 0: set grpo.beta > 0, or drop it")
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
-            raise ValueError(f"grpo.reward_weights has {len(self.reward_weights)} weight(s) for "
-                             f"{len(self.reward_funcs)} reward function(s): give one each, or none")
-        return self
-
-
 # The longest wait or grace any duration key takes: a week. Beyond it a value is a mistake, and what it feeds
 # (timedelta, Kubernetes' terminationGracePeriodSeconds, xpk's flags) overflows or refuses it.
 MAX_SECONDS = 7 * 24 * 3600
 
 
-class LaunchSection(_Section):
+class LaunchSection(Section):
     """How many processes torch_fsdp starts (through torchrun), on how many nodes. The XLA backends drive
     every local device from one process per host and take none of these keys. `--nproc-per-node` on the
     command line wins."""
@@ -560,7 +480,7 @@ def _place(value: str) -> str:
     return value
 
 
-class CheckpointSection(_Section):
+class CheckpointSection(Section):
     # Any fsspec URL: a local path, gs://bucket/prefix (gcsfs, the VM's credentials), memory://... ;
     # null turns checkpointing off.
     dir: str | None = None
@@ -639,7 +559,7 @@ DEPLOY_PATTERNS = {
 }
 
 
-class DeploySection(_Section):
+class DeploySection(Section):
     """Where `xla-shard gcp render` puts the job. Only the deploy commands read this section."""
 
     project: str | None = None
@@ -712,18 +632,15 @@ class DeploySection(_Section):
         return self
 
 
-# The fine-tuning methods (xla_shard.methods holds each; its registry, `METHODS`, is held to this list), and the
-# rows each trains on.
-Method = Literal["sft", "dpo", "grpo"]
-METHOD_DATA = {"sft": ("text", "chat", "prompt_completion"), "dpo": ("preference",), "grpo": ("prompt",)}
-METHOD_SECTIONS = {"dpo": DpoSection, "grpo": GrpoSection}  # a method's own keys, refused under another method
+# The fine-tuning methods, a config key each (`xla_shard.methods.registry`: their rows and sections).
+Method = Literal[tuple(METHODS)]
 
 
-class ShardConfig(_Section):
+class _ShardConfig(Section):
+    """Every key but the methods' own sections, which `ShardConfig` adds from the methods' registry."""
+
     backend: Backend = Backend.AUTO
-    # The fine-tuning method: sft (the model's own loss on text, chat or prompt/completion rows), dpo (preference
-    # rows; its keys: the `dpo` section), grpo (prompts, completions generated and scored by reward functions; its
-    # keys: the `grpo` section).
+    # The fine-tuning method (`xla_shard.methods.registry`): its keys are the section of its name.
     method: Method = "sft"
     # Devices to use on CPU: XLA virtual devices (xla_spmd) or gloo processes (torch_fsdp, via torchrun).
     cpu_devices: int = Field(default=4, ge=1, le=64)
@@ -732,8 +649,6 @@ class ShardConfig(_Section):
     mesh: MeshSection = Field(default_factory=MeshSection)
     train: TrainSection = Field(default_factory=TrainSection)
     data: DataSection = Field(default_factory=DataSection)
-    dpo: DpoSection = Field(default_factory=DpoSection)
-    grpo: GrpoSection = Field(default_factory=GrpoSection)
     launch: LaunchSection = Field(default_factory=LaunchSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     deploy: DeploySection = Field(default_factory=DeploySection)
@@ -768,12 +683,11 @@ class ShardConfig(_Section):
         return {"path": value} if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _eval_needs_data(self) -> ShardConfig:
+    def _eval_needs_data(self) -> _ShardConfig:
         if self.data.path == "synthetic" and self.train.eval_every is not None:
             raise ValueError("train.eval_every is set but data.path is synthetic: nothing to evaluate on")
-        for method, section in METHOD_SECTIONS.items():
-            changed = [key for key, value in getattr(self, method)
-                       if value != section.model_fields[key].get_default(call_default_factory=True)]
+        for method, entry in METHODS.items():
+            changed = entry.section and getattr(self, method).changed()
             if self.method != method and changed:
                 raise ValueError(f"{method}.{changed[0]} applies to method {method}; method is {self.method}")
         if self.model.lora is not None and self.model.lora.use_dora and self.fsdp.scan_layers:
@@ -785,39 +699,19 @@ class ShardConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _method_trains_its_rows(self) -> ShardConfig:
-        kinds = METHOD_DATA[self.method]
+    def _method_trains_its_rows(self) -> _ShardConfig:
+        kinds = METHODS[self.method].rows
         if self.data.kind not in kinds:
-            trains = next(method for method, rows in METHOD_DATA.items() if self.data.kind in rows)
+            trains = next(method for method, entry in METHODS.items() if self.data.kind in entry.rows)
             raise ValueError(f"data.kind {self.data.kind} rows train method {trains}, and method is {self.method} "
                              f"(it trains on data.kind {' or '.join(kinds)}): set method: {trains}")
+        section = METHODS[self.method].section
+        if section is not None:
+            getattr(self, self.method).check_run(self)
         return self
 
     @model_validator(mode="after")
-    def _grpo_fits(self) -> ShardConfig:
-        if self.method != "grpo":
-            return self
-        grpo, train = self.grpo, self.train
-        if not grpo.reward_funcs:
-            raise ValueError("method grpo scores its completions with your reward functions: set grpo.reward_funcs "
-                             "(MODULE:FUNCTION or path/to/file.py:FUNCTION, one or more)")
-        if train.global_batch_size % grpo.num_generations:
-            raise ValueError(f"train.global_batch_size={train.global_batch_size} counts completions, "
-                             f"grpo.num_generations={grpo.num_generations} a prompt: the batch must hold whole groups")
-        if grpo.max_completion_length >= train.seq_len:
-            raise ValueError(f"grpo.max_completion_length={grpo.max_completion_length} leaves the prompt nothing of "
-                             f"train.seq_len={train.seq_len} (a row is the prompt, then its completion)")
-        if self.mesh.context > 1:
-            raise ValueError(f"mesh.context={self.mesh.context} splits sequences; GRPO generates whole ones: set "
-                             "mesh.context: 1")
-        if self.data.eval_path or self.data.eval_fraction:
-            key = "data.eval_path" if self.data.eval_path else "data.eval_fraction"
-            raise ValueError(f"{key}: method grpo has no evaluation yet (its records carry the rewards of every "
-                             "step's completions); drop the key")
-        return self
-
-    @model_validator(mode="after")
-    def _sequence_axis(self) -> ShardConfig:
+    def _sequence_axis(self) -> _ShardConfig:
         context = self.mesh.context
         if context == 1:
             return self
@@ -848,7 +742,7 @@ class ShardConfig(_Section):
         return value.strip().lower() if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _consistent(self) -> ShardConfig:
+    def _consistent(self) -> _ShardConfig:
         fsdp = self.fsdp
         if fsdp.auto_wrap_policy is not WrapPolicy.TRANSFORMER_BASED_WRAP and fsdp.transformer_layer_cls_to_wrap:
             raise ValueError(
@@ -865,3 +759,9 @@ class ShardConfig(_Section):
                 f"HYBRID_SHARD_ZERO2, not {fsdp.sharding_strategy.value}"
             )
         return self
+
+
+# The config: its keys, and each method's section under the method's name.
+ShardConfig = create_model("ShardConfig", __base__=_ShardConfig, __module__=__name__,
+                           **{name: (entry.section, Field(default_factory=entry.section))
+                              for name, entry in METHODS.items() if entry.section is not None})

@@ -1,18 +1,28 @@
 """The room for fine-tuning methods. A run's method (`method` in the config) is resolved once, by `method_for`,
 into a `Method`: how the model is changed (its `Adapter`: full fine-tuning, LoRA, DoRA), what a step computes and
-evaluation reports (its `Objective`: the model's own loss, one of yours, DPO), and what it needs of a backend.
-The trainer, the pretrained loader, the planner and the backends are handed that object, or ask `method_for`;
-nothing outside this package names a concrete method (tests/test_layout.py holds that). A method is a module
-here with its tests, and a line in `METHODS`.
+evaluation reports (its `Objective`: the model's own loss, one of yours, DPO, GRPO), and what it needs of a
+backend. The trainer hands that object to the pretrained loader, the planner and the backend; nothing outside this
+package names a concrete method (tests/test_layout.py holds that). A method is its modules here (its objective,
+its section's keys), its tests, and a line in `registry.METHODS`.
+
+Importing this package imports no torch (the config's schema reads the registry beside it); `Adapter` and
+`Objective` are imported when first asked for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from xla_shard.methods.adapter import Adapter
-from xla_shard.methods.objective import Objective
+# The config first: its schema composes itself from the registry, whose sections build on the config's, so the
+# registry is first imported from inside the schema whichever of the two a program imports first.
+import xla_shard.config  # noqa: F401  (isort: skip)
+from xla_shard.methods.registry import METHODS
+
+if TYPE_CHECKING:
+    from xla_shard.methods.adapter import Adapter
+    from xla_shard.methods.objective import Objective
 
 # What a method may need of a backend beyond training a model (`Method.needs`).
 REFERENCE_MODEL = "a frozen reference model beside the policy"
@@ -34,37 +44,6 @@ class Method:
         return self.objective.describe() or self.name
 
 
-def _sft(cfg, adapter: Adapter, loss_fn) -> tuple[Objective, frozenset[str]]:
-    from xla_shard.methods.objective import CustomLoss, ModelLoss
-
-    causal = cfg.model.task == "causal_lm"
-    return (ModelLoss(causal) if loss_fn is None else CustomLoss(loss_fn, causal)), frozenset()
-
-
-def _dpo(cfg, adapter: Adapter, loss_fn) -> tuple[Objective, frozenset[str]]:
-    if loss_fn is not None:  # a loss of the user's own on preference rows
-        return _sft(cfg, adapter, loss_fn)
-    from xla_shard.methods.dpo import Dpo
-
-    return Dpo(cfg.dpo, adapter, cfg.model.name), frozenset({REFERENCE_MODEL})
-
-
-def _grpo(cfg, adapter: Adapter, loss_fn) -> tuple[Objective, frozenset[str]]:
-    if loss_fn is not None:
-        from xla_shard.errors import ConfigError
-
-        raise ConfigError("method", "grpo's loss is its own (the clipped policy loss of its completions); a loss_fn "
-                                    "of yours replaces the objective of methods sft and dpo")
-    from xla_shard.methods.grpo_objective import Grpo
-
-    objective = Grpo(cfg, adapter)
-    return objective, frozenset({GENERATION} | ({REFERENCE_MODEL} if cfg.grpo.beta > 0 else set()))
-
-
-# The config's `method` -> what builds its objective (and says what it needs), given the config and the adapter.
-METHODS: dict[str, Callable] = {"sft": _sft, "dpo": _dpo, "grpo": _grpo}
-
-
 def adapter_for(cfg) -> Adapter:
     """The adapter `cfg` fine-tunes with: DoRA (`model.lora.use_dora`), LoRA (`model.lora`), or none (every
     parameter trains)."""
@@ -76,19 +55,29 @@ def adapter_for(cfg) -> Adapter:
         from xla_shard.methods.lora import Lora
 
         return Lora(cfg.model.lora)
+    from xla_shard.methods.adapter import Adapter
+
     return Adapter()
 
 
 def method_for(cfg, loss_fn=None) -> Method:
     """The method `cfg` trains (with `loss_fn(model, batch)`, a loss of your own in its objective's place)."""
     adapter = adapter_for(cfg)
-    objective, needs = METHODS[cfg.method](cfg, adapter, loss_fn)
+    module, _, function = METHODS[cfg.method].build.partition(":")
+    objective, needs = getattr(importlib.import_module(module), function)(cfg, adapter, loss_fn)
     return Method(cfg.method, adapter, objective, needs, getattr(objective, "generations", None))
 
 
 def objective_for(cfg, loss_fn=None) -> Objective:
     """The objective of the method `cfg` trains (your own loop's step: `objective.loss(model, batch)`)."""
     return method_for(cfg, loss_fn).objective
+
+
+def __getattr__(name: str):
+    if name in ("Adapter", "Objective"):
+        module = importlib.import_module(f"xla_shard.methods.{name.lower()}")
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["GENERATION", "METHODS", "REFERENCE_MODEL", "Adapter", "Method", "Objective", "adapter_for", "method_for",

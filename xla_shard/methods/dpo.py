@@ -109,3 +109,13 @@ class Dpo(Objective):
         return {"loss": loss, "chosen": rewards[0], "rejected": rewards[1],
                 "accuracies": (rewards[0] > rewards[1]).float(), "margins": rewards[0] - rewards[1],
                 "logps_chosen": chosen.detach(), "logps_rejected": rejected.detach()}
+
+
+def build(cfg, adapter: Adapter, loss_fn) -> tuple[Objective, frozenset[str]]:
+    """Method dpo (`registry.METHODS`); with `loss_fn`, a loss of the user's own on preference rows."""
+    from xla_shard.methods import REFERENCE_MODEL
+    from xla_shard.methods.objective import build_sft
+
+    if loss_fn is not None:
+        return build_sft(cfg, adapter, loss_fn)
+    return Dpo(cfg.dpo, adapter, cfg.model.name), frozenset({REFERENCE_MODEL})

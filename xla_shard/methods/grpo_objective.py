@@ -84,7 +84,7 @@ class Grpo(Objective):
         sampling = Sampling(s.max_completion_length, _eos_ids(tokenizer, model), _pad_id(tokenizer), s.temperature,
                             s.top_k, s.top_p)
         placed = backend.place(prompts)
-        with backend.forward_context():
+        with backend.generation_context(model):
             ids, mask = sample(model, placed["input_ids"], placed["attention_mask"], sampling, generators,
                                after_token=backend.after_step)
         ids, mask = backend.to_host(ids, mask)
@@ -238,3 +238,13 @@ def _eos_ids(tokenizer, model: nn.Module) -> tuple[int, ...]:
 
 def _pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def build(cfg, adapter: Adapter, loss_fn) -> tuple[Objective, frozenset[str]]:
+    """Method grpo (`registry.METHODS`): it generates, and with grpo.beta > 0 scores with a reference."""
+    from xla_shard.methods import GENERATION, REFERENCE_MODEL
+
+    if loss_fn is not None:
+        raise ConfigError("method", "grpo's loss is its own (the clipped policy loss of its completions); a loss_fn "
+                                    "of yours replaces the objective of the other methods")
+    return Grpo(cfg, adapter), frozenset({GENERATION} | ({REFERENCE_MODEL} if cfg.grpo.beta > 0 else set()))

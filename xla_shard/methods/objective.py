@@ -185,3 +185,9 @@ class CustomLoss(ModelLoss):
     def counted(self, batch: Batch) -> None:
         return None
 
+
+
+def build_sft(cfg, adapter, loss_fn) -> tuple[Objective, frozenset[str]]:
+    """Method sft (`registry.METHODS`): the model's own loss, or `loss_fn`'s."""
+    causal = cfg.model.task == "causal_lm"
+    return (ModelLoss(causal) if loss_fn is None else CustomLoss(loss_fn, causal)), frozenset()

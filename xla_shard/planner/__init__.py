@@ -131,7 +131,8 @@ def _chunked_head(cfg, model) -> tuple[int, int]:
     return lm_head.chunks_for(cfg.train.loss_chunks, model.config, cfg.train.seq_len), head.weight.numel()
 
 
-def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerator | None = None) -> Workload:
+def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerator | None = None,
+             method=None) -> Workload:
     """The step of a config, from its model built on the meta device (no memory, nothing downloaded), as the
     backend with `capabilities` runs it on `hardware` (per-tensor gathers skip the embedding in backward and
     reduce gradients at every micro-batch, and on a TPU are XLA's TPU compiler's; FSDP wrappers gather whole
@@ -147,7 +148,7 @@ def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerato
     with torch.device("meta"):
         model = build_model(cfg.model, cfg.train.seed)
     config = model.config
-    method = method_for(cfg)
+    method = method or method_for(cfg)  # the run's, handed by its backend; else the config's
     objective = method.objective
     tokens = cfg.train.global_batch_size * cfg.train.seq_len * objective.sequences_per_row // devices
     params = sum(p.numel() for p in model.parameters())
@@ -183,6 +184,7 @@ def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerato
                     micro_batches=cfg.train.grad_accum_steps, context=cfg.mesh.context,
                     kv_width=attention_widths(config)[1],
                     generated_rows=cfg.train.global_batch_size / devices if GENERATION in method.needs else 0.0,
+                    generation_gathers_model=capabilities.gathers_model_to_generate,
                     vocab=getattr(config, "vocab_size", 0) if cfg.model.task == "causal_lm" else 0)
 
 

@@ -104,16 +104,19 @@ class Workload:
     # An online method's generation (GRPO): the completions a device samples at once (its rows of the whole
     # step), each holding its keys and values for every one of seq_len positions in a static cache.
     generated_rows: float = 0.0
+    generation_gathers_model: bool = False  # the backend holds the whole model gathered while it generates
 
     def generation_bytes(self, found: dict[str, float]) -> tuple[float, float]:
         """(the static KV cache, the generation phase's bytes): between steps, with parameters and optimizer
-        state at rest, no gradients and no activations, a unit's weights gathered, the cache and one token's
-        fp32 logits per row. (0, 0) without generation."""
+        state at rest, no gradients and no activations, a unit's weights gathered (or the whole model's, in the
+        compute dtype, where the backend holds it gathered to generate), the cache and one token's fp32 logits per
+        row. (0, 0) without generation."""
         if not self.generated_rows:
             return 0.0, 0.0
         cache = 2 * self.layers * self.kv_width * self.seq_len * self.generated_rows * self.compute_bytes
         logits = 4 * self.generated_rows * self.vocab
-        return cache, found["params"] + found["optimizer"] + found["gathered"] + cache + logits
+        gathered = self.params * self.compute_bytes if self.generation_gathers_model else found["gathered"]
+        return cache, found["params"] + found["optimizer"] + gathered + cache + logits
 
     def context_kv_bytes(self) -> float:
         """One layer's keys and values, whole along the sequence axis, for one micro-batch of this device's

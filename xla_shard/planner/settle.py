@@ -11,13 +11,14 @@ from xla_shard.config.schema import ShardConfig
 from xla_shard.plan import PlanError, ShardingPlan
 
 
-def settle(cfg: ShardConfig, devices: int, capabilities: Capabilities, device_kind: str) -> ShardingPlan:
-    """The plan for `devices`; one ConfigError naming the key and the backend when the strategy, mesh, triple
-    or batch does not fit them or the backend cannot run it."""
+def settle(cfg: ShardConfig, devices: int, capabilities: Capabilities, device_kind: str,
+           method=None) -> ShardingPlan:
+    """The plan for `devices` (for the run's `method`; None: the config's); one ConfigError naming the key and
+    the backend when the strategy, mesh, triple or batch does not fit them or the backend cannot run it."""
     refuse, unit = capabilities.refuse, capabilities.unit
     try:
         if cfg.fsdp.sharding == "auto":
-            resolved = auto(cfg, devices, capabilities, device_kind)
+            resolved = auto(cfg, devices, capabilities, device_kind, method)
         else:
             resolved = planlib.resolve(cfg.fsdp, cfg.mesh, devices)
         resolved = planlib.with_context(resolved, cfg.mesh.context)
@@ -39,13 +40,13 @@ def settle(cfg: ShardConfig, devices: int, capabilities: Capabilities, device_ki
     return resolved
 
 
-def auto(cfg: ShardConfig, devices: int, capabilities: Capabilities, device_kind: str) -> ShardingPlan:
+def auto(cfg: ShardConfig, devices: int, capabilities: Capabilities, device_kind: str, method=None) -> ShardingPlan:
     """fsdp.sharding: auto. The cost model's fastest triple that fits and that the backend runs."""
     hardware = planner.for_device_kind(device_kind)
     if hardware is None:
         return planlib.from_triple(devices, devices, devices, devices, reason=f"fsdp.sharding=auto: no hardware "
                                    f"model for {device_kind!r}, so FULL_SHARD")
-    ranked = planner.plan(planner.workload(cfg, devices, capabilities, hardware), devices, hardware)
+    ranked = planner.plan(planner.workload(cfg, devices, capabilities, hardware, method), devices, hardware)
     pick = ranked.best_where(lambda triple: capabilities.runs(triple, devices))
     if pick is None:
         raise PlanError("fsdp.sharding", f"auto: no sharding of this model fits {devices} x {hardware.name} by "
