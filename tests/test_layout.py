@@ -14,7 +14,7 @@ from xla_shard.capabilities import Capabilities
 
 PACKAGE = Path(__file__).resolve().parent.parent / "xla_shard"
 
-# Lowest first. A module belongs to the first layer with a prefix that names it or a package holding it (a
+# Lowest first. A module belongs to the layer of the longest prefix that names it or a package holding it (a
 # prefix may hold shell wildcards: a method's keys, `methods/<name>_config.py`, are the config's).
 LAYERS = [
     ("ground", ["xla_shard.errors", "xla_shard.io", "xla_shard.hostmem", "xla_shard.preemption", "xla_shard.launch"]),
@@ -24,7 +24,8 @@ LAYERS = [
               "xla_shard.attention", "xla_shard.sequence", "xla_shard.experts", "xla_shard.metrics"]),
     ("storage formats and data", ["xla_shard.checkpoint", "xla_shard.data"]),
     ("model", ["xla_shard.models", "xla_shard.wrap", "xla_shard.lm_head", "xla_shard.sampling", "xla_shard.methods"]),
-    ("loading and planning", ["xla_shard.pretrained", "xla_shard.planner"]),
+    # the exporter writes a checkpoint's adapters in the format their method's room holds
+    ("loading and planning", ["xla_shard.pretrained", "xla_shard.planner", "xla_shard.checkpoint.export"]),
     ("backends", ["xla_shard.backends"]),
     ("training", ["xla_shard.train"]),
     ("front ends", ["xla_shard.cli", "xla_shard.worker", "xla_shard.deploy", "xla_shard.aot", "xla_shard.__main__",
@@ -49,10 +50,11 @@ MODULES = _modules()
 def _layer(module: str) -> int:
     if module == "xla_shard":
         return len(LAYERS) - 1
-    for index, (_, prefixes) in enumerate(LAYERS):
-        if any(fnmatch.fnmatchcase(module, p) or module.startswith(p + ".") for p in prefixes):
-            return index
-    raise AssertionError(f"{module} is in no layer of tests/test_layout.py: place it")
+    found = [(len(p), index) for index, (_, prefixes) in enumerate(LAYERS) for p in prefixes
+             if fnmatch.fnmatchcase(module, p) or module.startswith(p + ".")]
+    if not found:
+        raise AssertionError(f"{module} is in no layer of tests/test_layout.py: place it")
+    return max(found)[1]
 
 
 def _imports(module: str) -> set[str]:

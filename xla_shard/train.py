@@ -24,6 +24,7 @@ from xla_shard import data as datalib
 from xla_shard.backends.base import Backend
 from xla_shard.checkpoint import (Checkpointer, CheckpointError, NoCheckpoints, RunRecord, finished_message,
                                   hf_dir)
+from xla_shard.checkpoint.export import export
 from xla_shard.config.schema import ShardConfig, TrainSection
 from xla_shard.data import Batch, micro_rows
 from xla_shard.data.batches import trimmed
@@ -560,9 +561,10 @@ class Trainer:
             return
         target = final_export_dir(self.cfg)
         # The run's own output: a rerun that trains further replaces its earlier export (whole, never mixed).
-        report = self.checkpointer.export_last(target, overwrite=True)
-        if report is None:
+        committed = self.checkpointer.last_committed_url()
+        if committed is None:
             return
+        report = export(committed, target, overwrite=True)
         self._log(f"fsdp.state_dict_type=FULL_STATE_DICT: exported step {report.step} to {target} "
                   f"({report.tensors} tensors, {mib(report.bytes)}"
                   + (f"; with {', '.join(report.companions)})" if report.companions else ")")

@@ -15,11 +15,12 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from xla_shard.checkpoint import hf_dir, layout, meta_model, peft_adapter, per_expert, schema
+from xla_shard.checkpoint import hf_dir, layout, meta_model, per_expert, schema
 from xla_shard.checkpoint.inspect import open_checkpoint
 from xla_shard.checkpoint.manifest import CheckpointError
 from xla_shard.checkpoint.reader import ChunkReader
 from xla_shard.config.presets import PRESETS
+from xla_shard.methods import adapter_export
 from xla_shard.errors import UserError, file_in_the_way, one_line
 from xla_shard.hostmem import mib, peak_growth
 from xla_shard.io.model_dir import copy_companions, model_directory
@@ -85,20 +86,21 @@ def export(url: str, to: str, max_shard_bytes: int = 2 * 10**9, overwrite: bool 
     reader, source, transform, layout_note = ChunkReader(storage, manifest), manifest, None, None
     # What the export asks transformers or peft is asked before the writing starts, so that the memory the
     # writing takes is measured alone: their code costs some 200-340 MiB of host memory once per process.
+    peft_export = adapter_export()
     with peak_growth() as loading:
-        adapter = peft_adapter.recorded_adapter(manifest, names)  # checked against peft's layout on the model
+        adapter = peft_export.recorded_adapter(manifest, names)  # checked against peft's layout on the model
         if merge and adapter is None:
             raise CheckpointError(f"{manifest.url} is not a LoRA run's checkpoint: --merge has no adapters to "
                                   "merge (export it without --merge)")
         if adapter is not None and not merge:  # the checkpoint holds the adapters: a peft directory
             code = "peft (its adapters on the model, checked; adapter_config.json is its LoraConfig)"
-            config = peft_adapter.CONFIG, peft_adapter.config_json(adapter.section, run_model, names,
+            config = peft_export.CONFIG, peft_export.config_json(adapter.section, run_model, names,
                                                                    _base_name(run_model))
-            pieces = per_expert.whole(names, _shapes(manifest, names), peft_adapter.key)
-            single, max_shard_bytes = peft_adapter.WEIGHTS, math.inf
+            pieces = per_expert.whole(names, _shapes(manifest, names), peft_export.key)
+            single, max_shard_bytes = peft_export.WEIGHTS, math.inf
         elif merge:  # the model directory's weights, the adapters merged into them as they are written
             code = "peft and transformers (where the adapters sit, how the base stores them)"
-            merged = peft_adapter.Merge(_base_directory(manifest, run_model), reader, manifest, names, adapter)
+            merged = peft_export.Merge(_base_directory(manifest, run_model), reader, manifest, names, adapter)
             reader, source, names, sizes, transform = (merged.reader, merged.manifest, merged.names, merged.sizes,
                                                        merged.transform)
             meta_model.check_whole(manifest.url, hf, names)
@@ -252,7 +254,7 @@ def _write_weights(reader: ChunkReader, manifest, pieces: list[per_expert.Piece]
                     held = None, None  # let the last one go before reading the next
                     shape = tuple(manifest.tensors[piece.source]["shape"])
                     (tensor,) = reader.read([(piece.source, ((0,) * len(shape), shape))])
-                    tensor = peft_adapter.checked_magnitude(piece.source, tensor, manifest.url)
+                    tensor = adapter_export().checked_magnitude(piece.source, tensor, manifest.url)
                     held = piece.source, transform(piece.source, tensor) if transform else tensor
                 yield layout.tensor_bytes(piece.cut(held[1]))
 

@@ -29,7 +29,6 @@ from typing import Any
 
 from xla_shard.checkpoint import layout, schema
 from xla_shard.checkpoint.contract import ShardedState
-from xla_shard.checkpoint.export import ExportReport, export
 from xla_shard.checkpoint.manifest import (
     UNRECORDED_RUN,
     CheckpointError,
@@ -234,13 +233,13 @@ class Checkpointer:
         except BaseException as exc:  # handed to the training thread at the next save or at exit
             self._error = exc
 
-    def export_last(self, to: str, overwrite: bool = False) -> ExportReport | None:
-        """The newest checkpoint this run committed, written as a Hugging Face model directory at `to` (a peft
-        adapter for a LoRA run); None if it committed none. Waits for a save in flight first."""
+    def last_committed_url(self) -> str | None:
+        """Where the newest checkpoint this run committed is (what `checkpoint.export.export` reads); None if it
+        committed none. Waits for a save in flight first."""
         self.wait()
         if self.last_committed is None:
             return None
-        return export(self.storage.url_of(layout.step_dir(self.last_committed)), to, overwrite=overwrite)
+        return self.storage.url_of(layout.step_dir(self.last_committed))
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the save in flight is done; raise its error. False if `timeout` passed first."""
@@ -554,7 +553,7 @@ class NoCheckpoints:
         _restorable(extra)  # a mistake is said whether or not there is a checkpoint to restore from
         return 0
 
-    def export_last(self, to: str, overwrite: bool = False) -> None:
+    def last_committed_url(self) -> None:
         return None
 
 

@@ -15,7 +15,7 @@ import contextlib
 import torch
 from torch import nn
 
-from xla_shard.checkpoint.peft_adapter import ADAPTER, lora_config, quiet_moe_conversion, stored_name
+from xla_shard.methods.peft_export import ADAPTER, lora_config, quiet_moe_conversion, stored_name
 from xla_shard.config.schema import LoraSection
 from xla_shard.errors import ConfigError, one_line
 from xla_shard.methods.adapter import Adapter
