@@ -311,10 +311,11 @@ def _gathered_throughout(model: nn.Module):
     back an int or the root's own setting, so the groups' values are kept and restored here. Where FSDP2 keeps its
     groups elsewhere (another torch), the forwards gather as they always do."""
     units = [module for module in model.modules() if isinstance(module, FSDPModule)]
-    if not units:
+    root = model._get_fsdp_state() if isinstance(model, FSDPModule) else None
+    if not units or not hasattr(root, "_lazy_init"):
         yield
         return
-    model._get_fsdp_state()._lazy_init()  # the root decides its own setting at its first forward: before ours
+    root._lazy_init()  # the root decides its own setting at its first forward: before ours
     groups = [group for unit in units for group in _param_groups(unit)]
     kept = [group.post_forward_mesh_info for group in groups]
     for group in groups:
