@@ -9,10 +9,15 @@ import torch
 from conftest import FIXTURES, backend_params, run_in_process, run_trainings, run_worker, runnable, runs_args
 from transformers import AutoModelForCausalLM
 
-from xla_shard.methods import grpo
+from xla_shard.methods import grpo, method_for
 
 
 PROMPTS = FIXTURES / "prompts.jsonl"
+EVAL_PROMPTS = FIXTURES / "prompts_eval.jsonl"
+
+
+def grpo_generations(cfg):
+    return method_for(cfg).generations
 REWARDS_FILE = FIXTURES / "rewards.py"
 RUN_BACKENDS = {"xla_spmd": (["backend=xla_spmd", "cpu_devices=2"], 0),
                 "torch_fsdp": (["backend=torch_fsdp", "cpu_devices=2"], 2)}
@@ -255,13 +260,17 @@ def test_grpo_learns_a_toy_task_resumes_exactly_and_exports(model_dirs, tmp_path
     learns it within 16 steps of 2 prompts x 4 completions, on the run's own devices (2 of them, in two
     micro-batches). A run stopped by SIGTERM after step 6 resumes to draw the very completions and take the very
     steps of the uninterrupted run (every record equal), its records carry TRL's metric names, and the last
-    checkpoint exports as a model transformers loads. With num_iterations 2 and beta 0.04 under LoRA, a
+    checkpoint exports as a model transformers loads. The uninterrupted run evaluates at its end as TRL does: 5
+    held-out prompts' completions sampled by the trained policy (2 prompts a batch: the third batch is filled
+    up, its filler neither scored nor counted), its rewards under `eval_` names, the training untouched (its
+    records equal the stopped and resumed run's, which did not evaluate). With num_iterations 2 and beta 0.04
+    under LoRA, a
     generation's first step is the policy that drew it (no ratio clipped) and its reference (the adapters off:
     KL 0), its second has moved (clipping counted, KL above 0); on XLA the second generation compiles nothing
     the first did not (the warm-up counts generations); its checkpoint exports as the adapter peft loads."""
     sets, nproc = runnable(RUN_BACKENDS)[backend]
     got = run_trainings(tmp_path, [*_grpo_common(model_dirs.llama_chat), *sets], {
-        "full": [f"checkpoint.dir={tmp_path / 'a'}"],
+        "full": [f"checkpoint.dir={tmp_path / 'a'}", f"data.eval_path={EVAL_PROMPTS}", "train.eval_every=16"],
         "stopped": [f"checkpoint.dir={tmp_path / 'b'}", "sigterm_after=6"],
         "resumed": [f"checkpoint.dir={tmp_path / 'b'}"],
         "iterations": ["grpo.num_iterations=2", "grpo.beta=0.04", "model.lora.r=4", "model.lora.alpha=8",
@@ -284,6 +293,12 @@ def test_grpo_learns_a_toy_task_resumes_exactly_and_exports(model_dirs, tmp_path
     assert not any("recompiles" in r for r in got["full"])  # the sampler and the step compile once
     reward = [r["rewards/low_token_share/mean"] for r in full]
     assert sum(reward[-4:]) / 4 > sum(reward[:4]) / 4 + 0.25, reward
+    (evaluation,) = [r for r in got["full"] if "eval_loss" in r]
+    assert evaluation["eval_rows"] == 5 and evaluation["eval_batches"] == 3
+    assert all(f"eval_{name}" in evaluation for name in TRL_NAMES)
+    assert evaluation["eval_rewards/low_token_share/mean"] > sum(reward[:4]) / 4 + 0.25  # the trained policy's
+    if backend == "xla_spmd":  # one process scores each batch's real completions: 8, 8, then 4 (not the filler)
+        assert evaluation["eval_scored_completions"] == pytest.approx(20 / 3)
     done = run_in_process(capsys, "ckpt", "export", str(tmp_path / "a" / "step-00000016"), "--to",
                           str(tmp_path / "export"))
     assert done.returncode == 0, done.stderr[-2000:]
@@ -329,7 +344,6 @@ def test_fsdp2_gathers_each_unit_once_a_generation_whatever_its_length(model_dir
     (["method=grpo", "data.kind=prompt", "grpo.reward_funcs=[]"], "set grpo.reward_funcs"),
     (["method=grpo", "data.kind=prompt", "train.global_batch_size=6"], "the batch must hold whole groups"),
     (["method=grpo", "data.kind=prompt", "grpo.max_completion_length=48"], "leaves the prompt nothing"),
-    (["method=grpo", "data.kind=prompt", "data.eval_fraction=0.25"], "method grpo has no evaluation yet"),
     (["data.kind=prompt"], "data.kind prompt rows train method grpo, and method is sft"),
     (["method=grpo", "data.kind=prompt", "grpo.reward_weights=[1.0, 2.0]"], "2 weight(s) for 1 reward function"),
     (["method=grpo", "data.kind=prompt", "grpo.reference=/elsewhere"], "grpo.reference scores the KL term")])
@@ -370,6 +384,36 @@ def test_prompts_are_tokenized_as_trl_and_left_padded_longer_ones_dropped(model_
         fill = length - len(ids)
         assert row["row"] == index and row["input_ids"] == [0] * fill + ids
         assert row["attention_mask"] == [0] * fill + [1] * len(ids)
+
+
+@pytest.mark.parametrize("held_out", [f"data.eval_path={EVAL_PROMPTS}", "data.eval_fraction=0.25"])
+def test_evaluation_prompts_come_in_file_order_in_groups_the_last_batch_filled_up(model_dirs, held_out):
+    """An evaluation batch is global_batch_size completion rows: its prompts in file order, each num_generations
+    times in a row; where the prompts run out the batch is filled up with rows marked -1 (never scored). A
+    row's columns for the rewards come from the held-out rows themselves (eval_fraction's split included)."""
+    from transformers import AutoConfig
+
+    from xla_shard import config, data
+    from xla_shard.data.files import read_rows
+
+    cfg = config.load(None, [*_grpo_common(model_dirs.llama_chat), held_out, "train.global_batch_size=12",
+                             "grpo.num_generations=4"])
+    sources = data.build(cfg, AutoConfig.from_pretrained(model_dirs.llama_chat), str(model_dirs.llama_chat),
+                         grpo_generations(cfg))
+    held = sources.eval
+    total = held.rows_total
+    assert total == (5 if "eval_path" in held_out else 2) and held.batches == -(-total // 3)
+    seen = []
+    for index in range(held.batches):
+        rows = held.rows(index, range(12))["row"].tolist()
+        assert all(rows[g * 4:(g + 1) * 4] == [rows[g * 4]] * 4 for g in range(3))  # groups of one prompt
+        seen += rows[::4]
+    assert seen[:total] == list(range(total)) and seen[total:] == [-1] * (held.batches * 3 - total)
+    topics, columns = held.columns(list(range(total)), "prompt")
+    if "eval_path" in held_out:
+        assert [r["topic"] for r in read_rows(str(EVAL_PROMPTS), None, "data.eval_path")] == columns["topic"]
+    train_topics = set(sources.train.columns(list(range(6)), "prompt")[1]["topic"])
+    assert "eval_path" in held_out or not train_topics & set(columns["topic"])  # held out, not read twice
 
 
 def test_a_step_holds_groups_of_one_prompt_and_a_generation_trains_num_iterations_steps():

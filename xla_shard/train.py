@@ -661,7 +661,9 @@ def process_rows(train: TrainSection, processes) -> list[range]:
 
 def _check_eval_labels(source, cfg: ShardConfig) -> None:
     """An evaluation set with nothing to predict (every label masked: prompts without answers) is said before
-    training, not found dividing by zero after it."""
+    training, not found dividing by zero after it. (Generated completions, a prompt source's, have none to check.)"""
+    if not getattr(source, "labelled", True):
+        return
     causal = cfg.model.task == "causal_lm"
     for index in range(source.batches):
         labels = source.rows(index, range(source.batch))["labels"]

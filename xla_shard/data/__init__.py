@@ -55,13 +55,18 @@ def build(cfg, model_config, model_directory: str | None = None, generations=Non
     if data.streaming:
         return _streamed(cfg, tokenizer, model_config)
     try:
-        train_rows, eval_rows, dropped = _tokenized(cfg, tokenizer, model_config, task, generations)
+        train_rows, eval_rows, dropped, raw, raw_eval = _tokenized(cfg, tokenizer, model_config, task, generations)
     except UnicodeDecodeError as exc:  # arrow hands undecodable text on when the rows are first read
         raise ConfigError("data.path", f"{data.path} (or data.eval_path) is not UTF-8 text: byte {exc.start} of a "
                                        f"value cannot be decoded ({exc.reason})") from None
     evaluation = None
     if eval_rows is not None:
-        evaluation = EvalSource(eval_rows, train.global_batch_size)
+        if data.kind == "prompt":
+            from xla_shard.data.prompts import PromptEvalSource
+
+            evaluation = PromptEvalSource(eval_rows, raw_eval, tokenizer, generations, train.global_batch_size)
+        else:
+            evaluation = EvalSource(eval_rows, train.global_batch_size)
         if evaluation.batches == 0:
             raise ConfigError("data.eval_path" if data.eval_path else "data.eval_fraction",
                               f"gives no evaluation rows of train.seq_len={train.seq_len} tokens")
@@ -74,12 +79,13 @@ def build(cfg, model_config, model_directory: str | None = None, generations=Non
     if data.kind == "prompt":
         from xla_shard.data.prompts import PromptSource
 
-        return DataSources(PromptSource(train_rows, raw_rows(cfg), tokenizer, generations, train.global_batch_size,
-                                        train.seed),
+        return DataSources(PromptSource(train_rows, raw, tokenizer, generations, train.global_batch_size, train.seed),
+                           evaluation,
                            description=f"{data.path}: {len(train_rows)} prompts, left-padded to "
                                        f"{train.seq_len - generations.completion_tokens} tokens, "
                                        f"{generations.per_prompt} completions each"
-                                       + (f"; {dropped} prompt(s) longer dropped" if dropped else ""))
+                                       + (f"; {dropped} prompt(s) longer dropped" if dropped else "")
+                                       + (f", {len(eval_rows)} for evaluation" if eval_rows is not None else ""))
     if data.kind == "preference":
         what = "prompt + chosen and prompt + rejected, padded"
     elif task == "causal_lm" and data.packs == "wrapped":
@@ -152,6 +158,8 @@ def _streamed(cfg, tokenizer, model_config) -> DataSources:
 
 
 def _tokenized(cfg, tokenizer, model_config, task, generations):
+    """(training rows, evaluation rows or None, rows dropped, the raw training rows, the raw evaluation rows or
+    None): the raw ones as split, so that a tokenized row's `row` indexes them."""
     from xla_shard.data import files, tokenize
 
     data, train = cfg.data, cfg.train
@@ -189,9 +197,9 @@ def _tokenized(cfg, tokenizer, model_config, task, generations):
 
     train_rows = encode(raw, data.path)
     if raw_eval is None:
-        return train_rows, None, dropped
+        return train_rows, None, dropped, raw, None
     try:
-        return train_rows, encode(raw_eval, data.eval_path or data.path), dropped
+        return train_rows, encode(raw_eval, data.eval_path or data.path), dropped, raw, raw_eval
     except ConfigError as exc:  # the evaluation file's problem is named by its own key
         if data.eval_path and exc.key == "data.path":
             raise ConfigError("data.eval_path", exc.message, exc.backend) from None
@@ -234,13 +242,6 @@ def _prompt_rows(cfg, tokenizer, rows, path, generations):
     return prompts.examples(rows, tokenizer, prompts.fields_of(cfg.data),
                             cfg.train.seq_len - generations.completion_tokens, completions.pad_id(tokenizer),
                             workers, path, generations.length_key)
-
-
-def raw_rows(cfg):
-    """The training file's rows as read (their text and every column), for what a method hands its functions."""
-    from xla_shard.data import files
-
-    return files.read_rows(cfg.data.path, cfg.data.format, "data.path")
 
 
 def load_tokenizer(location: str | None, model_config, explicit: bool, model_name: str):

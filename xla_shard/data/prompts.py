@@ -105,5 +105,41 @@ class PromptSource:
 
     def columns(self, rows: list[int], prompt_field: str) -> tuple[list, dict[str, list]]:
         """The prompts of data rows `rows` as written (text, or messages) and the rows' other columns."""
-        picked = self.raw[rows]
-        return picked[prompt_field], {key: values for key, values in picked.items() if key != prompt_field}
+        return _columns(self.raw, rows, prompt_field)
+
+
+class PromptEvalSource:
+    """Evaluation prompts in file order, each `num_generations` times in a row, as batches of global_batch_size
+    completion rows (as `PromptSource` lays out a step). The last batch is filled up with copies of the first
+    prompt whose `row` is -1: generated with the rest (one shape: XLA compiles nothing new), never scored or
+    counted. `rows_covered` counts prompts."""
+
+    labelled = False  # its completions are generated: no labels to check
+
+    def __init__(self, rows, raw, tokenizer, generations: Generations, global_batch_size: int):
+        self.table = rows.with_format("numpy")
+        self.raw, self.tokenizer = raw, tokenizer
+        self.num_generations = generations.per_prompt
+        self.prompts_per_batch = global_batch_size // self.num_generations
+        self.rows_total = len(rows)
+        self.batches = -(-len(rows) // self.prompts_per_batch)
+
+    def rows_covered(self, batches: int) -> int:
+        return min(batches * self.prompts_per_batch, self.rows_total)
+
+    def rows(self, index: int, rows: range):
+        from xla_shard.data.source import _as_batch
+
+        picked = [index * self.prompts_per_batch + r // self.num_generations for r in rows]
+        batch = _as_batch(self.table[[p if p < self.rows_total else 0 for p in picked]])
+        batch.pop("labels")
+        batch["row"][[i for i, p in enumerate(picked) if p >= self.rows_total]] = -1
+        return batch
+
+    def columns(self, rows: list[int], prompt_field: str) -> tuple[list, dict[str, list]]:
+        return _columns(self.raw, rows, prompt_field)
+
+
+def _columns(raw, rows: list[int], prompt_field: str) -> tuple[list, dict[str, list]]:
+    picked = raw[rows]
+    return picked[prompt_field], {key: values for key, values in picked.items() if key != prompt_field}

@@ -69,7 +69,3 @@ class GrpoSection(MethodSection):
         if cfg.mesh.context > 1:
             raise ValueError(f"mesh.context={cfg.mesh.context} splits sequences; GRPO generates whole ones: set "
                              "mesh.context: 1")
-        if cfg.data.eval_path or cfg.data.eval_fraction:
-            key = "data.eval_path" if cfg.data.eval_path else "data.eval_fraction"
-            raise ValueError(f"{key}: method grpo has no evaluation yet (its records carry the rewards of every "
-                             "step's completions); drop the key")

@@ -29,6 +29,9 @@ from xla_shard.methods.objective import Objective
 from xla_shard.methods.rewards import Rewards
 from xla_shard.sampling import Sampling, sample
 
+# What an evaluation's draws are seeded by beside train.seed: apart from every training generation's.
+EVAL_STREAM = 2**32
+
 # The mean of each of these device sums (over masked tokens) is logged under TRL's name.
 TOKEN_METRICS = {"kl": "kl", "entropy": "entropy", "clip_ratio/low": "clip_ratio/low_mean",
                  "clip_ratio/high": "clip_ratio/high_mean", "clip_ratio/region": "clip_ratio/region_mean"}
@@ -70,16 +73,20 @@ class Grpo(Objective):
         generation = source.generation(step)
         if self._generated is not None and self._generated[0] == generation:
             return self._generated[1]
-        made = self._generate(model, backend, source, step, generation, micro_batches, rows)
+        made = self._generate(model, backend, source, micro_batches, rows, (self.seed, generation), step)
         self._generated = (generation, made)
         return made
 
-    def _generate(self, model, backend, source, step, generation, micro_batches, rows) -> list[Batch]:
+    def _generate(self, model, backend, source, micro_batches, rows, stream: tuple[int, ...],
+                  step: int) -> list[Batch]:
+        """The micro-batches `loss` takes, made from prompt rows: sampled (row r's draws seeded by `stream` and r's
+        place in the global batch), scored, their advantages over the whole batch. A row whose `row` is -1 (an
+        evaluation batch's filler) is sampled with the rest but neither scored nor counted."""
         s, tokenizer = self.section, source.tokenizer
         prompts = {key: torch.cat([batch[key] for batch in micro_batches]) for key in ("input_ids", "attention_mask")}
         data_rows = torch.cat([batch["row"] for batch in micro_batches]).tolist()
         places = [r for part in rows for r in part]  # this process's rows of the global batch
-        generators = [torch.Generator().manual_seed(int(np.random.SeedSequence([self.seed, generation, place])
+        generators = [torch.Generator().manual_seed(int(np.random.SeedSequence([*stream, place])
                                                         .generate_state(1)[0])) for place in places]
         sampling = Sampling(s.max_completion_length, _eos_ids(tokenizer, model), _pad_id(tokenizer), s.temperature,
                             s.top_k, s.top_p)
@@ -88,19 +95,27 @@ class Grpo(Objective):
             ids, mask = sample(model, placed["input_ids"], placed["attention_mask"], sampling, generators,
                                after_token=backend.after_step)
         ids, mask = backend.to_host(ids, mask)
+        real = torch.tensor([row >= 0 for row in data_rows])
+        mask = mask * real[:, None]  # a filler row's completion counts for nothing
         lengths = mask.sum(-1)
         completion_ids = [row[:n].tolist() for row, n in zip(ids, lengths)]
-        texts, columns = source.columns(data_rows, self.prompt_field)
-        completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        scored = [i for i, row in enumerate(data_rows) if row >= 0]
+        texts, columns = source.columns([data_rows[i] for i in scored], self.prompt_field)
+        completions = tokenizer.batch_decode([completion_ids[i] for i in scored], skip_special_tokens=True)
         if texts and not isinstance(texts[0], str):  # conversational prompts get messages back, as in TRL
             completions = [[{"role": "assistant", "content": text}] for text in completions]
-        scores = self.rewards.score(texts, completions, completion_ids, columns, data_rows, step)
+        scores = torch.full((len(data_rows), len(self.rewards.names)), float("nan"))
+        if scored:
+            scores[scored] = self.rewards.score(texts, completions, [completion_ids[i] for i in scored], columns,
+                                                [data_rows[i] for i in scored], step)
         truncated = torch.tensor([not ids_ or ids_[-1] not in sampling.eos_token_ids for ids_ in completion_ids])
-        everything = self._whole_batch(backend, places, scores, lengths.float(), truncated.float())
-        full_scores, full_lengths, full_truncated = everything
+        everything = self._whole_batch(backend, places, scores, lengths.float(), truncated.float(), real.float())
+        full_scores, full_lengths, full_truncated, full_real = everything
         advantages, rewards, zero_std = grpo.advantages(full_scores, torch.tensor(self.rewards.weights),
                                                         s.num_generations, s.scale_rewards)
-        self._log_rollout(full_scores, rewards, zero_std, full_lengths, full_truncated.bool())
+        counted = full_real.bool()
+        self._log_rollout(full_scores[counted], rewards[counted], zero_std[counted],
+                          full_lengths[counted], full_truncated.bool()[counted])
         # TRL's num_items_in_batch over its processes: the generation's completion tokens per gradient-averaged part
         step_tokens = float(full_lengths.sum()) / backend.world
         made, start = [], 0
@@ -210,6 +225,32 @@ class Grpo(Objective):
 
     def counted(self, batch: Batch) -> None:
         return None
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, backend, source, batches: int, rows: range) -> dict[str, float]:
+        """As TRL's GRPOTrainer evaluates: completions of every evaluation prompt sampled by the model (in eval
+        mode), scored and trained on by nothing, the loss and TRL's metrics of them under `eval_` names. Each
+        evaluation draws with the same noise (seeded by train.seed, the batch and the row's place), so
+        evaluations at different steps differ by the weights alone."""
+        training = self._host, self._sums, self.rewards.logged
+        self._host, self._sums, self.rewards.logged = {}, {}, {}
+        model.eval()
+        losses = []
+        try:
+            for index in range(batches):
+                made = self._generate(model, backend, source, [source.rows(index, rows)], [rows],
+                                      (self.seed, EVAL_STREAM, index), step=0)
+                for batch in made:
+                    placed = backend.place(batch)
+                    with backend.forward_context():
+                        losses.append(self.loss(model, placed))
+                    backend.after_step()
+            metrics = self.step_metrics(backend.mean_loss)
+            metrics["loss"] = sum(backend.mean_loss(loss) for loss in losses) / len(losses)
+        finally:
+            model.train()
+            self._host, self._sums, self.rewards.logged = training
+        return {f"eval_{key}": value for key, value in metrics.items()}
 
     def step_metrics(self, mean) -> dict[str, float]:
         """TRL's metrics since the last record: the rollouts' (rewards, completion lengths) and the losses' (the
