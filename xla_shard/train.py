@@ -189,7 +189,9 @@ class Trainer:
     def __init__(self, cfg: ShardConfig, backend: Backend | None = None, loss_fn: LossFn | None = None,
                  on_step_end: list[StepHook] | None = None, on_evaluate: list[EvalHook] | None = None):
         self.cfg = cfg
-        self.method = method_for(cfg, loss_fn)
+        # The run's method, resolved once: a backend handed in was created with the config's (its reward
+        # functions imported, its adapter built); a loss of yours makes another objective.
+        self.method = backend.method if backend is not None and loss_fn is None else method_for(cfg, loss_fn)
         self.backend = backend or backends.create(cfg, self.method)
         self.objective, self.adapter = self.method.objective, self.method.adapter
         self.on_step_end = list(on_step_end or [])

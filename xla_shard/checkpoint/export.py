@@ -237,6 +237,7 @@ def _write_weights(reader: ChunkReader, manifest, pieces: list[per_expert.Piece]
         groups[-1].append(piece)
     files = [single] if len(groups) == 1 else [
         f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    checked_magnitude = adapter_export().checked_magnitude
     weight_map = {}
     for file, group in zip(files, groups):
         header, offset = {}, 0
@@ -254,7 +255,7 @@ def _write_weights(reader: ChunkReader, manifest, pieces: list[per_expert.Piece]
                     held = None, None  # let the last one go before reading the next
                     shape = tuple(manifest.tensors[piece.source]["shape"])
                     (tensor,) = reader.read([(piece.source, ((0,) * len(shape), shape))])
-                    tensor = adapter_export().checked_magnitude(piece.source, tensor, manifest.url)
+                    tensor = checked_magnitude(piece.source, tensor, manifest.url)
                     held = piece.source, transform(piece.source, tensor) if transform else tensor
                 yield layout.tensor_bytes(piece.cut(held[1]))
 

@@ -186,7 +186,6 @@ class CustomLoss(ModelLoss):
         return None
 
 
-
 def build_sft(cfg, adapter, loss_fn) -> tuple[Objective, frozenset[str]]:
     """Method sft (`registry.METHODS`): the model's own loss, or `loss_fn`'s."""
     causal = cfg.model.task == "causal_lm"
