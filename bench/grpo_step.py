@@ -60,7 +60,7 @@ def ours(directory: str, data: str, rewards: str, generations: int, new: int, ba
         start = time.perf_counter()
         trainer.step(step).item()
         elapsed = time.perf_counter() - start
-        lengths = trainer.objective.step_metrics(float)["completions/mean_length"]
+        lengths = trainer.method.step_metrics(float)["completions/mean_length"]
         if step:  # the first is the warm-up
             times.append(elapsed)
             tokens.append(lengths * batch)

@@ -339,6 +339,41 @@ def test_fsdp2_gathers_each_unit_once_a_generation_whatever_its_length(model_dir
     assert gathers[0] > 0 and gathers[1] == gathers[0], gathers
 
 
+@pytest.mark.e2e
+@pytest.mark.xla
+def test_xla_spmd_generates_on_weights_laid_out_once_a_generation(model_dirs, tmp_path):
+    """On xla_spmd over 2 devices (FULL_SHARD, bf16), a generation's token program in training's layout
+    all-gathers the weights every token; in the generation layout the weights are laid out by one program of
+    their own, then neither the prompt's nor the token's program gathers a weight: whole on each device (split 1)
+    they run no collective but transformers' padding-mask lookup (a few hundred bytes), split 2 only the MLPs'
+    all-reduces. All three draw the same completions, token for token."""
+    import json
+
+    out, dump = tmp_path / "layouts.json", tmp_path / "dump"
+    sets = [*_grpo_common(model_dirs.llama_chat), "backend=xla_spmd", "cpu_devices=2", "fsdp.mixed_precision=bf16",
+            f"output_dir={tmp_path / 'run'}"]
+    run_worker("xla_generation.py", str(out), str(dump), *sets, cwd=tmp_path,
+               env={"XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"})
+    found = json.loads(out.read_text())
+    weights = found["weights_bytes"]
+
+    def forwards(layout):
+        return [p["collectives"] for p in found[layout]["programs"] if p["forward"]]
+
+    def laying(layout):
+        return [p["collectives"] for p in found[layout]["programs"] if not p["forward"]][0]
+
+    assert found["training"]["ids"] == found["whole"]["ids"] == found["split"]["ids"]
+    assert found["training"]["mask"] == found["whole"]["mask"] == found["split"]["mask"]
+    training, whole, split = forwards("training"), forwards("whole"), forwards("split")
+    assert len(training) == len(whole) == len(split) == 2  # the prompt's program and the token's
+    assert training[1]["all-gather"]["bytes"] > weights / 4  # (bf16: half the fp32 weights, less what is whole)
+    assert laying("whole")["all-gather"]["bytes"] >= weights / 2
+    assert all(p["all-gather"]["bytes"] < 1000 and p["all-reduce"]["count"] == 0 for p in whole)
+    layers = 2
+    assert all(p["all-gather"]["count"] == 0 and p["all-reduce"]["count"] == layers for p in split)
+
+
 @pytest.mark.parametrize("sets, words", [
     (["grpo.beta=0.1"], "grpo.beta applies to method grpo; method is sft"),
     (["method=grpo", "data.kind=prompt", "grpo.reward_funcs=[]"], "set grpo.reward_funcs"),
@@ -436,8 +471,9 @@ def test_a_step_holds_groups_of_one_prompt_and_a_generation_trains_num_iteration
 def test_the_plan_holds_generations_kv_cache_beside_the_step(model_dirs):
     """Generation runs between steps, its static cache holding every layer's keys and values for each of a
     device's completions at every position: 2 x layers x KV heads x head_dim x seq_len x rows x bytes. The plan
-    counts it (kv_cache) and its phase (state at rest, a unit gathered, the cache, a token's logits) in the
-    total where it is the larger; on torch_fsdp, which keeps the model gathered to generate, the whole model."""
+    counts it (kv_cache) and its phase (state at rest, the whole model in bf16, which both backends hold to
+    generate, the cache, a token's logits) in the total where it is the larger. With the MLPs split over 2 devices
+    (mesh.generation 2) a device holds half the MLP weights, for twice the rows."""
     from transformers import AutoConfig
 
     from xla_shard import config, planner
@@ -456,14 +492,72 @@ def test_the_plan_holds_generations_kv_cache_beside_the_step(model_dirs):
         found = cost.memory(work, Triple(4, 4, 4), 4)
         want = 2 * model.num_hidden_layers * model.num_key_value_heads * head_dim * seq_len * (rows / 4) * 2
         assert found["kv_cache"] == want
-        phase = found["params"] + found["optimizer"] + found["gathered"] + want + 4 * rows / 4 * model.vocab_size
+        phase = found["params"] + found["optimizer"] + work.params * 2 + want + 4 * rows / 4 * model.vocab_size
         assert found["total"] == max(phase, cost.memory(replace(work, generated_rows=0), Triple(4, 4, 4), 4)["total"])
     assert found["total"] == phase  # 1024 completions a device at once, 4 a micro-batch: generation is the larger
-    # torch_fsdp holds the whole model gathered (bf16) while it generates, not a unit at a time
-    work = planner.workload(cfg, 4, TorchFsdpBackend.capabilities)
-    fsdp = cost.memory(work, Triple(4, 4, 4), 4)
-    assert work.generation_gathers_model
-    assert fsdp["total"] == fsdp["params"] + fsdp["optimizer"] + work.params * 2 + want + rows * model.vocab_size
+    assert work.mlp_params == model.num_hidden_layers * 3 * model.hidden_size * model.intermediate_size
+    split = cost.memory(replace(work, generation_split=2), Triple(4, 4, 4), 4)
+    assert split["total"] == (found["params"] + found["optimizer"] + (work.params - work.mlp_params / 2) * 2
+                              + 2 * want + 2 * 4 * rows / 4 * model.vocab_size)
+    fsdp = planner.workload(cfg, 4, TorchFsdpBackend.capabilities)
+    assert fsdp.generation_gathers_model and cost.memory(fsdp, Triple(4, 4, 4), 4)["total"] == found["total"]
+
+
+def _llama_70b_widths(path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=16,
+                num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192).save_pretrained(path)
+    return path
+
+
+@pytest.mark.e2e  # (the first case pays for building a model on the meta device and the planner's imports: 19 s)
+@pytest.mark.parametrize("kind, devices, batch, want", [
+    ("TPU v6e", 16, 64, 2),  # whole, the bf16 weights (8.5 GiB) and the state do not fit 32 GiB; MLPs halved do
+    ("TPU v6e", 16, 160, 4),  # 10 rows a device: halved is 32.5 GiB (twice the cache), a quarter 29.7
+    ("TPU v6e", 16, 256, "refused"),  # at best 32.7 GiB (4 devices): the cache grows as the split does
+    ("cpu", 16, 64, 1)])  # no memory known: whole
+def test_auto_splits_generation_over_the_fewest_devices_that_fit(tmp_path, kind, devices, batch, want):
+    """mesh.generation auto, for Llama-70B's widths (16 layers) on 16 v6e chips: the fewest devices whose split of
+    the MLPs fits the generation phase in the chip's memory (by the plan's formula, held to each split's phase), or
+    one line naming the batch when none does; set, it is taken as it is; torch_fsdp refuses a split."""
+    from xla_shard import config, planner
+    from xla_shard.backends.torch_fsdp import TorchFsdpBackend
+    from xla_shard.backends.xla_spmd import XlaSpmdBackend
+    from xla_shard.errors import ConfigError
+    from xla_shard.planner import settle
+
+    sets = [f"model.name={_llama_70b_widths(tmp_path / 'llama70b')}", f"data.path={PROMPTS}", "method=grpo",
+            "data.kind=prompt", f"grpo.reward_funcs=[{REWARDS_FILE}:low_token_share]", "grpo.num_generations=8",
+            "grpo.max_completion_length=1024", "train.seq_len=2048", f"train.global_batch_size={batch}",
+            "fsdp.mixed_precision=bf16"]
+    capabilities = XlaSpmdBackend.capabilities
+    cfg = config.load(None, sets)
+    resolved = planlib_resolve(cfg, devices)
+    if want == "refused":
+        with pytest.raises(ConfigError, match="train.global_batch_size.*generation needs"):
+            settle.with_generation(cfg, resolved, capabilities, kind)
+        return
+    got = settle.with_generation(cfg, resolved, capabilities, kind)
+    assert got.generation == want
+    if want > 1:
+        hardware = planner.for_device_kind(kind)
+        work = planner.workload(cfg, devices, capabilities, hardware)
+
+        def phase(split):
+            split_work = replace(work, generation_split=split)
+            return split_work.generation_bytes(planner.memory(split_work, resolved.degrees, devices))[1]
+        assert phase(want) <= hardware.hbm_bytes < phase(want // 2)
+    fixed = config.load(None, [*sets, "mesh.generation=2"])
+    assert settle.with_generation(fixed, resolved, capabilities, kind).generation == 2
+    with pytest.raises(ConfigError, match="mesh.generation.*torch_fsdp"):
+        TorchFsdpBackend.capabilities.check(fixed)
+
+
+def planlib_resolve(cfg, devices):
+    from xla_shard import plan
+
+    return plan.resolve(cfg.fsdp, cfg.mesh, devices)
 
 
 @pytest.mark.e2e

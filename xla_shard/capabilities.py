@@ -57,6 +57,8 @@ class Capabilities:
     reduces_every_micro_batch: bool = False
     # Generation (`Backend.generation_context`) holds the whole model gathered, not a unit at a time each token.
     gathers_model_to_generate: bool = False
+    # Generation's weights split over several devices as tensor parallelism splits them (mesh.generation > 1).
+    generation_split: str | None = "it generates with the weights whole on each device"
     # A sequence axis (mesh.context > 1): each sequence split over several devices.
     context: str | None = ("it has no sequence axis (each device holds whole sequences); use backend xla_spmd, or "
                            "set it to 1")
@@ -88,6 +90,9 @@ class Capabilities:
             self.refuse("train.compile", f"{self.compile}; set it to false")
         if cfg.mesh.context > 1 and self.context:
             self.refuse("mesh.context", f"{cfg.mesh.context}: {self.context}")
+        if cfg.mesh.generation not in ("auto", 1) and self.generation_split:
+            self.refuse("mesh.generation", f"{cfg.mesh.generation}: {self.generation_split}; use backend xla_spmd, or "
+                                           "set it to auto")
         if fsdp.xla_settings and self.xla_settings:
             self.refuse("fsdp.xla_settings", self.xla_settings)
         if self.launcher != "torchrun" and (cfg.launch.nproc_per_node is not None or cfg.launch.nnodes != 1

@@ -108,8 +108,11 @@ class _Request:
 
     targets: torch.Tensor
     hits: bool
+    temperature: float = 1.0  # the logits are scored over it (a sampling distribution's, GRPO's)
+    entropies: bool = False  # also say each position's entropy (without gradient)
     logps: torch.Tensor | None = None
     correct: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
     def tie(self, placeholder: torch.Tensor | None) -> None:
         """Make `logps` depend on what the model returned as its logits (a placeholder the head computed from
@@ -181,12 +184,13 @@ class Scorer:
         self.head.forward = self._head_forward  # the instance's: wrappers around the module stay as they are
 
     @contextlib.contextmanager
-    def scoring(self, labels: torch.Tensor, hits: bool = False):
+    def scoring(self, labels: torch.Tensor, hits: bool = False, temperature: float = 1.0, entropies: bool = False):
         """Within it, the model's forward scores `labels` (a causal LM's: each position predicts the next label);
         the request it yields holds, once the forward ran, `logps` (the log-probability of the next label at
-        each position, [rows, tokens - 1]) and, with `hits`, `correct` (whether it is the most likely token)."""
+        each position, [rows, tokens - 1]), with `hits`, `correct` (whether it is the most likely token), with
+        `entropies`, `entropy` (the distribution's, no gradient). `temperature` divides the logits first."""
         targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)
-        request = self._request = _Request(targets, hits)
+        request = self._request = _Request(targets, hits, temperature, entropies)
         try:
             yield request
         finally:
@@ -209,7 +213,7 @@ class Scorer:
         request = self._request
         if request is None or self._inside or args or kwargs:
             return self._forward(hidden, *args, **kwargs)
-        state = _State(self, hidden.device.type, request.hits)
+        state = _State(self, hidden.device.type, request)
         hidden, targets = self.partials.pieces(hidden, request.targets)
         if self.linear:
             weight = self.partials.whole(self.head.weight, _compute_dtype(self.head.weight, state))
@@ -218,10 +222,11 @@ class Scorer:
             tensors = [_attribute(self.head, name) for name in self.names]
             logps = _ChunkedModule.apply(state, hidden, targets, *tensors)
         logps = self.partials.joined(logps)
-        correct = self.partials.joined(state.correct) if request.hits else None
         request.logps = logps[:, :-1]
         if request.hits:
-            request.correct = correct[:, :-1]
+            request.correct = self.partials.joined(state.correct)[:, :-1]
+        if request.entropies:
+            request.entropy = self.partials.joined(state.entropy)[:, :-1]
         # The model gets [rows, tokens, 1] in place of its logits, computed from the scores: a wrapper's hooks on
         # the model's outputs (FSDP's pre-backward gather of the head) run before the scores' backward needs them,
         # once the loss depends on it (`Request.tie`).
@@ -244,10 +249,34 @@ def _attribute(module: nn.Module, name: str) -> torch.Tensor:
 class _State:
     """What the chunked computation carries from forward to backward besides tensors."""
 
-    def __init__(self, scorer: Scorer, device_type: str, hits: bool):
-        self.scorer, self.device_type, self.hits = scorer, device_type, hits
+    def __init__(self, scorer: Scorer, device_type: str, request: _Request):
+        self.scorer, self.device_type, self.hits = scorer, device_type, request.hits
+        self.temperature, self.entropies = request.temperature, request.entropies
         self.autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
         self.correct: torch.Tensor | None = None
+        self.entropy: torch.Tensor | None = None
+        self._correct: list[torch.Tensor] = []
+        self._entropy: list[torch.Tensor] = []
+
+    def scaled(self, logits: torch.Tensor) -> torch.Tensor:
+        """A chunk's scores as the loss takes them (the tail applied, fp32), over the temperature."""
+        return logits if self.temperature == 1.0 else logits / self.temperature
+
+    def scored(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A chunk's label log-probabilities (forward), keeping what the request asked beside them."""
+        if self.hits:
+            self._correct.append(logits.argmax(-1) == targets)
+        if self.entropies:
+            log_probs = logits.log_softmax(-1)
+            self._entropy.append(-(log_probs.exp() * log_probs).sum(-1))
+        return _label_logps(logits, targets)
+
+    def close(self) -> None:
+        if self.hits:
+            self.correct = torch.cat(self._correct, dim=1)
+        if self.entropies:
+            self.entropy = torch.cat(self._entropy, dim=1)
+        self._correct, self._entropy = [], []
 
     def bounds(self, tokens: int) -> list[tuple[int, int]]:
         k = max(1, min(self.scorer.chunks, tokens))
@@ -290,16 +319,13 @@ class _ChunkedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, state: _State, hidden, targets, weight, bias):
-        scorer, out, correct = state.scorer, [], []
+        scorer, out = state.scorer, []
         with torch.no_grad():
             for start, end in state.bounds(hidden.shape[1]):
                 (piece,) = state.after([hidden[:, start:end]], out[-1:])
-                logits = scorer.finish(torch.nn.functional.linear(piece, weight, bias))
-                out.append(_label_logps(logits, targets[:, start:end]))
-                if state.hits:
-                    correct.append(logits.argmax(-1) == targets[:, start:end])
-        if state.hits:
-            state.correct = torch.cat(correct, dim=1)
+                logits = state.scaled(scorer.finish(torch.nn.functional.linear(piece, weight, bias)))
+                out.append(state.scored(logits, targets[:, start:end]))
+        state.close()
         ctx.state = state
         ctx.save_for_backward(hidden, targets, weight, bias)
         return torch.cat(out, dim=1)
@@ -317,7 +343,8 @@ class _ChunkedLinear(torch.autograd.Function):
                 logits = torch.nn.functional.linear(piece, weight, bias)
             logits = logits.detach().requires_grad_()
             with torch.enable_grad():
-                torch.autograd.backward(_label_logps(scorer.finish(logits), targets[:, start:end]), upstream)
+                torch.autograd.backward(_label_logps(state.scaled(scorer.finish(logits)), targets[:, start:end]),
+                                        upstream)
             scores = logits.grad  # d loss / d logits, in the logits' dtype
             with torch.no_grad(), state.autocasting():
                 grads.append(torch.matmul(scores, weight).to(hidden.dtype))
@@ -341,16 +368,13 @@ class _ChunkedModule(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, state: _State, hidden, targets, *tensors):
-        scorer, out, correct = state.scorer, [], []
+        scorer, out = state.scorer, []
         with torch.no_grad():
             for start, end in state.bounds(hidden.shape[1]):
                 (piece,) = state.after([hidden[:, start:end]], out[-1:])
-                logits = scorer.module_scores(piece, list(tensors))
-                out.append(_label_logps(logits, targets[:, start:end]))
-                if state.hits:
-                    correct.append(logits.argmax(-1) == targets[:, start:end])
-        if state.hits:
-            state.correct = torch.cat(correct, dim=1)
+                logits = state.scaled(scorer.module_scores(piece, list(tensors)))
+                out.append(state.scored(logits, targets[:, start:end]))
+        state.close()
         ctx.state = state
         ctx.save_for_backward(hidden, targets, *tensors)
         return torch.cat(out, dim=1)
@@ -367,7 +391,7 @@ class _ChunkedModule(torch.autograd.Function):
                                           grads[-1:] + [leaf.grad for leaf in leaves if leaf.grad is not None])
             piece = piece.requires_grad_(wants[1])
             with torch.enable_grad(), state.autocasting():
-                logps = _label_logps(state.scorer.module_scores(piece, leaves), targets[:, start:end])
+                logps = _label_logps(state.scaled(state.scorer.module_scores(piece, leaves)), targets[:, start:end])
             if logps.requires_grad:
                 torch.autograd.backward(logps, upstream)
             if wants[1]:

@@ -52,6 +52,8 @@ class ShardingPlan:
     optimizer: int  # ... an optimizer state tensor
     reason: str | None = None  # why this plan (fsdp.sharding: auto says what the cost model predicted)
     context: int = 1  # devices each sequence is split over (mesh.context), inside the P devices of a parameter
+    # devices an online method's generation splits the weights over (mesh.generation; 1: whole on every device)
+    generation: int = 1
 
     @property
     def replicate_only(self) -> bool:
@@ -93,6 +95,8 @@ class ShardingPlan:
         described = {**asdict(self), "strategy": self.strategy.value, "triple": self.triple}
         if self.context == 1:
             del described["context"]  # as manifests wrote plans before the sequence axis
+        if self.generation == 1:
+            del described["generation"]
         return described
 
     def __str__(self) -> str:
@@ -100,6 +104,8 @@ class ShardingPlan:
                 f"device(s); params/grads/optimizer split {self.params}/{self.grads}/{self.optimizer}-way, "
                 f"reshard after forward: {str(self.reshard_after_forward).lower()}"
                 + (f"; sequences split {self.context}-way (mesh.context)" if self.context > 1 else "")
+                + (f"; generation's weights split {self.generation}-way (mesh.generation)"
+                   if self.generation > 1 else "")
                 + (f" ({self.reason})" if self.reason else ""))
 
 

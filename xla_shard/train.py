@@ -241,7 +241,7 @@ class Trainer:
         self.total_steps = self._total_steps()
         self._log(f"data: {sources.description}; {self.total_steps} step{'' if self.total_steps == 1 else 's'}"
                   + (f" ({cfg.train.epochs:g} epoch(s))" if cfg.train.epochs else ""))
-        if self.objective.describe():
+        if self.method.describe() != self.method.name:
             self._log(f"method: {self.method.describe()}")
         if cfg.train.lr_warmup_steps >= self.total_steps:
             self._log(f"WARNING: train.lr_warmup_steps={cfg.train.lr_warmup_steps} is not shorter than the run's "
@@ -442,8 +442,9 @@ class Trainer:
         """What `step` trains on: its micro-batches (read, or given), as the objective makes them (an online
         method's rollout: generated and scored)."""
         backend = self.backend
-        return self.objective.rollout(self.model, backend, self.source, step, micro_batches or self.micro_batches(step),
-                                      process_rows(self.cfg.train, backend.processes))
+        return self.method.rollout.make(self.model, backend, self.source, step,
+                                        micro_batches or self.micro_batches(step),
+                                        process_rows(self.cfg.train, backend.processes))
 
     def step(self, step: int, micro_batches: list[Batch] | None = None) -> torch.Tensor:
         """One optimizer step over `grad_accum_steps` micro-batches; the mean loss (a device tensor)."""
@@ -454,7 +455,7 @@ class Trainer:
         equal = all(w == 1.0 / k for w in weights)  # the plain mean (a process's own shares can be equal, not 1/k)
         total = None
         # one length a graph under torch.compile
-        trim = backend.capabilities.varying_shapes and not train.compile and self.objective.trims_padding
+        trim = backend.capabilities.varying_shapes and not train.compile and self.method.rollout.trims_padding
         for j, rows in enumerate(micro_batches):
             batch = backend.place(trimmed(rows) if trim else rows)
             with backend.grad_sync(self.model, enabled=j == k - 1):
@@ -535,7 +536,7 @@ class Trainer:
     def _warmup_steps(self) -> int:
         """Steps whose compilations are the warm-up's: train.recompile_warmup_steps rounds of the method's programs
         (an online method compiles its sampler again once the weights it samples from are a step's outputs)."""
-        return self.cfg.train.recompile_warmup_steps * self.objective.steps_per_round
+        return self.cfg.train.recompile_warmup_steps * self.method.rollout.steps_per_round
 
     def _evaluate(self, done: int, logger: StepLogger) -> None:
         start, before = time.perf_counter(), self.backend.compilations()
@@ -608,7 +609,7 @@ class Trainer:
         self._real_tokens, self._real_since = 0, done
         record = {"step": done, "loss": mean_loss, "step_time_s": lap.step_time_s, "tokens_per_s": tokens_per_s,
                   "real_tokens_per_s": real}
-        record.update(self.objective.step_metrics(backend.mean_loss))
+        record.update(self.method.step_metrics(backend.mean_loss))
         if lap.compile_time_s:
             record["compile_time_s"] = lap.compile_time_s
         mfu = self._mfu(tokens_per_s, logger)

@@ -12,7 +12,7 @@ import torch
 
 from xla_shard import config
 from xla_shard.launch import exit_without_finalizing
-from xla_shard.methods.grpo_objective import Grpo
+from xla_shard.methods.grpo_objective import build
 from xla_shard.train import Trainer
 
 
@@ -40,7 +40,7 @@ def main(inputs_path: str, out: str, *overrides: str) -> None:
                                  f"grpo.max_completion_length={case['max_completion_length']}",
                                  f"grpo.temperature={case['temperature']}",
                                  f"grpo.kl_correction={str(case['kl_correction']).lower()}"])
-        objective = Grpo(cfg, trainer.adapter)
+        objective = build(cfg, trainer.adapter, None)[0]
         rows_of_case = dict(batch)
         if case["old"]:
             rows_of_case["old_logps"] = inputs["old_per_token_logps"]

@@ -8,12 +8,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from xla_shard import hostmem
 from xla_shard.aot import compiler, target, trace
 from xla_shard.aot.report import Refused, Report
 from xla_shard.config.schema import ShardConfig, ShardingStrategy
-from xla_shard.errors import UserError
+from xla_shard.errors import ConfigError, UserError
 
 
 # The host memory libtpu's compile of a step takes here, by the layers it compiles (all of them unrolled, one
@@ -80,11 +81,16 @@ def planned_generation(cfg: ShardConfig, devices: int, chip) -> tuple[float, flo
     from xla_shard import planner
     from xla_shard.backends.xla_spmd import XlaSpmdBackend
     from xla_shard.planner import cost
-    from xla_shard.planner.settle import settle
+    from xla_shard.planner.settle import settle, with_generation
 
-    work = planner.workload(cfg, devices, XlaSpmdBackend.capabilities, chip)
-    triple = settle(cfg, devices, XlaSpmdBackend.capabilities, "tpu").degrees
-    return work.generation_bytes(cost.memory(work, triple, devices))
+    capabilities = XlaSpmdBackend.capabilities
+    resolved = settle(cfg, devices, capabilities, "tpu")  # (no chip named: the weights whole to generate)
+    try:  # the split mesh.generation takes on this chip; none fits: whole, and the report says it does not fit
+        resolved = with_generation(cfg, resolved, capabilities, chip.name)
+    except ConfigError:
+        pass
+    work = replace(planner.workload(cfg, devices, capabilities, chip), generation_split=resolved.generation)
+    return work.generation_bytes(cost.memory(work, resolved.degrees, devices))
 
 
 def planned_collectives(cfg: ShardConfig, devices: int, chip) -> dict[str, list[tuple[str, float]]]:

@@ -156,9 +156,12 @@ class Backend(abc.ABC):
         """Wraps the forward pass (autocast where the backend needs it)."""
         return contextlib.nullcontext()
 
+    @contextlib.contextmanager
     def generation_context(self, model: nn.Module):
-        """Wraps a generation's forwards (a forward a token: a method's sampling)."""
-        return self.forward_context()
+        """Wraps a generation's forwards (a forward a token: a method's sampling), the weights in the layout the
+        backend generates in; yields how the prompts are placed for it (`place`'s signature)."""
+        with self.forward_context():
+            yield self.place
 
     def after_step(self) -> None:
         """Cut the step (XLA: materialise the graph); a no-op for eager backends."""

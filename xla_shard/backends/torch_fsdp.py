@@ -256,7 +256,7 @@ class TorchFsdpBackend(Backend):
         stay gathered for the whole generation instead, as TRL gathers a ZeRO-3 policy to generate: one all-gather
         a unit per rollout, the whole model's parameters held meanwhile (the plan counts them)."""
         with self.forward_context(), _gathered_throughout(model):
-            yield
+            yield self.place
 
     @contextlib.contextmanager
     def grad_sync(self, model: nn.Module, enabled: bool):

@@ -17,6 +17,7 @@ NO_SHARD 1/1/1.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Callable
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from xla_shard import sequence
-from xla_shard.backends import xla_common, xla_scan
+from xla_shard.backends import xla_common, xla_generation, xla_scan
 from xla_shard.backends.base import on_meta, prepare, retie, split_sequences
 from xla_shard.backends.processes import GroupProcesses, Processes, forming_a_group
 from xla_shard.backends.state import BackendState
@@ -328,6 +329,7 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         nonuniform_triple=None,  # per-tensor annotations: any nested triple
         group_after_forward="XLA's partitioner decides what it keeps from forward for backward",
         scan_layers=None, gathers_per_tensor=True, reduces_every_micro_batch=True, context=None,
+        gathers_model_to_generate=True, generation_split=None,
         experts=xla_common.XlaBackend.EXPERTS, router_aux_loss=xla_common.XlaBackend.ROUTER_AUX_LOSS)
     wrapper_prefixes = ("_orig_module",)
     state_type = SpmdState
@@ -359,6 +361,7 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         self._split_dims: dict[nn.Parameter, int] = {}  # parameters split along another dim than the largest
         self._row_marks: dict[tuple, Callable[[torch.Tensor], None]] = {}  # by tensor rank and token dim
         self._host_rows: dict[tuple, object] = {}  # the same: minibatch input shardings (several hosts)
+        self._generating = False  # inside `generation_context`: training's annotations of activations are off
         # One program over every device: one loss, nothing averaged over processes.
         self.rank, self.world = 0, 1
         self._batch_axes = ROW_AXES
@@ -485,7 +488,7 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         by_rows = self.mesh.get_op_sharding(self._token_spec(3))
 
         def split_by_width(module, args, output):
-            if not (isinstance(output, torch.Tensor) and output.dim() == 3):
+            if self._generating or not (isinstance(output, torch.Tensor) and output.dim() == 3):
                 return output
             return _Moved.apply(output, by_width, by_rows)
 
@@ -593,6 +596,8 @@ class XlaSpmdBackend(xla_common.XlaBackend):
 
     def _shard_output(self, output, mesh) -> None:
         """Inner layers return hidden states, the root a ModelOutput: shard whichever tensor leads, by batch."""
+        if self._generating:  # the generation mesh's inputs and weights lay its activations out
+            return
         self._by_rows(output if isinstance(output, torch.Tensor) else (
             output[0] if isinstance(output, tuple) else output.logits))
 
@@ -624,6 +629,65 @@ class XlaSpmdBackend(xla_common.XlaBackend):
 
     def forward_context(self):
         return torch.autocast("xla", dtype=torch.bfloat16, enabled=self.cfg.fsdp.mixed_precision == "bf16")
+
+    @contextlib.contextmanager
+    def generation_context(self, model: nn.Module):
+        """A generation runs on a copy of the weights in the layout it generates in (`xla_generation`, split over
+        plan.generation devices): laid out once, in one program, for every token of it; training's weights are
+        untouched meanwhile and the copies dropped after. Yields how its prompts are placed: rows over the
+        generation mesh's first axis."""
+        import torch_xla
+        import torch_xla.distributed.spmd as xs
+
+        split, devices = self.plan.generation, self.num_devices
+        mesh = xs.Mesh(np.arange(devices), (devices // split, split), ("rows", "split"))
+        lora = self.cfg.model.lora
+        # the linears' weights in the dtype autocast computes them in (DoRA reads its base weight's norms: kept)
+        cast = self.cfg.fsdp.mixed_precision == "bf16" and not (lora is not None and lora.use_dora)
+        whole = xla_generation.kept_whole(model)
+        owners, copies = [], {}
+        with torch.no_grad():
+            for name, module in model.named_modules():
+                for key, param in module._parameters.items():
+                    if param is None:
+                        continue
+                    owners.append((module, key, param))
+                    if id(param) in copies:
+                        continue  # tied: one copy
+                    copy = param.detach()
+                    if cast and isinstance(module, nn.Linear) and copy.is_floating_point():
+                        copy = copy.to(torch.bfloat16)
+                    spec = (None,) * copy.dim() if split == 1 else \
+                        xla_generation.split_spec(name, module, key, param, whole, "split")
+                    copies[id(param)] = _annotated(copy, mesh.get_op_sharding(spec))
+        torch_xla.sync()  # the one program that lays every weight out for the generation
+        laid = {key: nn.Parameter(copy, requires_grad=False) for key, copy in copies.items()}
+        for module, key, param in owners:
+            module._parameters[key] = laid[id(param)]
+        self._generating = True
+        try:
+            with self.forward_context():
+                yield lambda rows: self._place_for_generation(rows, mesh)
+        finally:
+            self._generating = False
+            for module, key, param in owners:
+                module._parameters[key] = param
+
+    def _place_for_generation(self, rows, mesh):
+        """Prompt rows split over the generation mesh's `rows` axis (each host's rows on its own devices)."""
+        import torch_xla.core.xla_model as xm
+        import torch_xla.distributed.spmd as xs
+
+        def one(tensor: torch.Tensor) -> torch.Tensor:
+            spec = ("rows",) + (None,) * (tensor.dim() - 1)
+            if self.processes.count > 1:
+                sharding = xs.ShardingSpec(mesh, spec, minibatch=True)
+                return xm.send_cpu_data_to_device(tensor, self.device, input_sharding=sharding)[0]
+            placed = tensor.to(self.device)
+            xs.mark_sharding(placed, mesh, spec)
+            return placed
+
+        return {key: one(value) for key, value in rows.items()} if isinstance(rows, dict) else one(rows)
 
     def mean_loss(self, loss: torch.Tensor) -> float:
         return loss.item()  # already the global-batch mean: SPMD computes one global program

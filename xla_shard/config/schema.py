@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, create_model, field_validator, model_validator
 
@@ -168,11 +168,16 @@ class MeshSection(Section):
     divisor of the devices parameters are split over, which still span them: the axis adds no state per device);
     attention gathers keys and values along it, and each device holds an early and a late chunk of every
     sequence, so the causal work is balanced.
+
+    `generation`: the devices an online method's generation (GRPO's sampling) splits the weights over, as tensor
+    parallelism splits them (xla_spmd); the weights take that layout once a generation, not once a token. 1: whole
+    on every device; auto: 1 where they fit beside the KV cache, else the fewest devices that fit.
     """
 
     fsdp: int = -1
     replica: int = Field(default=1, ge=1)
     context: int = Field(default=1, ge=1)
+    generation: Literal["auto"] | Annotated[int, Field(ge=1)] = "auto"
 
     @field_validator("fsdp")
     @classmethod

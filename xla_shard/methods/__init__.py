@@ -1,6 +1,7 @@
 """The room for fine-tuning methods. A run's method (`method` in the config) is resolved once, by `method_for`,
 into a `Method`: how the model is changed (its `Adapter`: full fine-tuning, LoRA, DoRA), what a step computes and
-evaluation reports (its `Objective`: the model's own loss, one of yours, DPO, GRPO), and what it needs of a
+evaluation reports (its `Objective`: the model's own loss, one of yours, DPO, GRPO), what a step trains on (its
+`Rollout`: the rows as read, or examples an online method makes with the model), and what it needs of a
 backend. The trainer hands that object to the pretrained loader, the planner and the backend; nothing outside this
 package names a concrete method (tests/test_layout.py holds that). A method is its modules here (its objective,
 its section's keys), its tests, and a line in `registry.METHODS`.
@@ -23,6 +24,7 @@ from xla_shard.methods.registry import METHODS
 if TYPE_CHECKING:
     from xla_shard.methods.adapter import Adapter
     from xla_shard.methods.objective import Objective
+    from xla_shard.methods.rollout import Rollout
 
 # What a method may need of a backend beyond training a model (`Method.needs`).
 REFERENCE_MODEL = "a frozen reference model beside the policy"
@@ -36,12 +38,18 @@ class Method:
     name: str  # the config's `method`
     adapter: Adapter
     objective: Objective
+    rollout: Rollout
     needs: frozenset[str] = frozenset()  # REFERENCE_MODEL, ...: a backend that cannot refuses the run
     # What a method that generates its completions asks of its prompt rows (`data.prompts.Generations`).
     generations: object | None = None
 
     def describe(self) -> str:
-        return self.objective.describe() or self.name
+        return self.rollout.describe() or self.objective.describe() or self.name
+
+    def step_metrics(self, mean) -> dict[str, float]:
+        """The metrics of the steps since the last record: the rollout's (host), then the objective's (`mean`:
+        the backend's `mean_loss`)."""
+        return {**self.rollout.step_metrics(), **self.objective.step_metrics(mean)}
 
 
 def adapter_for(cfg) -> Adapter:
@@ -62,10 +70,13 @@ def adapter_for(cfg) -> Adapter:
 
 def method_for(cfg, loss_fn=None) -> Method:
     """The method `cfg` trains (with `loss_fn(model, batch)`, a loss of your own in its objective's place)."""
+    from xla_shard.methods.rollout import Rollout
+
     adapter = adapter_for(cfg)
     module, _, function = METHODS[cfg.method].build.partition(":")
-    objective, needs = getattr(importlib.import_module(module), function)(cfg, adapter, loss_fn)
-    return Method(cfg.method, adapter, objective, needs, getattr(objective, "generations", None))
+    objective, needs, rollout = getattr(importlib.import_module(module), function)(cfg, adapter, loss_fn)
+    rollout = rollout or Rollout()
+    return Method(cfg.method, adapter, objective, rollout, needs, getattr(rollout, "generations", None))
 
 
 def objective_for(cfg, loss_fn=None) -> Objective:

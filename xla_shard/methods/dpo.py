@@ -111,11 +111,11 @@ class Dpo(Objective):
                 "logps_chosen": chosen.detach(), "logps_rejected": rejected.detach()}
 
 
-def build(cfg, adapter: Adapter, loss_fn) -> tuple[Objective, frozenset[str]]:
+def build(cfg, adapter: Adapter, loss_fn) -> tuple[Objective, frozenset[str], None]:
     """Method dpo (`registry.METHODS`); with `loss_fn`, a loss of the user's own on preference rows."""
     from xla_shard.methods import REFERENCE_MODEL
     from xla_shard.methods.objective import build_sft
 
     if loss_fn is not None:
         return build_sft(cfg, adapter, loss_fn)
-    return Dpo(cfg.dpo, adapter, cfg.model.name), frozenset({REFERENCE_MODEL})
+    return Dpo(cfg.dpo, adapter, cfg.model.name), frozenset({REFERENCE_MODEL}), None

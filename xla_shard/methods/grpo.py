@@ -20,6 +20,9 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from torch import nn
+
+from xla_shard import lm_head
 
 LossType = Literal["dapo", "grpo", "dr_grpo", "bnpo"]
 RewardScale = Literal["group", "batch", "none"]
@@ -59,6 +62,24 @@ def advantages(scores: torch.Tensor, weights: torch.Tensor, num_generations: int
     if scale != "none":
         found = found / (spread + STD_FLOOR)
     return torch.nan_to_num(found, nan=0.0), rewards, torch.isclose(spread, torch.zeros_like(spread))
+
+
+def completion_log_probs(model: nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each completion token's log-probability under the sampling distribution, and its entropy ([rows, C] each,
+    C the completion's tokens): the model's forward over prompt + completion, its head applied to the completion's
+    positions alone, scored chunk by chunk where the model's head is (`lm_head`: the logits never whole)."""
+    completion = batch["completion_mask"].shape[1]
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+              "logits_to_keep": completion + 1}
+    head = lm_head.scorer(model)
+    if head is None:
+        logits = model(**inputs).logits[:, :-1][:, -completion:]
+        return token_log_probs(logits, batch["input_ids"][:, -completion:], temperature)
+    with head.scoring(batch["input_ids"][:, -(completion + 1):], temperature=temperature, entropies=True) as request:
+        out = model(**inputs)
+    request.tie(getattr(out, "logits", None))
+    return request.logps, request.entropy
 
 
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0

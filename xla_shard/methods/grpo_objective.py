@@ -1,35 +1,20 @@
-"""GRPO as a step (`method: grpo`, on `data.kind: prompt` rows), as TRL's `GRPOTrainer` runs it.
-
-Before the step's micro-batches train, `rollout` makes them: the policy being trained (sharded, on the run's
-devices) samples a completion for each row (a group of `num_generations` rows per prompt, `xla_shard.sampling`),
-the user's reward functions score them on the host (`rewards`), the scores of the whole global batch are summed
-over the processes so every process computes every group's advantage (`grpo.advantages`), and each row becomes
-its prompt + completion with its completion mask and advantage; with `num_iterations` > 1 the tokens'
-log-probabilities under the generating policy, with `beta` > 0 the reference's, both computed there without
-gradients. A generation trains `num_iterations` steps, as TRL's buffer does.
-
-A row's draws come from a generator seeded by (train.seed, the generation, the row's place in the global batch):
-the same completions on any backend and any number of processes, and a resumed run draws what the
-uninterrupted one drew at the same step (where a resume lands inside a generation's `num_iterations` steps,
-that generation is drawn again from the resumed policy: the same noise, newer weights).
-"""
+"""GRPO's loss (`method: grpo`, on `data.kind: prompt` rows), as TRL's `GRPOTrainer.compute_loss` computes it, on
+the examples its rollout made (`grpo_rollout`): the clipped policy loss of each micro-batch's completion tokens,
+and TRL's metrics of them. Evaluation, as TRL's, samples held-out prompts through the same rollout."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import nn
 
 from xla_shard.data import Batch
-from xla_shard.data.prompts import Generations
 from xla_shard.errors import ConfigError
 from xla_shard.methods import grpo
 from xla_shard.methods.adapter import Adapter
+from xla_shard.methods.grpo_rollout import GrpoRollout
 from xla_shard.methods.objective import Objective
-from xla_shard.methods.rewards import Rewards
-from xla_shard.sampling import Sampling, sample
 
-# What an evaluation's draws are seeded by beside train.seed: apart from every training generation's.
+# What an evaluation's draws are keyed by beside train.seed: apart from every training generation's.
 EVAL_STREAM = 2**32
 
 # The mean of each of these device sums (over masked tokens) is logged under TRL's name.
@@ -38,178 +23,21 @@ TOKEN_METRICS = {"kl": "kl", "entropy": "entropy", "clip_ratio/low": "clip_ratio
 
 
 class Grpo(Objective):
-    trims_padding = False  # a row is its left-padded prompt, then its completion
-
-    def __init__(self, cfg, adapter: Adapter):
+    def __init__(self, cfg, adapter: Adapter, rollout: GrpoRollout):
         section = cfg.grpo
-        self.section, self.adapter, self.seed = section, adapter, cfg.train.seed
-        self.prompt_field = cfg.data.prompt_field
-        self.rewards = Rewards.from_specs(section.reward_funcs, section.reward_weights)
+        self.section, self.rollout, self.seed = section, rollout, cfg.train.seed
         self.forwards_without_grad = int(section.num_iterations > 1) + int(section.beta > 0)
-        self.steps_per_round = section.num_iterations
         if section.beta > 0:
             self.reference_directory = section.reference or (None if adapter.switches_off else cfg.model.name)
             self.reference_key = "grpo.reference" if section.reference else "model.name"
-        self.batch_size = cfg.train.global_batch_size  # completions a step
-        self.generations = Generations(section.num_generations, section.num_iterations,
-                                       section.max_completion_length, "grpo.max_completion_length")
-        self._generated: tuple[int, list[Batch]] | None = None  # (generation, its micro-batches)
-        self._host: dict[str, list[float]] = {}  # the rollouts' metrics since the last record
         self._sums: dict[str, torch.Tensor] = {}  # the losses' masked sums (device), and their token counts
 
-    def describe(self) -> str:
-        s = self.section
-        return (f"grpo ({s.loss_type}, {s.num_generations} completions a prompt of up to {s.max_completion_length} "
-                f"tokens, temperature {s.temperature:g}, beta {s.beta:g}; rewards: {', '.join(self.rewards.names)})")
-
     def use_reference(self, model: nn.Module) -> None:
-        self.reference = model
-
-    # -- the rollout ----------------------------------------------------------------------------------------
-
-    def rollout(self, model, backend, source, step, micro_batches, rows):
-        if backend.placeholders:  # a traced step (`xla-shard compile`): the training step's shapes, nothing drawn
-            return [self._shaped_like(batch) for batch in micro_batches]
-        generation = source.generation(step)
-        if self._generated is not None and self._generated[0] == generation:
-            return self._generated[1]
-        made = self._generate(model, backend, source, micro_batches, rows, (self.seed, generation), step)
-        self._generated = (generation, made)
-        return made
-
-    def _generate(self, model, backend, source, micro_batches, rows, stream: tuple[int, ...],
-                  step: int) -> list[Batch]:
-        """The micro-batches `loss` takes, made from prompt rows: sampled (row r's draws seeded by `stream` and r's
-        place in the global batch), scored, their advantages over the whole batch. A row whose `row` is -1 (an
-        evaluation batch's filler) is sampled with the rest but neither scored nor counted."""
-        s, tokenizer = self.section, source.tokenizer
-        prompts = {key: torch.cat([batch[key] for batch in micro_batches]) for key in ("input_ids", "attention_mask")}
-        data_rows = torch.cat([batch["row"] for batch in micro_batches]).tolist()
-        places = [r for part in rows for r in part]  # this process's rows of the global batch
-        generators = [torch.Generator().manual_seed(int(np.random.SeedSequence([*stream, place])
-                                                        .generate_state(1)[0])) for place in places]
-        sampling = Sampling(s.max_completion_length, _eos_ids(tokenizer, model), _pad_id(tokenizer), s.temperature,
-                            s.top_k, s.top_p)
-        placed = backend.place(prompts)
-        with backend.generation_context(model):
-            ids, mask = sample(model, placed["input_ids"], placed["attention_mask"], sampling, generators,
-                               after_token=backend.after_step)
-        ids, mask = backend.to_host(ids, mask)
-        real = torch.tensor([row >= 0 for row in data_rows])
-        mask = mask * real[:, None]  # a filler row's completion counts for nothing
-        lengths = mask.sum(-1)
-        completion_ids = [row[:n].tolist() for row, n in zip(ids, lengths)]
-        scored = [i for i, row in enumerate(data_rows) if row >= 0]
-        texts, columns = source.columns([data_rows[i] for i in scored], self.prompt_field)
-        completions = tokenizer.batch_decode([completion_ids[i] for i in scored], skip_special_tokens=True)
-        if texts and not isinstance(texts[0], str):  # conversational prompts get messages back, as in TRL
-            completions = [[{"role": "assistant", "content": text}] for text in completions]
-        scores = torch.full((len(data_rows), len(self.rewards.names)), float("nan"))
-        if scored:
-            scores[scored] = self.rewards.score(texts, completions, [completion_ids[i] for i in scored], columns,
-                                                [data_rows[i] for i in scored], step)
-        truncated = torch.tensor([not ids_ or ids_[-1] not in sampling.eos_token_ids for ids_ in completion_ids])
-        everything = self._whole_batch(backend, places, scores, lengths.float(), truncated.float(), real.float())
-        full_scores, full_lengths, full_truncated, full_real = everything
-        advantages, rewards, zero_std = grpo.advantages(full_scores, torch.tensor(self.rewards.weights),
-                                                        s.num_generations, s.scale_rewards)
-        counted = full_real.bool()
-        self._log_rollout(full_scores[counted], rewards[counted], zero_std[counted],
-                          full_lengths[counted], full_truncated.bool()[counted])
-        # TRL's num_items_in_batch over its processes: the generation's completion tokens per gradient-averaged part
-        step_tokens = float(full_lengths.sum()) / backend.world
-        made, start = [], 0
-        for batch in micro_batches:
-            n = batch["input_ids"].shape[0]
-            part = slice(start, start + n)
-            made.append({"input_ids": torch.cat([batch["input_ids"], ids[part]], 1),
-                         "attention_mask": torch.cat([batch["attention_mask"], mask[part]], 1),
-                         "completion_mask": mask[part],
-                         "advantages": advantages[[places[i] for i in range(start, start + n)]],
-                         "step_tokens": torch.full((n,), step_tokens)})
-            start += n
-        self._score_without_grad(model, backend, made)
-        return made
-
-    def _shaped_like(self, batch: Batch) -> Batch:
-        """A micro-batch as the training step takes it, every completion full length: for tracing the step."""
-        rows, length = batch["input_ids"].shape[0], self.section.max_completion_length
-        made = {"input_ids": torch.cat([batch["input_ids"], torch.zeros(rows, length, dtype=torch.long)], 1),
-                "attention_mask": torch.cat([batch["attention_mask"], torch.ones(rows, length, dtype=torch.long)], 1),
-                "completion_mask": torch.ones(rows, length, dtype=torch.long), "advantages": torch.zeros(rows),
-                "step_tokens": torch.full((rows,), float(self.batch_size * length))}
-        if self.section.num_iterations > 1:
-            made["old_logps"] = torch.zeros(rows, length)
-        if self.section.beta > 0:
-            made["ref_logps"] = torch.zeros(rows, length)
-        return made
-
-    def _whole_batch(self, backend, places: list[int], *columns: torch.Tensor) -> list[torch.Tensor]:
-        """Each of this process's per-row `columns` as the whole global batch's, every process's rows in their
-        places (one sum over the processes: the others' places hold 0 here)."""
-        size = self.batch_size
-        laid = []
-        for column in columns:
-            whole = torch.zeros((size, *column.shape[1:]), dtype=torch.float32)
-            whole[places] = column.float()
-            laid.append(whole)
-        flat = torch.cat([t.reshape(-1) for t in laid]).tolist()
-        summed = torch.tensor(backend.processes.total(flat), dtype=torch.float32)
-        out, at = [], 0
-        for whole in laid:
-            out.append(summed[at:at + whole.numel()].view_as(whole))
-            at += whole.numel()
-        return out
-
-    @torch.no_grad()
-    def _score_without_grad(self, model, backend, made: list[Batch]) -> None:
-        """The generating policy's log-probabilities (num_iterations > 1) and the reference's (beta > 0) of each
-        micro-batch's completions, as TRL computes them when it generates."""
-        s = self.section
-        if s.num_iterations == 1 and s.beta == 0:
-            return
-        for batch in made:
-            placed = backend.place({key: batch[key] for key in ("input_ids", "attention_mask", "completion_mask")})
-            with backend.forward_context():
-                if s.num_iterations > 1:
-                    batch["old_logps"] = self.log_probs(model, placed)[0].float()
-                if s.beta > 0:
-                    if self.reference is not None:
-                        reference = self.log_probs(self.reference, placed)[0]
-                    else:
-                        with self.adapter.switched_off(model):
-                            reference = self.log_probs(model, placed)[0]
-                    batch["ref_logps"] = reference.float()
-            kept = [key for key in ("old_logps", "ref_logps") if key in batch]
-            batch.update(zip(kept, backend.to_host(*(batch[key] for key in kept))))
-
-    def _log_rollout(self, scores, rewards, zero_std, lengths, truncated) -> None:
-        got = {"reward": torch.nanmean(rewards), "reward_std": grpo.nanstd(rewards),
-               "frac_reward_zero_std": zero_std.float().mean()}
-        for index, name in enumerate(self.rewards.names):
-            got[f"rewards/{name}/mean"] = torch.nanmean(scores[:, index])
-            got[f"rewards/{name}/std"] = grpo.nanstd(scores[:, index])
-        ended = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
-        got.update({"completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
-                    "completions/max_length": lengths.max(), "completions/clipped_ratio": truncated.float().mean(),
-                    "completions/mean_terminated_length": ended.mean(),
-                    "completions/min_terminated_length": ended.min(),
-                    "completions/max_terminated_length": ended.max()})
-        for key, value in got.items():
-            self._host.setdefault(key, []).append(float(value))
-
-    # -- the loss -------------------------------------------------------------------------------------------
-
-    def log_probs(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each completion token's log-probability under the sampling distribution, and its entropy: [rows, C]."""
-        completion = batch["completion_mask"].shape[1]
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       logits_to_keep=completion + 1).logits[:, :-1][:, -completion:]
-        return grpo.token_log_probs(logits, batch["input_ids"][:, -completion:], self.section.temperature)
+        self.reference = self.rollout.reference = model
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         s = self.section
-        logps, entropy = self.log_probs(model, batch)
+        logps, entropy = grpo.completion_log_probs(model, batch, s.temperature)
         mask = batch["completion_mask"]
         loss, terms = grpo.policy_loss(logps, mask, batch["advantages"], old_logps=batch.get("old_logps"),
                                        ref_logps=batch.get("ref_logps"), loss_type=s.loss_type,
@@ -230,62 +58,48 @@ class Grpo(Objective):
     def evaluate(self, model: nn.Module, backend, source, batches: int, rows: range) -> dict[str, float]:
         """As TRL's GRPOTrainer evaluates: completions of every evaluation prompt sampled by the model (in eval
         mode), scored and trained on by nothing, the loss and TRL's metrics of them under `eval_` names. Each
-        evaluation draws with the same noise (seeded by train.seed, the batch and the row's place), so
+        evaluation draws with the same noise (keyed by train.seed, the batch and the row's place), so
         evaluations at different steps differ by the weights alone."""
-        training = self._host, self._sums, self.rewards.logged
-        self._host, self._sums, self.rewards.logged = {}, {}, {}
+        training, self._sums = self._sums, {}
         model.eval()
         losses = []
         try:
-            for index in range(batches):
-                made = self._generate(model, backend, source, [source.rows(index, rows)], [rows],
-                                      (self.seed, EVAL_STREAM, index), step=0)
-                for batch in made:
-                    placed = backend.place(batch)
-                    with backend.forward_context():
-                        losses.append(self.loss(model, placed))
-                    backend.after_step()
-            metrics = self.step_metrics(backend.mean_loss)
+            with self.rollout.apart():
+                for index in range(batches):
+                    made = self.rollout.generate(model, backend, source, [source.rows(index, rows)], [rows],
+                                                 (self.seed, EVAL_STREAM, index), step=0)
+                    for batch in made:
+                        placed = backend.place(batch)
+                        with backend.forward_context():
+                            losses.append(self.loss(model, placed))
+                        backend.after_step()
+                metrics = {**self.rollout.step_metrics(), **self.step_metrics(backend.mean_loss)}
             metrics["loss"] = sum(backend.mean_loss(loss) for loss in losses) / len(losses)
         finally:
             model.train()
-            self._host, self._sums, self.rewards.logged = training
+            self._sums = training
         return {f"eval_{key}": value for key, value in metrics.items()}
 
     def step_metrics(self, mean) -> dict[str, float]:
-        """TRL's metrics since the last record: the rollouts' (rewards, completion lengths) and the losses' (the
-        masked means over every completion token of the micro-batches)."""
-        got = {key: sum(values) / len(values) for key, values in (*self._host.items(), *self.rewards.logged.items())}
-        self.rewards.logged.clear()  # (what the reward functions logged through log_metric, as TRL logs it)
+        """TRL's loss metrics since the last record: the masked means over every completion token of the
+        micro-batches (the rollout's own are `GrpoRollout.step_metrics`)."""
+        got = {}
         if self._sums:
             count = mean(self._sums["count"])
             for key, name in TOKEN_METRICS.items():
                 if key in self._sums:
                     got[name] = mean(self._sums[key]) / count if count else 0.0
-        self._host, self._sums = {}, {}
+        self._sums = {}
         return got
 
 
-def _eos_ids(tokenizer, model: nn.Module) -> tuple[int, ...]:
-    """The tokens that end a completion, as TRL takes them: the tokenizer's EOS, then every one the model's
-    generation config declares (an end-of-turn token)."""
-    if tokenizer.eos_token_id is None:
-        raise ConfigError("data.tokenizer", f"GRPO ends a completion at EOS, and the tokenizer "
-                                            f"({tokenizer.name_or_path}) has no EOS token")
-    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    declared = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
-    return tuple(dict.fromkeys([tokenizer.eos_token_id, *declared]))
-
-
-def _pad_id(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
-def build(cfg, adapter: Adapter, loss_fn) -> tuple[Objective, frozenset[str]]:
+def build(cfg, adapter: Adapter, loss_fn):
     """Method grpo (`registry.METHODS`): it generates, and with grpo.beta > 0 scores with a reference."""
     from xla_shard.methods import GENERATION, REFERENCE_MODEL
 
     if loss_fn is not None:
         raise ConfigError("method", "grpo's loss is its own (the clipped policy loss of its completions); a loss_fn "
                                     "of yours replaces the objective of the other methods")
-    return Grpo(cfg, adapter), frozenset({GENERATION} | ({REFERENCE_MODEL} if cfg.grpo.beta > 0 else set()))
+    rollout = GrpoRollout(cfg, adapter)
+    needs = frozenset({GENERATION} | ({REFERENCE_MODEL} if cfg.grpo.beta > 0 else set()))
+    return Grpo(cfg, adapter, rollout), needs, rollout

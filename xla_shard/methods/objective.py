@@ -27,12 +27,6 @@ class Objective:
     reference_directory: str | None = None
     reference_key: str | None = None
     reference: nn.Module | None = None  # that model, once `use_reference` gave it
-    # Whether the step may cut a batch's padding off its end (`data.batches.trimmed`): not where a batch lays out
-    # other tensors by position (a generated completion beside its prompt).
-    trims_padding = True
-    # Optimizer steps that run each of the method's programs (an online method's generation and the steps that
-    # reuse it): train.recompile_warmup_steps counts in these.
-    steps_per_round = 1
 
     def describe(self) -> str:
         """What the step trains, for the run's log (empty: the method's name says it)."""
@@ -45,13 +39,6 @@ class Objective:
         """Metrics of the training steps since the last call, for the step's record beside the loss; `mean`
         (the backend's `mean_loss`) averages a device scalar over the processes. None by default."""
         return {}
-
-    def rollout(self, model: nn.Module, backend, source, step: int, micro_batches: list[Batch],
-                rows: list[range]) -> list[Batch]:
-        """What `loss` trains on in `step`, from the rows read for it (host tensors; `rows`: each micro-batch's
-        rows of the global batch): the rows themselves, unless the method first makes its examples with the model
-        (an online method generates and scores completions). Every process calls it."""
-        return micro_batches
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """The micro-batch's loss (a device scalar): `batch` holds this process's rows, on its device."""
@@ -186,7 +173,7 @@ class CustomLoss(ModelLoss):
         return None
 
 
-def build_sft(cfg, adapter, loss_fn) -> tuple[Objective, frozenset[str]]:
-    """Method sft (`registry.METHODS`): the model's own loss, or `loss_fn`'s."""
+def build_sft(cfg, adapter, loss_fn) -> tuple[Objective, frozenset[str], None]:
+    """Method sft (`registry.METHODS`): the model's own loss, or `loss_fn`'s, on the rows as read."""
     causal = cfg.model.task == "causal_lm"
-    return (ModelLoss(causal) if loss_fn is None else CustomLoss(loss_fn, causal)), frozenset()
+    return (ModelLoss(causal) if loss_fn is None else CustomLoss(loss_fn, causal)), frozenset(), None

@@ -15,7 +15,8 @@ from xla_shard.methods.grpo_config import GrpoSection
 @dataclass(frozen=True)
 class Entry:
     rows: tuple[str, ...]  # the data.kind values it trains on
-    # MODULE:FUNCTION, imported when a run is built: (cfg, adapter, loss_fn) -> (its Objective, its needs)
+    # MODULE:FUNCTION, imported when a run is built: (cfg, adapter, loss_fn) -> (its Objective, its needs, its
+    # Rollout or None: the rows as read)
     build: str
     section: type[MethodSection] | None = None
 

@@ -139,7 +139,7 @@ def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerato
     units and reduce once)."""
     import torch
 
-    from xla_shard import experts
+    from xla_shard import experts, tensor_parallel
     from xla_shard.methods import GENERATION, method_for
     from xla_shard.metrics import train_flops_per_token
     from xla_shard.models import build_model
@@ -185,6 +185,7 @@ def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerato
                     kv_width=attention_widths(config)[1],
                     generated_rows=cfg.train.global_batch_size / devices if GENERATION in method.needs else 0.0,
                     generation_gathers_model=capabilities.gathers_model_to_generate,
+                    mlp_params=tensor_parallel.mlp_params(model),
                     vocab=getattr(config, "vocab_size", 0) if cfg.model.task == "causal_lm" else 0)
 
 

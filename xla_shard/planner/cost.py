@@ -105,17 +105,23 @@ class Workload:
     # step), each holding its keys and values for every one of seq_len positions in a static cache.
     generated_rows: float = 0.0
     generation_gathers_model: bool = False  # the backend holds the whole model gathered while it generates
+    # ... its MLPs split over this many devices, as tensor parallelism splits them (`mesh.generation`): each device
+    # then holds 1/split of the MLP weights (`mlp_params`), for split times the rows (their caches and logits)
+    generation_split: int = 1
+    mlp_params: int = 0
 
     def generation_bytes(self, found: dict[str, float]) -> tuple[float, float]:
         """(the static KV cache, the generation phase's bytes): between steps, with parameters and optimizer
         state at rest, no gradients and no activations, a unit's weights gathered (or the whole model's, in the
-        compute dtype, where the backend holds it gathered to generate), the cache and one token's fp32 logits per
-        row. (0, 0) without generation."""
+        compute dtype, where the backend holds it gathered to generate: 1/generation_split of it), the cache and
+        one token's fp32 logits per row. (0, 0) without generation."""
         if not self.generated_rows:
             return 0.0, 0.0
-        cache = 2 * self.layers * self.kv_width * self.seq_len * self.generated_rows * self.compute_bytes
-        logits = 4 * self.generated_rows * self.vocab
-        gathered = self.params * self.compute_bytes if self.generation_gathers_model else found["gathered"]
+        rows = self.generated_rows * self.generation_split
+        cache = 2 * self.layers * self.kv_width * self.seq_len * rows * self.compute_bytes
+        logits = 4 * rows * self.vocab
+        split = self.mlp_params * (1 - 1 / self.generation_split)
+        gathered = (self.params - split) * self.compute_bytes if self.generation_gathers_model else found["gathered"]
         return cache, found["params"] + found["optimizer"] + gathered + cache + logits
 
     def context_kv_bytes(self) -> float:

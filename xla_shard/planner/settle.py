@@ -4,6 +4,8 @@ once the runtime is up; `backend.setup(plan)` receives it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from xla_shard import plan as planlib
 from xla_shard import planner
 from xla_shard.capabilities import Capabilities
@@ -37,7 +39,42 @@ def settle(cfg: ShardConfig, devices: int, capabilities: Capabilities, device_ki
         # (FSDP2) or XLA would replicate the batch (SPMD).
         refuse("train.grad_accum_steps", f"{train.grad_accum_steps} micro-batches of {micro} rows: each must split "
                                          f"evenly over {over} (global_batch_size {train.global_batch_size})")
-    return resolved
+    return with_generation(cfg, resolved, capabilities, device_kind, method)
+
+
+def with_generation(cfg: ShardConfig, resolved: ShardingPlan, capabilities: Capabilities, device_kind: str,
+                    method=None) -> ShardingPlan:
+    """`resolved` with the devices an online method's generation splits the weights over (mesh.generation): auto
+    takes 1 (the weights whole on every device, no collective per token) where they fit beside the KV cache on
+    the device's memory, else the fewest devices that fit (tensor parallelism's all-reduces per token); nothing
+    fits: one line naming what to make smaller. Where no memory is known (a CPU), 1."""
+    from xla_shard.methods import GENERATION, method_for
+
+    requested, devices = cfg.mesh.generation, resolved.devices
+    method = method or method_for(cfg)
+    if GENERATION not in method.needs:
+        if requested != "auto":
+            capabilities.refuse("mesh.generation", f"{requested}: method {cfg.method} does not generate; remove it")
+        return resolved
+    if capabilities.generation_split:  # (a split it cannot take is refused by its check)
+        return resolved
+    if requested != "auto":
+        if devices % requested:
+            capabilities.refuse("mesh.generation", f"{requested} does not divide the {devices} devices")
+        return replace(resolved, generation=requested)
+    hardware = planner.for_device_kind(device_kind)
+    if hardware is None:
+        return resolved
+    work = planner.workload(cfg, devices, capabilities, hardware, method)
+    for split in planner.divisors(devices):
+        split_work = replace(work, generation_split=split)
+        phase = split_work.generation_bytes(planner.memory(split_work, resolved.degrees, devices))[1]
+        if phase <= hardware.hbm_bytes:
+            return replace(resolved, generation=split)
+    capabilities.refuse("train.global_batch_size", f"generation needs {phase / 2**30:.1f} GiB per device with the "
+                        f"weights split over all {devices} devices, over {hardware.name}'s "
+                        f"{hardware.hbm_bytes / 2**30:.0f} GiB (the KV cache of every completion a step): fewer "
+                        "completions a step, or shorter ones (grpo.max_completion_length)")
 
 
 def auto(cfg: ShardConfig, devices: int, capabilities: Capabilities, device_kind: str, method=None) -> ShardingPlan:

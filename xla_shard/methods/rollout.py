@@ -1,0 +1,38 @@
+"""What a step trains on, made from the rows read for it: a method's rollout, apart from its objective (the loss).
+
+Offline methods (SFT, DPO) train on their rows as read: the base `Rollout`. An online method makes its examples
+with the model first (GRPO: sample completions, score them, their advantages), as TRL's trainers generate apart
+from `compute_loss` and torchtitan's RL keeps its rollouter apart from its loss. Another generator (an inference
+engine) or another online method is another `Rollout`; neither the objective nor the backend grows for it.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from xla_shard.data import Batch
+
+
+class Rollout:
+    """The rows as read. Subclasses make the micro-batches `Objective.loss` trains on."""
+
+    # Whether the step may cut a batch's padding off its end (`data.batches.trimmed`): not where a batch lays out
+    # other tensors by position (a generated completion beside its prompt).
+    trims_padding = True
+    # Optimizer steps that run each of the method's programs (an online method's generation and the steps that
+    # reuse it): train.recompile_warmup_steps counts in these.
+    steps_per_round = 1
+
+    def describe(self) -> str:
+        """How examples are made, for the run's log (empty: as read)."""
+        return ""
+
+    def make(self, model: nn.Module, backend, source, step: int, micro_batches: list[Batch],
+             rows: list[range]) -> list[Batch]:
+        """What `step` trains on, from the rows read for it (host tensors; `rows`: each micro-batch's rows of the
+        global batch). Every process calls it."""
+        return micro_batches
+
+    def step_metrics(self) -> dict[str, float]:
+        """Metrics of the examples made since the last call (host floats), for the step's record."""
+        return {}
