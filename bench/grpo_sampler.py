@@ -105,7 +105,6 @@ def main() -> None:
     no_check = sampling.Sampling(args.new, ending.eos_token_ids, 0, temperature=1.0, top_p=0.95,
                                  check_every=args.new)
     generators = [torch.Generator().manual_seed(r) for r in range(rows)]
-    logits = torch.randn(rows, args.vocab)
     at = torch.tensor([args.prompt_len])
     noise_repeats = 50
     savings = _interleaved({
