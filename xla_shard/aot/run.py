@@ -81,15 +81,16 @@ def planned_generation(cfg: ShardConfig, devices: int, chip) -> tuple[float, flo
     from xla_shard import planner
     from xla_shard.backends.xla_spmd import XlaSpmdBackend
     from xla_shard.planner import cost
+    from xla_shard.methods import method_for
     from xla_shard.planner.settle import settle, with_generation
 
-    capabilities = XlaSpmdBackend.capabilities
-    resolved = settle(cfg, devices, capabilities, "tpu")  # (no chip named: the weights whole to generate)
+    capabilities, method = XlaSpmdBackend.capabilities, method_for(cfg)  # (built once: it imports reward functions)
+    resolved = settle(cfg, devices, capabilities, "tpu", method)  # (no chip named: the weights whole to generate)
     try:  # the split mesh.generation takes on this chip; none fits: whole, and the report says it does not fit
-        resolved = with_generation(cfg, resolved, capabilities, chip.name)
+        resolved = with_generation(cfg, resolved, capabilities, chip.name, method)
     except ConfigError:
         pass
-    work = replace(planner.workload(cfg, devices, capabilities, chip), generation_split=resolved.generation)
+    work = replace(planner.workload(cfg, devices, capabilities, chip, method), generation_split=resolved.generation)
     return work.generation_bytes(cost.memory(work, resolved.degrees, devices))
 
 

@@ -51,6 +51,9 @@ def with_generation(cfg: ShardConfig, resolved: ShardingPlan, capabilities: Capa
     from xla_shard.methods import GENERATION, method_for
 
     requested, devices = cfg.mesh.generation, resolved.devices
+    hardware = planner.for_device_kind(device_kind)
+    if requested == "auto" and hardware is None:
+        return resolved  # (before building a method: nothing to choose)
     method = method or method_for(cfg)
     if GENERATION not in method.needs:
         if requested != "auto":
@@ -62,9 +65,6 @@ def with_generation(cfg: ShardConfig, resolved: ShardingPlan, capabilities: Capa
         if devices % requested:
             capabilities.refuse("mesh.generation", f"{requested} does not divide the {devices} devices")
         return replace(resolved, generation=requested)
-    hardware = planner.for_device_kind(device_kind)
-    if hardware is None:
-        return resolved
     work = planner.workload(cfg, devices, capabilities, hardware, method)
     for split in planner.divisors(devices):
         split_work = replace(work, generation_split=split)
