@@ -383,7 +383,8 @@ def test_xla_spmd_generates_on_weights_laid_out_once_a_generation(model_dirs, tm
     (["method=grpo", "data.kind=prompt", "grpo.max_completion_length=48"], "leaves the prompt nothing"),
     (["data.kind=prompt"], "data.kind prompt rows train method grpo, and method is sft"),
     (["method=grpo", "data.kind=prompt", "grpo.reward_weights=[1.0, 2.0]"], "2 weight(s) for 1 reward function"),
-    (["method=grpo", "data.kind=prompt", "grpo.reference=/elsewhere"], "grpo.reference scores the KL term")])
+    (["method=grpo", "data.kind=prompt", "grpo.reference=/elsewhere"], "grpo.reference scores the KL term"),
+    (["method=grpo", "data.kind=prompt", "fsdp.scan_layers=true"], "set fsdp.scan_layers: false")])
 def test_a_grpo_config_that_cannot_train_is_one_line_naming_its_key(sets, words):
     from xla_shard import config
     from xla_shard.errors import ConfigError
@@ -563,15 +564,32 @@ def planlib_resolve(cfg, devices):
 
 
 @pytest.mark.e2e
-def test_xla_shard_compile_traces_grpos_training_step_and_plans_its_generation(model_dirs):
+@pytest.mark.parametrize("split", [1, 2])
+def test_xla_shard_compile_compiles_grpos_step_and_its_generation(model_dirs, split):
     """`xla-shard compile` of a GRPO config compiles its training step (prompt + completion rows, the policy
-    loss) for a v5p-8 with libtpu, and reports generation's planned memory beside it."""
+    loss) for a v5p-8 with libtpu, and beside it the generation's three programs as the sampler runs them: the
+    weights laid out once (an all-gather of every weight), the prompts' forward, and a token's, which gathers no
+    weight (split 1: a device holds them whole; split 2: the MLPs split, their outputs all-reduced) and reads
+    every weight a device holds. The phase's memory holds training's state at rest beside them."""
     pytest.importorskip("jax")
     from tpu_compiles import compile_json
 
     report = compile_json(
         "--tpu", "v5p-8", *(f"--set={s}" for s in [*_grpo_common(model_dirs.llama_chat), "train.seq_len=256",
-                                                     "grpo.max_completion_length=64", "backend=xla_spmd"]))
+                                                     "grpo.max_completion_length=64", "backend=xla_spmd",
+                                                     f"mesh.generation={split}"]))
     assert report["fits"] and report["planned_generation"]["kv_cache_bytes"] > 0
     assert report["collectives"]["all-gather"]["count"] > 0  # the sharded policy's forward and backward
+    generation = report["generation"]
+    assert generation["split"] == split and generation["rows"] == 8 and generation["max_new_tokens"] == 64
+    programs, weights = generation["programs"], report["consumers"]["parameters"] * report["devices"]  # fp32
+    assert programs["layout"]["collectives"]["all-gather"]["bytes"] >= weights / split / 2
+    per_token = programs["token"]["collectives"]
+    assert sum(v["bytes"] for v in per_token.values()) < weights / 50, per_token
+    assert ("all-reduce" in per_token) == (split > 1)
+    assert programs["token"]["bytes_accessed_per_device"] >= weights / split / 2
+    resting = report["consumers"]["parameters"] + report["consumers"]["optimizer state"]
+    assert generation["resting_bytes_per_device"] == resting
+    assert generation["fits"] and generation["needed_bytes_per_device"] > resting + weights / split / 2
+    assert generation["decode_roofline"]["tokens_per_s"] > 0
 

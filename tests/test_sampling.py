@@ -94,21 +94,24 @@ def test_a_rows_key_draws_its_completion_whatever_rows_share_its_batch(model_dir
 
 def test_a_groups_prompt_runs_once_and_shares_its_cache(model_dirs):
     """Rows in groups of one prompt (GRPO's completions of a prompt) draw, with the prompt's forward run once
-    for the group, what each row draws with its own forward; `shared_prompts` finds the groups."""
+    for the group (its head scoring the last position alone), what each row draws with its own forward;
+    `shared_prompts` finds the groups."""
     model = AutoModelForCausalLM.from_pretrained(model_dirs.llama, attn_implementation="eager")
     ids, mask = _prompts(model.config.vocab_size)
     ids, mask = ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0)
     assert sampling.shared_prompts(ids, mask) == 4 and sampling.shared_prompts(ids.roll(1, 0), mask) == 1
     settings = sampling.Sampling(6, (5,), 0, temperature=1.1, top_k=30)
     keys = sampling.row_keys([9], range(12))
-    calls = []
+    calls, scored = [], []
     hook = model.model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape),
                                                  with_kwargs=True)
+    head = model.lm_head.register_forward_hook(lambda module, args, out: scored.append(out.shape[1]))
     shared = sampling.sample(model, ids, mask, settings, keys, group=4)
-    hook.remove()
+    hook.remove(), head.remove()
     alone = sampling.sample(model, ids, mask, settings, keys)
     assert torch.equal(shared[0], alone[0]) and torch.equal(shared[1], alone[1])
     assert calls[0] == (3, 5) and all(shape == (12, 1) for shape in calls[1:])
+    assert scored == [1] * len(calls)  # the prompt's forward scores its last position alone (logits_to_keep)
 
 
 def test_the_token_loop_stops_once_every_row_has_ended(model_dirs):
@@ -165,3 +168,20 @@ def test_the_cached_sampler_draws_what_the_whole_buffer_forward_draws(model_dirs
     whole = sampling.sample(model, ids, mask, settings, sampling.row_keys([8], range(3)), cached=False)
     assert torch.equal(cached[0], whole[0]) and torch.equal(cached[1], whole[1])
     assert len(set(cached[0].flatten().tolist())) > 5  # drawn, not one token repeated
+
+
+def test_sampling_through_xla_pallas_draws_what_eager_draws(model_dirs):
+    """`xla_pallas` (what `auto` runs on a TPU) with a static cache: the keys outnumber the queries, and prompts
+    without padding reach the attention function with no mask (transformers drops an all-ones one). The sampler
+    must draw eager's completions (it crashed there: segment masks built for a square of positions)."""
+    from xla_shard import attention
+
+    attention.register()
+    ids = torch.randint(3, 200, (4, 6))
+    mask = torch.ones_like(ids)  # no padding: the mask is dropped
+    settings = sampling.Sampling(5, (10**6,), 0, temperature=1.0)
+    drawn = {}
+    for kernel in ("eager", "xla_pallas"):
+        model = AutoModelForCausalLM.from_pretrained(model_dirs.llama, attn_implementation=kernel)
+        drawn[kernel] = sampling.sample(model, ids, mask, settings, sampling.row_keys([2], range(4)), group=2)
+    assert torch.equal(drawn["eager"][0], drawn["xla_pallas"][0])

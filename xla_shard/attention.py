@@ -91,9 +91,9 @@ def xla_pallas_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     Packed rows' documents are kept apart by segment ids (from their positions), which the kernel takes and
     shards with the batch.
 
-    Batches with a padding mask, dropout in training, a non-causal module without a mask, or a sequence the
-    kernel's blocks do not tile fall back to SDPA, which computes the same thing (packed rows there with the
-    mask their segment ids make)."""
+    Batches with a padding mask, dropout in training, a non-causal module without a mask, a static cache's
+    keys (generation), or a sequence the kernel's blocks do not tile fall back to SDPA, which computes the same
+    thing (packed rows there with the mask their segment ids make)."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     # Under autocast, models that normalise queries and keys (Qwen3's q_norm, k_norm) hand over fp32 queries
@@ -103,8 +103,12 @@ def xla_pallas_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         dtype = torch.get_autocast_dtype(device)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     causal = getattr(module, "is_causal", True)
-    documents = segments(kwargs.get("position_ids"), query.shape[0]) if attention_mask is None and causal else None
-    kernel = attention_mask is None and not (dropout and module.training) and causal
+    # More keys than queries: a generation's static cache (one document a row, the unwritten positions after the
+    # queries'), where the kernel's and the segments' causal masks (square) do not apply; SDPA's does.
+    cached = key.shape[2] != query.shape[2]
+    documents = segments(kwargs.get("position_ids"), query.shape[0]) if (
+        attention_mask is None and causal and not cached) else None
+    kernel = attention_mask is None and not (dropout and module.training) and causal and not cached
     if kernel and not (tiled(query.shape[2]) and tiled(key.shape[2])):
         _untiled(max(query.shape[2], key.shape[2]))
         kernel = False

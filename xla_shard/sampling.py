@@ -22,6 +22,7 @@ end-of-sequence token (kept, as TRL keeps it); the positions after it hold the p
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -42,6 +43,17 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
     check_every: int = 8
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One generation's shape: `rows` completions (every process's), each of up to `sampling.max_new_tokens`
+    tokens after a left-padded prompt of `prompt_len` positions, `group` consecutive rows sharing one prompt."""
+
+    sampling: Sampling
+    rows: int
+    prompt_len: int
+    group: int = 1
 
 
 def filtered(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -101,12 +113,107 @@ def shared_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
     return 1
 
 
+def _last_logits_only(model: nn.Module) -> dict:
+    """The prompt's forward scores its last position alone where the model takes transformers' `logits_to_keep`
+    (else every position's logits: prompt x vocabulary a row, of which the draw reads one)."""
+    forward = getattr(type(model), "forward", None)
+    try:
+        named = forward is not None and "logits_to_keep" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        named = False
+    return {"logits_to_keep": 1} if named else {}
+
+
 def _share(cache, group: int) -> None:
     """The static cache filled for one row of each group, repeated for the group's rows."""
     for layer in cache.layers:
         layer.keys = layer.keys.repeat_interleave(group, 0)
         layer.values = layer.values.repeat_interleave(group, 0)
         layer.batch_size = layer.keys.shape[0]
+
+
+class Decoding:
+    """A generation's state on the device between two tokens, and the three calls that move it on: the prompt's
+    forward (made with the instance), `draw` (the token at a step, written into the buffer) and `advance` (the
+    forward of the token just drawn). `sample` runs them in turn; `xla-shard compile` traces the same calls as
+    the prompt's program (construction + `draw(0)`) and the token's (`advance` + `draw`), so what it compiles is
+    what runs. `carried()` is what one token's program hands the next."""
+
+    def __init__(self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling,
+                 keys: torch.Tensor, cached: bool = True, group: int = 1):
+        rows, self.prompt_len = prompt_ids.shape
+        self.model, self.sampling, self.cached = model, sampling, cached
+        device, steps = prompt_ids.device, sampling.max_new_tokens
+        total = self.prompt_len + steps
+        self.device, self.keys = device, keys.to(device)
+        self.ids = torch.cat([prompt_ids, torch.full((rows, steps), sampling.pad_token_id, dtype=prompt_ids.dtype,
+                                                     device=device)], 1)
+        self.mask = torch.cat([prompt_mask, torch.zeros(rows, steps, dtype=prompt_mask.dtype, device=device)], 1)
+        self.done = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.eos = torch.tensor(sampling.eos_token_ids, dtype=self.ids.dtype, device=device)
+        self.positions = torch.arange(total, device=device)
+        self.token = self.cache = self.next_position = self.logits = None
+        if not cached:
+            return
+        from transformers import StaticCache
+
+        # numbered as generate numbers a left-padded row: from its first real token
+        position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        self.cache = StaticCache(config=model.config, max_cache_len=total)
+        shared = slice(None, None, group)
+        self.logits = model(input_ids=prompt_ids[shared], attention_mask=self.mask[shared],
+                            position_ids=position_ids[shared], cache=self.cache,
+                            cache_position=self.positions[:self.prompt_len], use_cache=True,
+                            **_last_logits_only(model)).logits[:, -1]
+        if group > 1:
+            _share(self.cache, group)
+            self.logits = self.logits.repeat_interleave(group, 0)
+        self.next_position = prompt_mask.sum(-1, keepdim=True)
+
+    def at(self, step: int) -> torch.Tensor:
+        """The position `step` writes, as a device tensor: every token runs the same program."""
+        return torch.tensor([self.prompt_len + step], device=self.device)
+
+    def draw(self, step: int) -> None:
+        at, sampling = self.at(step), self.sampling
+        if not self.cached:
+            whole = (torch.where(self.positions >= at, 1, self.mask).cumsum(-1) - 1).clamp(min=0)
+            logits = self.model(input_ids=self.ids, attention_mask=self.mask, position_ids=whole).logits
+            self.logits = logits.index_select(1, at - 1).squeeze(1)
+        scores = filtered(self.logits, sampling)
+        token = (scores + gumbel_noise(self.keys, at, scores.shape[-1])).argmax(-1).to(self.ids.dtype)
+        self.token = torch.where(self.done, sampling.pad_token_id, token)
+        here = self.positions == at
+        self.ids = torch.where(here, self.token[:, None], self.ids)
+        self.mask = torch.where(here, (~self.done).to(self.mask.dtype)[:, None], self.mask)
+        self.done = self.done | (self.token[:, None] == self.eos).any(-1)
+
+    def advance(self, step: int) -> None:
+        """The forward of the token `draw(step)` wrote (cached only: uncached, `draw` runs the whole buffer)."""
+        if self.cached:
+            self.logits = self.model(input_ids=self.token[:, None], attention_mask=self.mask,
+                                     position_ids=self.next_position, cache=self.cache, cache_position=self.at(step),
+                                     use_cache=True).logits[:, -1]
+            self.next_position = self.next_position + 1
+
+    def carried(self) -> dict[str, torch.Tensor]:
+        """The tensors one token's program hands the next (the buffer, which rows ended, the cache's tensors)."""
+        state = {"token": self.token, "ids": self.ids, "mask": self.mask, "done": self.done,
+                 "next_position": self.next_position}
+        for index, layer in enumerate(self.cache.layers if self.cache is not None else ()):
+            state.update({f"cache.{index}.{name}": value for name, value in vars(layer).items()
+                          if isinstance(value, torch.Tensor)})
+        return {name: value for name, value in state.items() if value is not None}
+
+    def replace_carried(self, make: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
+        """Each carried tensor replaced by `make(name, tensor)` (`xla-shard compile`: a placeholder laid out as the
+        runtime lays it out, so the token's program starts from inputs, not from the prompt's program)."""
+        for name, value in self.carried().items():
+            if name.startswith("cache."):
+                _, index, attribute = name.split(".")
+                setattr(self.cache.layers[int(index)], attribute, make(name, value))
+            else:
+                setattr(self, name, make(name, value))
 
 
 @torch.no_grad()
@@ -120,56 +227,20 @@ def sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     takes no static cache). `group`: consecutive rows that share one prompt (`shared_prompts`). `agreed`: whether
     every process's rows have ended, given whether this one's have (processes that sample apart stop together: a
     sharded forward of one would wait on the others); None: this process's alone."""
-    rows, prompt_len = prompt_ids.shape
-    device, steps = prompt_ids.device, sampling.max_new_tokens
-    total = prompt_len + steps
-    keys = keys.to(device)
-    ids = torch.cat([prompt_ids, torch.full((rows, steps), sampling.pad_token_id, dtype=prompt_ids.dtype,
-                                            device=device)], 1)
-    mask = torch.cat([prompt_mask, torch.zeros(rows, steps, dtype=prompt_mask.dtype, device=device)], 1)
-    done = torch.zeros(rows, dtype=torch.bool, device=device)
-    eos = torch.tensor(sampling.eos_token_ids, dtype=ids.dtype, device=device)
-    positions = torch.arange(total, device=device)
-    # numbered as generate numbers a left-padded row: from its first real token
-    position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    steps = sampling.max_new_tokens
     was_training = model.training
     model.eval()
     try:
-        if cached:
-            from transformers import StaticCache
-
-            cache = StaticCache(config=model.config, max_cache_len=total)
-            shared = slice(None, None, group)
-            logits = model(input_ids=prompt_ids[shared], attention_mask=mask[shared],
-                           position_ids=position_ids[shared], cache=cache, cache_position=positions[:prompt_len],
-                           use_cache=True).logits[:, -1]
-            if group > 1:
-                _share(cache, group)
-                logits = logits.repeat_interleave(group, 0)
-            next_position = prompt_mask.sum(-1, keepdim=True)
+        decoding = Decoding(model, prompt_ids, prompt_mask, sampling, keys, cached, group)
         for step in range(steps):
-            # the position written, as a device tensor: every token runs the same program
-            at = torch.tensor([prompt_len + step], device=device)
-            if not cached:
-                whole = (torch.where(positions >= at, 1, mask).cumsum(-1) - 1).clamp(min=0)
-                logits = model(input_ids=ids, attention_mask=mask, position_ids=whole).logits
-                logits = logits.index_select(1, at - 1).squeeze(1)
-            scores = filtered(logits, sampling)
-            token = (scores + gumbel_noise(keys, at, scores.shape[-1])).argmax(-1).to(ids.dtype)
-            token = torch.where(done, sampling.pad_token_id, token)
-            here = positions == at
-            ids = torch.where(here, token[:, None], ids)
-            mask = torch.where(here, (~done).to(mask.dtype)[:, None], mask)
-            done = done | (token[:, None] == eos).any(-1)
+            decoding.draw(step)
             if after_token is not None:
                 after_token()
             if step + 1 == steps or ((step + 1) % sampling.check_every == 0 and
-                                     (agreed or bool)(bool(done.all()))):
+                                     (agreed or bool)(bool(decoding.done.all()))):
                 break
-            if cached:
-                logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position,
-                               cache=cache, cache_position=at, use_cache=True).logits[:, -1]
-                next_position = next_position + 1
+            decoding.advance(step)
     finally:
         model.train(was_training)
-    return ids[:, prompt_len:], mask[:, prompt_len:]
+    prompt_len = decoding.prompt_len
+    return decoding.ids[:, prompt_len:], decoding.mask[:, prompt_len:]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from xla_shard.aot import memory
 from xla_shard.aot.compiler import Compiled, OutOfHbm
+from xla_shard.aot.generation import GenerationReport
 from xla_shard.aot.target import Target
 from xla_shard.aot.trace import Trace
 from xla_shard.planner.hardware import Accelerator
@@ -36,9 +37,10 @@ class Report:
     device: Accelerator  # the chip's figures per device of the program
     # the planner's collectives for this step by op: (what they move, result bytes per device)
     planned: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
-    # An online method's generation, which runs apart from the step and is planned, not compiled: (its static KV
+    # An online method's generation, which runs apart from the step, as the planner prices it: (its static KV
     # cache, the whole phase's bytes) per device; (0, 0) without one.
     generation: tuple[float, float] = (0.0, 0.0)
+    compiled_generation: GenerationReport | None = None  # and its programs, compiled
 
     @property
     def consumers(self) -> dict[str, int]:
@@ -104,6 +106,7 @@ class Report:
                 "planned_collectives": {kind: [{"what": what, "bytes": planned} for what, planned in found]
                                         for kind, found in self.planned.items()},
                 "planned_generation": {"kv_cache_bytes": self.generation[0], "phase_bytes": self.generation[1]},
+                **({"generation": self.compiled_generation.as_dict()} if self.compiled_generation else {}),
                 "what_collectives_move": {kind: self._what_moves(kind, v) for kind, v in self.collectives.items()},
                 "roofline": self.roofline()}
 
@@ -131,11 +134,6 @@ class Report:
                  + (f"fits, {_gib(d.hbm_bytes - self.needed)} to spare" if self.fits
                     else f"does NOT fit, {_gib(self.needed - d.hbm_bytes)} over")]
         lines += [f"  {name}: {_gib(size)}" for name, size in self.consumers.items()]
-        cache, generating = self.generation
-        if cache:
-            lines.append(f"generation (planned; the sampler's programs are not compiled here): {_gib(generating)} per "
-                         f"device, its static KV cache {_gib(cache)}: "
-                         + ("fits" if generating <= d.hbm_bytes else "does NOT fit"))
         if c.heap_bytes is not None and c.heap_bytes != c.temp_bytes:
             lines.append(f"  (temporaries: the buffer assignment's block; libtpu's own stat says {_gib(c.temp_bytes)}, "
                          "that block and about its largest buffer again: docs/planner.md)")
@@ -174,6 +172,12 @@ class Report:
         lines.append(f"model FLOPs per device per step: {palm:.1f} TFLOP by PaLM's count (attention over every pair "
                      f"of positions: the trainer's MFU), {causal:.1f} by MaxText's (causal attention at half); a "
                      f"step of T seconds is MFU {palm:.1f} / ({peak:.0f} x T) or {causal:.1f} / ({peak:.0f} x T)")
+        if self.compiled_generation is not None:
+            lines += self.compiled_generation.lines()
+        cache, generating = self.generation
+        if cache:
+            lines.append(f"  the planner's estimate: {_gib(generating)} per device, its static KV cache {_gib(cache)}: "
+                         + ("fits" if generating <= d.hbm_bytes else "does NOT fit"))
         return "\n".join(lines)
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from xla_shard import hostmem
-from xla_shard.aot import compiler, target, trace
+from xla_shard.aot import compiler, generation, target, trace
 from xla_shard.aot.report import Refused, Report
 from xla_shard.config.schema import ShardConfig, ShardingStrategy
 from xla_shard.errors import ConfigError, UserError
@@ -56,8 +56,13 @@ def compile_for(cfg: ShardConfig, slice_name: str, slices: int = 1) -> Report | 
         compiled = tpu.compile(traced.proto)
     except compiler.OutOfHbm as verdict:
         return Refused(chosen, traced, verdict, per_device)
+    generating = None
+    if traced.generation is not None:
+        generating = generation.GenerationReport(traced.generation, generation.compile_programs(traced.generation, tpu),
+                                                 per_device, traced.parameters + traced.optimizer_state,
+                                                 chosen.chips * chosen.slices)
     return Report(chosen, traced, compiled, per_device, planned_collectives(cfg, tpu.count, chosen.chip),
-                  planned_generation(cfg, tpu.count, chosen.chip))
+                  planned_generation(cfg, tpu.count, chosen.chip), generating)
 
 
 # What each of the planner's collectives moves, as the report says it beside the compiled program's.

@@ -13,6 +13,7 @@ the model's size: only the batch and the model's buffers hold host memory. Nothi
 from __future__ import annotations
 
 import base64
+import contextlib
 import math
 import os
 import re
@@ -21,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from xla_shard.aot import compiler, memory
+from xla_shard.aot import compiler, generation, memory
+from xla_shard.aot.generation import GenerationTrace
 from xla_shard.config.schema import ShardConfig
 from xla_shard.errors import UserError
 
@@ -41,6 +43,7 @@ class Trace:
     reference: int = 0  # bytes per device of a frozen reference model's parameters (DPO's), an argument too
     causal_flops: float = 0.0  # per step, all devices: MaxText's count (causal attention at half)
     dims: memory.Dims | None = None  # the model's dimensions, to name the compiler's buffers
+    generation: GenerationTrace | None = None  # an online method's generation programs (`aot.generation`)
 
     @property
     def kernels(self) -> int:
@@ -82,12 +85,11 @@ def step_config(cfg: ShardConfig, devices: int, workdir: str) -> ShardConfig:
     return ShardConfig.model_validate(data).model_copy(update={"cpu_devices": devices})
 
 
-def trace(cfg: ShardConfig, tpu: compiler.Slice, placeholders: bool = True) -> Trace:
-    """The step for the slice `tpu` the program is compiled for.
-    `placeholders=False` traces with real parameters and state (host memory at the model's size): the
-    reference a test holds the placeholders' program to."""
+@contextlib.contextmanager
+def traced_trainer(cfg: ShardConfig, tpu: compiler.Slice, placeholders: bool = True):
+    """The trainer `xla-shard train` would run for `cfg`, set up on as many virtual devices as `tpu` has, its
+    parameters placeholders (unless `placeholders=False`) and its optimizer's state made as a resume makes it."""
     from xla_shard import backends
-    from xla_shard.backends import xla_scan
     from xla_shard.train import Trainer
 
     _claim_devices(tpu.count, tpu.slices)
@@ -97,24 +99,43 @@ def trace(cfg: ShardConfig, tpu: compiler.Slice, placeholders: bool = True) -> T
         backend.placeholders, backend.traced_for, backend.traced_slices = placeholders, "tpu", tpu.slices
         trainer = Trainer(traced, backend).setup()
         _optimizer_state(trainer)
+        yield trainer
+
+
+def resting_bytes(trainer) -> tuple[int, int]:
+    """(parameters, optimizer state) bytes per device, from their shardings: what a device holds between steps."""
+    states = [v for s in trainer.optimizer.state.values() for v in s.values()
+              if isinstance(v, torch.Tensor) and v.device.type == "xla"]
+    return (sum(_device_bytes(t) for t in trainer.model.parameters()), sum(_device_bytes(t) for t in states))
+
+
+def trace(cfg: ShardConfig, tpu: compiler.Slice, placeholders: bool = True) -> Trace:
+    """The step for the slice `tpu` the program is compiled for (and an online method's generation programs).
+    `placeholders=False` traces with real parameters and state (host memory at the model's size): the
+    reference a test holds the placeholders' program to."""
+    from xla_shard.backends import xla_scan
+
+    with traced_trainer(cfg, tpu, placeholders) as trainer:
+        backend = trainer.backend
         batch = sum(t.numel() * t.element_size() for rows in trainer.micro_batches(1) for t in rows.values())
-        params = list(trainer.model.parameters())
-        trained = [p for p in params if p.requires_grad]
+        trained = [p for p in trainer.model.parameters() if p.requires_grad]
         states = [v for s in trainer.optimizer.state.values() for v in s.values()
                   if isinstance(v, torch.Tensor) and v.device.type == "xla"]
         # Measured before tracing, from the shardings (no data read: that would run the pending step).
         frozen = [] if trainer.objective.reference is None else list(trainer.objective.reference.parameters())
-        sizes = [sum(_device_bytes(t) for t in tensors) for tensors in (params, states, trained, frozen)]
+        params, state = resting_bytes(trainer)
+        updated, reference = (sum(_device_bytes(t) for t in tensors) for tensors in (trained, frozen))
         stacked = xla_scan.stacked_parameters(trainer.model)
         trips = next(iter(stacked)).shape[0] if stacked else 1
         with compiler.kernels_lowered_for(tpu):
             proto = backend.traced_program(lambda: trainer.step(1), lambda: [*trained, *states])
+            generating = generation.trace(trainer)
         tokens = cfg.train.global_batch_size * cfg.train.seq_len * trainer.objective.sequences_per_row
         config = trainer.model.config
         causal = trainer.flops_per_token - causal_attention_discount(config, cfg.train.seq_len)
-        return Trace(proto, backend.num_devices, str(backend.plan), sizes[0], sizes[1], batch // backend.num_devices,
-                     sizes[2] + sizes[1], trainer.flops_per_token * tokens, trips, sizes[3], causal * tokens,
-                     _dims(config, cfg.train.seq_len, backend.num_devices))
+        return Trace(proto, backend.num_devices, str(backend.plan), params, state, batch // backend.num_devices,
+                     updated + state, trainer.flops_per_token * tokens, trips, reference, causal * tokens,
+                     _dims(config, cfg.train.seq_len, backend.num_devices), generating)
 
 
 def causal_attention_discount(config, seq_len: int) -> float:

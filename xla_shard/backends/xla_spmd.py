@@ -101,6 +101,38 @@ def _annotated(tensor: torch.Tensor, sharding) -> torch.Tensor:
     return copy
 
 
+class GenerationPlacer:
+    """Where a generation's tensors go on xla_spmd: rows over the generation mesh's `rows` axis (each host's rows
+    on its own devices), everything else whole. `layout_program`: the traced program that lays the weights out
+    (`xla-shard compile`; None where it ran)."""
+
+    def __init__(self, backend, mesh):
+        self.backend, self.mesh = backend, mesh
+        self.layout_program: bytes | None = None
+
+    def __call__(self, rows):
+        return {key: self._one(value) for key, value in rows.items()} if isinstance(rows, dict) else self._one(rows)
+
+    def spec(self, tensor: torch.Tensor) -> tuple:
+        return (("rows",) + (None,) * (tensor.dim() - 1)) if tensor.dim() else ()
+
+    def laid_out(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A device tensor (a placeholder) annotated with the layout a generation's tensor of its rows has."""
+        return _annotated(tensor, self.mesh.get_op_sharding(self.spec(tensor)))
+
+    def _one(self, tensor: torch.Tensor) -> torch.Tensor:
+        import torch_xla.core.xla_model as xm
+        import torch_xla.distributed.spmd as xs
+
+        backend = self.backend
+        if backend.processes.count > 1:
+            sharding = xs.ShardingSpec(self.mesh, self.spec(tensor), minibatch=True)
+            return xm.send_cpu_data_to_device(tensor, backend.device, input_sharding=sharding)[0]
+        placed = tensor.to(backend.device)
+        xs.mark_sharding(placed, self.mesh, self.spec(placed))
+        return placed
+
+
 class _Gathered(torch.autograd.Function):
     """A sharded weight whole on every device (forward), its gradient annotated with the gradient's own layout
     (backward): one gather, and one reduction where the gradient arrives summed."""
@@ -635,7 +667,8 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         """A generation runs on a copy of the weights in the layout it generates in (`xla_generation`, split over
         plan.generation devices): laid out once, in one program, for every token of it; training's weights are
         untouched meanwhile and the copies dropped after. Yields how its prompts are placed: rows over the
-        generation mesh's first axis."""
+        generation mesh's first axis (`GenerationPlacer`). With `placeholders` (`xla-shard compile`) the layout's
+        program is traced, not run, and the copies are placeholders laid out as it leaves them."""
         import torch_xla
         import torch_xla.distributed.spmd as xs
 
@@ -645,7 +678,7 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         # the linears' weights in the dtype autocast computes them in (DoRA reads its base weight's norms: kept)
         cast = self.cfg.fsdp.mixed_precision == "bf16" and not (lora is not None and lora.use_dora)
         whole = xla_generation.kept_whole(model)
-        owners, copies = [], {}
+        owners, copies, shardings = [], {}, {}
         with torch.no_grad():
             for name, module in model.named_modules():
                 for key, param in module._parameters.items():
@@ -659,35 +692,25 @@ class XlaSpmdBackend(xla_common.XlaBackend):
                         copy = copy.to(torch.bfloat16)
                     spec = (None,) * copy.dim() if split == 1 else \
                         xla_generation.split_spec(name, module, key, param, whole, "split")
-                    copies[id(param)] = _annotated(copy, mesh.get_op_sharding(spec))
-        torch_xla.sync()  # the one program that lays every weight out for the generation
+                    shardings[id(param)] = mesh.get_op_sharding(spec)
+                    copies[id(param)] = _annotated(copy, shardings[id(param)])
+        placer = GenerationPlacer(self, mesh)
+        if self.placeholders:
+            placer.layout_program = torch_xla._XLAC._get_xla_tensors_hlo_proto(list(copies.values()))
+            copies = {key: _annotated(placeholder(copy), shardings[key]) for key, copy in copies.items()}
+        else:
+            torch_xla.sync()  # the one program that lays every weight out for the generation
         laid = {key: nn.Parameter(copy, requires_grad=False) for key, copy in copies.items()}
         for module, key, param in owners:
             module._parameters[key] = laid[id(param)]
         self._generating = True
         try:
             with self.forward_context():
-                yield lambda rows: self._place_for_generation(rows, mesh)
+                yield placer
         finally:
             self._generating = False
             for module, key, param in owners:
                 module._parameters[key] = param
-
-    def _place_for_generation(self, rows, mesh):
-        """Prompt rows split over the generation mesh's `rows` axis (each host's rows on its own devices)."""
-        import torch_xla.core.xla_model as xm
-        import torch_xla.distributed.spmd as xs
-
-        def one(tensor: torch.Tensor) -> torch.Tensor:
-            spec = ("rows",) + (None,) * (tensor.dim() - 1)
-            if self.processes.count > 1:
-                sharding = xs.ShardingSpec(mesh, spec, minibatch=True)
-                return xm.send_cpu_data_to_device(tensor, self.device, input_sharding=sharding)[0]
-            placed = tensor.to(self.device)
-            xs.mark_sharding(placed, mesh, spec)
-            return placed
-
-        return {key: one(value) for key, value in rows.items()} if isinstance(rows, dict) else one(rows)
 
     def mean_loss(self, loss: torch.Tensor) -> float:
         return loss.item()  # already the global-batch mean: SPMD computes one global program

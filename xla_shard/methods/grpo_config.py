@@ -69,3 +69,6 @@ class GrpoSection(MethodSection):
         if cfg.mesh.context > 1:
             raise ValueError(f"mesh.context={cfg.mesh.context} splits sequences; GRPO generates whole ones: set "
                              "mesh.context: 1")
+        if cfg.fsdp.scan_layers:
+            raise ValueError("fsdp.scan_layers runs the decoder layers as one XLA loop, which cannot carry the static "
+                             "KV cache GRPO samples with (one per layer): set fsdp.scan_layers: false")

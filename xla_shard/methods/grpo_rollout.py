@@ -30,7 +30,7 @@ from xla_shard.methods import grpo
 from xla_shard.methods.adapter import Adapter
 from xla_shard.methods.rewards import Rewards
 from xla_shard.methods.rollout import Rollout
-from xla_shard.sampling import Sampling, row_keys, sample, shared_prompts
+from xla_shard.sampling import Generation, Sampling, row_keys, sample, shared_prompts
 
 
 class GrpoRollout(Rollout):
@@ -44,7 +44,7 @@ class GrpoRollout(Rollout):
         self.steps_per_round = section.num_iterations
         self.generations = Generations(section.num_generations, section.num_iterations,
                                        section.max_completion_length, "grpo.max_completion_length")
-        self.batch_size = cfg.train.global_batch_size  # completions a step
+        self.batch_size, self.seq_len = cfg.train.global_batch_size, cfg.train.seq_len  # completions a step
         self.reference: nn.Module | None = None  # a model of its own (grpo.reference), once the trainer built it
         self._generated: tuple[int, list[Batch]] | None = None  # (generation, its micro-batches)
         self._host: dict[str, list[float]] = {}  # the rollouts' metrics since the last record
@@ -73,8 +73,7 @@ class GrpoRollout(Rollout):
         prompts = {key: torch.cat([batch[key] for batch in micro_batches]) for key in ("input_ids", "attention_mask")}
         data_rows = torch.cat([batch["row"] for batch in micro_batches]).tolist()
         places = [r for part in rows for r in part]  # this process's rows of the global batch
-        sampling = Sampling(s.max_completion_length, _eos_ids(tokenizer, model), _pad_id(tokenizer), s.temperature,
-                            s.top_k, s.top_p)
+        sampling = self._sampling(tokenizer, model)
         group = shared_prompts(prompts["input_ids"], prompts["attention_mask"])
         with backend.generation_context(model) as place:
             placed = place(prompts)
@@ -117,6 +116,18 @@ class GrpoRollout(Rollout):
             start += n
         self._score_without_grad(model, backend, made)
         return made
+
+    def _sampling(self, tokenizer, model) -> Sampling:
+        s = self.section
+        return Sampling(s.max_completion_length, _eos_ids(tokenizer, model), _pad_id(tokenizer), s.temperature,
+                        s.top_k, s.top_p)
+
+    def generation(self, model, source) -> Generation:
+        """A step's generation: every row of the global batch, its prompt padded to what the completion leaves of
+        train.seq_len, a group of num_generations rows a prompt."""
+        sampling = self._sampling(source.tokenizer, model)
+        return Generation(sampling, self.batch_size, self.seq_len - sampling.max_new_tokens,
+                          self.section.num_generations)
 
     def _shaped_like(self, batch: Batch) -> Batch:
         """A micro-batch as the training step takes it, every completion full length: for tracing the step."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from xla_shard.data import Batch
+from xla_shard.sampling import Generation
 
 
 class Rollout:
@@ -32,6 +33,11 @@ class Rollout:
         """What `step` trains on, from the rows read for it (host tensors; `rows`: each micro-batch's rows of the
         global batch). Every process calls it."""
         return micro_batches
+
+    def generation(self, model: nn.Module, source) -> Generation | None:
+        """What one of this rollout's generations runs for a global batch, for `xla-shard compile` to trace and
+        compile (None: it generates nothing)."""
+        return None
 
     def step_metrics(self) -> dict[str, float]:
         """Metrics of the examples made since the last call (host floats), for the step's record."""
