@@ -7,13 +7,19 @@ and the ratios.
 
 Makes a Llama directory and its tokenizer with `save_pretrained` (tests/model_dirs.py; nothing downloaded), a
 file of prompts and a reward function (the share of low token ids in a completion). Each side trains fully
-(AdamW, fp32, this machine's CPU, one process, torch's threads) for one warm-up step, then `--steps` timed ones,
+(AdamW, fp32, this machine's CPU, `--threads` torch threads a process) for one warm-up step, then `--steps` timed ones,
 in a process of its own: xla_shard's Trainer on torch_fsdp (`--processes` gloo processes sharing the batch and
 the model's shards), and TRL's GRPOTrainer (which samples with transformers' `generate`, as it does without
 vLLM). A step generates every completion of the batch (prompts x
 generations, up to `--new` tokens each), scores them and trains on them; tokens/s counts the completions'
 tokens over the step's wall time. The EOS token is out of the random model's likely draws, so both sample
 about `--new` tokens a row.
+
+Like for like, as each side is set up by a user who knows it: xla_shard's prompt positions are the longest
+prompt's (`train.seq_len` = it + `--new`; TRL pads each batch to its longest), both clip the gradient norm at
+1.0 (TRL's default `max_grad_norm`), both attend with SDPA (transformers' default, which TRL loads; xla_shard's
+`auto` takes eager on a CPU, so it is named), and each process runs `--threads` threads (1: neither side takes
+the other's core).
 """
 
 from __future__ import annotations
@@ -44,17 +50,29 @@ def write_prompts(path: Path, prompts: int) -> None:
                             for i in range(prompts)))
 
 
+def longest_prompt(directory: str, data: str) -> int:
+    """Tokens of the longest prompt in `data`: what a user sizes xla_shard's prompt positions to."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    return max(len(tokenizer(json.loads(line)["prompt"])["input_ids"]) for line in Path(data).read_text().splitlines())
+
+
 def ours(directory: str, data: str, rewards: str, generations: int, new: int, batch: int, steps: int,
-         processes: int) -> dict:
+         threads: int, processes: int) -> dict:
+    import torch
+
     from xla_shard import config
     from xla_shard.train import Trainer
 
+    torch.set_num_threads(threads)
     trainer = Trainer(config.load(None, [
         f"model.name={directory}", f"data.path={data}", "backend=torch_fsdp", f"cpu_devices={processes}",
         "method=grpo", "data.kind=prompt", f"grpo.reward_funcs=[{rewards}:low_token_share]",
-        f"grpo.num_generations={generations}",
-        f"grpo.max_completion_length={new}", f"train.seq_len={new + 64}", f"train.global_batch_size={batch}",
-        "train.lr=1e-6", "train.optimizer=adamw", "output_dir=" + str(Path(data).parent / "ours")])).setup()
+        f"grpo.num_generations={generations}", f"grpo.max_completion_length={new}",
+        f"train.seq_len={new + longest_prompt(directory, data)}", f"train.global_batch_size={batch}",
+        "train.max_grad_norm=1.0", "train.lr=1e-6", "train.optimizer=adamw", "model.attn_implementation=sdpa",
+        "output_dir=" + str(Path(data).parent / "ours")])).setup()
     times, tokens = [], []
     for step in range(steps + 1):
         start = time.perf_counter()
@@ -68,10 +86,14 @@ def ours(directory: str, data: str, rewards: str, generations: int, new: int, ba
     return {"step_s": statistics.median(times), "tokens_per_s": sum(tokens) / sum(times)}
 
 
-def trl(directory: str, data: str, rewards: str, generations: int, new: int, batch: int, steps: int) -> dict:
+def trl(directory: str, data: str, rewards: str, generations: int, new: int, batch: int, steps: int,
+        threads: int) -> dict:
     import datasets
     import importlib.util
 
+    import torch
+
+    torch.set_num_threads(threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -94,7 +116,7 @@ def trl(directory: str, data: str, rewards: str, generations: int, new: int, bat
     args = GRPOConfig(output_dir=str(Path(data).parent / "trl"), report_to=[], use_cpu=True, bf16=False,
                       per_device_train_batch_size=batch, num_generations=generations, max_completion_length=new,
                       max_steps=steps + 1, logging_steps=1, learning_rate=1e-6, save_strategy="no",
-                      gradient_checkpointing=False, disable_tqdm=True, temperature=1.0)
+                      gradient_checkpointing=False, disable_tqdm=True, temperature=1.0, max_grad_norm=1.0)
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(directory), reward_funcs=module.low_token_share,
                           args=args, train_dataset=datasets.load_dataset("json", data_files=data, split="train"),
                           processing_class=AutoTokenizer.from_pretrained(directory), callbacks=[Clock()])
@@ -113,6 +135,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64, help="max_completion_length")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--processes", type=int, default=1, help="xla_shard's torch_fsdp processes (TRL: one)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads a process, each side")
     parser.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -135,7 +158,7 @@ def main() -> None:
         write_prompts(data, 4 * args.prompts * (args.steps + 1))
         rewards.write_text(REWARD)
         given = [str(directory), str(data), str(rewards), str(args.generations), str(args.new), str(batch),
-                 str(args.steps)]
+                 str(args.steps), str(args.threads)]
         done = subprocess.run([sys.executable, __file__, "--worker", "trl", *given], capture_output=True, text=True,
                               env={**os.environ, "USE_TORCH_XLA": "0"}, cwd=REPO)
         if done.returncode:
@@ -144,8 +167,8 @@ def main() -> None:
         results["ours"] = torchrun_records(__file__, args.processes, ["ours", *given, str(args.processes)],
                                            "xla_shard")[-1]  # torch_fsdp's launcher
     print(f"Llama hidden {args.hidden} x {args.layers} layers, {args.prompts} prompts x {args.generations} "
-          f"completions of up to {args.new} tokens a step, AdamW fp32, CPU; xla_shard on {args.processes} "
-          "process(es), TRL on one:")
+          f"completions of up to {args.new} tokens a step, AdamW fp32, gradients clipped at 1.0, CPU, {args.threads} "
+          f"thread(s) a process; xla_shard on {args.processes} process(es), TRL on one:")
     print(f"{'':28} {'step s':>8} {'generated tokens/s':>19}")
     for side, name in (("trl", "TRL GRPOTrainer"), ("ours", "xla_shard method: grpo")):
         print(f"{name:28} {results[side]['step_s']:8.3f} {results[side]['tokens_per_s']:19.0f}")

@@ -137,6 +137,57 @@ def test_an_isolated_compiler_that_writes_no_figures_is_one_line(tmp_path):
         assert ISOLATED in str(refused.value)
 
 
+def test_a_compile_past_its_time_bound_is_stopped_and_said(tmp_path):
+    """A compile given a time bound runs in a process of its own and is stopped past it (libtpu 0.0.20 did not
+    finish a bf16 token program in 10 minutes): CompileTimedOut, carrying the bound."""
+    import time
+
+    from xla_shard.aot import compiler
+
+    started = time.monotonic()
+    with pytest.raises(compiler.CompileTimedOut) as stopped:
+        compiler.Slice("v5p:2x2x1", 4, "v", python=_script(tmp_path / "hangs", "sleep 30")).compile(b"p", timeout_s=1)
+    assert stopped.value.timeout_s == 1 and time.monotonic() - started < 10
+
+
+_NO_COLLECTIVES = "ENTRY %main () -> f32[] {\n  ROOT %c = f32[] constant(0)\n}\n"
+
+
+def _generation_report(token, prompt=None):
+    from xla_shard.aot import compiler, generation
+    from xla_shard.aot.target import parse
+    from xla_shard.sampling import Generation, Sampling
+
+    def compiled(arguments, temporaries, accessed):
+        return compiler.Compiled(4, arguments, 1000, 0, temporaries, 100, 1e6, accessed, hlo_text=_NO_COLLECTIVES)
+
+    traced = generation.GenerationTrace(Generation(Sampling(16, (2,), 0), 64, 32, 4), 1, {})
+    programs = {"layout": compiled(0, 10, 1e3), "prompt": prompt or compiled(5000, 3000, 1e6), "token": token}
+    chosen = parse("v5p-8")
+    return generation.GenerationReport(traced, programs, chosen.per_device(4), 2000, chosen.chips)
+
+
+def test_a_generation_program_not_compiled_leaves_the_phase_unknown_or_refused():
+    """What the report says of a generation whose token program did not finish compiling (whether it fits is
+    unknown, no roofline), or whose prompt program the compiler refused for want of HBM (it does not fit, the
+    compiler's count of the program is the phase's); and of one compiled (the roofline is the token's HBM
+    bytes at the chip's bandwidth, every row a token)."""
+    from xla_shard.aot import compiler
+
+    slow = _generation_report(compiler.CompileTimedOut(UserError("slow"), 900.0))
+    assert slow.fits is None and slow.decode_roofline() == {}
+    assert any("did not finish within 900 s" in line for line in slow.lines())
+    token = compiler.Compiled(4, 6000, 6000, 0, 500, 100, 1e6, 2.765e9, hlo_text=_NO_COLLECTIVES)
+    refused = _generation_report(token, prompt=compiler.OutOfHbm(200 * 2**30, 95 * 2**30, None))
+    assert refused.fits is False and refused.needed == 2000 + 200 * 2**30
+    said = refused.refusal("v5p-8")
+    assert "prompt program 200.00 GiB" in said and "train.global_batch_size" in said and "\n" not in said
+    fine = _generation_report(token)
+    assert fine.fits and fine.needed == 2000 + 5000 + 1000 + 3000 + 100  # the prompt's: arguments, outputs, temps
+    roof = fine.decode_roofline()
+    assert roof["hbm_s"] == pytest.approx(1e-3) and roof["tokens_per_s"] == pytest.approx(64 / 1e-3)
+
+
 @pytest.mark.e2e
 @pytest.mark.skipif(not TPU_COMPILER.exists(), reason=f"no isolated TPU compiler at {TPU_COMPILER} (tests/run.sh "
                                                       "makes .venv-tpu-compiler)")
@@ -243,6 +294,17 @@ def test_a_buffer_larger_than_a_devices_hbm_is_the_compilers_out_of_hbm_verdict_
     # What the isolated compiler's process hands back is the compiler's whole message, read again the same way.
     again = rejection(verdict.compiler_said)
     assert (again.used, again.capacity, again.allocation) == (verdict.used, verdict.capacity, verdict.allocation)
+
+
+def test_temporaries_past_a_devices_hbm_are_the_compilers_out_of_hbm_verdict():
+    """libtpu 0.0.42's refusal before any assignment (Llama-3-8B's generation layout on a v6e-8), as it worded
+    it: the temporaries alone, a lower bound of what the program needs."""
+    from xla_shard.aot.compiler import OutOfHbm, rejection
+
+    verdict = rejection("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+                        "temporaries (35.66G) exceeds available HBM (31.25G).")
+    assert isinstance(verdict, OutOfHbm) and verdict.capacity == int(31.25 * 2**30)
+    assert verdict.used == verdict.temporaries == int(35.66 * 2**30)
 
 
 def test_a_slice_past_what_torch_can_trace_is_one_line():

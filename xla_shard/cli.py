@@ -262,6 +262,9 @@ def _compile(args) -> int:
         return 0
     report = run.compile_for(cfg, args.tpu, slices)
     print(json.dumps(report.as_dict(), indent=1) if args.json else report.text())
+    generating = getattr(report, "compiled_generation", None)
+    if report.fits and generating is not None and generating.fits is False:
+        raise UserError(generating.refusal(report.target.label))
     if report.fits or args.no_suggest:
         return 0
     sys.stdout.flush()

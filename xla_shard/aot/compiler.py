@@ -66,23 +66,27 @@ class Slice:
     python: str | None = None
     slices: int = 1  # a multislice job's slices (over DCN), each of `topology`, its devices listed slice by slice
 
-    def compile(self, proto: bytes) -> Compiled:
-        if self.python is None:
+    def compile(self, proto: bytes, timeout_s: float | None = None) -> Compiled:
+        """`timeout_s`: compiled in a process of its own (this environment's Python where no isolated one serves
+        the slice), stopped after that long (`CompileTimedOut`): a bound on a compile that may not end."""
+        python = self.python or (sys.executable if timeout_s else None)
+        if python is None:
             return compile_program(proto, self.devices)
         with tempfile.TemporaryDirectory(prefix="xla_shard_compile_") as work:
             program, result = Path(work) / "step.pb", Path(work) / "compiled.json"
             program.write_bytes(proto)
-            _isolated(self.python, _COMPILE_S, "compile", self.topology, str(self.slices), str(program), str(result))
+            _isolated(python, timeout_s or _COMPILE_S, "compile", self.topology, str(self.slices), str(program),
+                      str(result))
             written = result.read_text() if result.is_file() else ""
-        answer = _answer(self.python, written, ())
+        answer = _answer(python, written, ())
         if isinstance(answer.get("refused"), str):  # the compiler's own words, read here as in this process
             raise rejection(answer["refused"])
-        _answer(self.python, written, [f.name for f in dataclasses.fields(Compiled) if f.default is
+        _answer(python, written, [f.name for f in dataclasses.fields(Compiled) if f.default is
                                        dataclasses.MISSING and f.default_factory is dataclasses.MISSING])
         try:
             return Compiled(**answer)
         except TypeError as exc:
-            raise _unanswered(self.python, f"its figures do not fit: {exc}") from None
+            raise _unanswered(python, f"its figures do not fit: {exc}") from None
 
 
 def describe(topology: str, slices: int = 1) -> Slice:
@@ -140,7 +144,8 @@ def _isolated(python: str, timeout_s: float, *args: str) -> str:
         done = subprocess.run([python, "-m", "xla_shard.aot.compiler", *args], capture_output=True, text=True,
                               env=env, timeout=timeout_s, errors="replace")
     except subprocess.TimeoutExpired:
-        raise _unanswered(python, f"did not answer within {timeout_s:g} s ({args[0]}); stopped") from None
+        raise CompileTimedOut(_unanswered(python, f"did not answer within {timeout_s:g} s ({args[0]}); stopped"),
+                              timeout_s) from None
     except OSError as exc:
         raise _unanswered(python, f"could not be started: {exc.strerror or exc}") from None
     if done.returncode:
@@ -325,15 +330,25 @@ _SHARDING = "mhlo.sharding"
 
 def rejection(text: str) -> CompileRejected:
     """The compiler's refusal as an error: out of HBM (its verdict parsed), or anything else in one line."""
-    used, one = _OUT_OF_HBM.search(text), _ONE_ALLOCATION.search(text)
+    used, one, temps = _OUT_OF_HBM.search(text), _ONE_ALLOCATION.search(text), _TEMPORARIES_EXCEED.search(text)
     if used:
         error = OutOfHbm(_bytes(used.group(1)), _bytes(used.group(2)), _temporaries(text))
+    elif temps:  # refused before any assignment: the temporaries alone (a lower bound of what it needs)
+        error = OutOfHbm(_bytes(temps.group(1)), _bytes(temps.group(2)), _bytes(temps.group(1)))
     elif one:
         error = OutOfHbm(int(one.group(1)), int(one.group(2)), None, allocation=one.group(3))
     else:
         error = CompileRejected(text[:400])
     error.compiler_said = text  # for a process that reads it again: the isolated compiler's caller
     return error
+
+
+class CompileTimedOut(UserError):
+    """The TPU compiler did not finish within its time bound (`Slice.compile`'s timeout_s)."""
+
+    def __init__(self, said: UserError, timeout_s: float):
+        super().__init__(str(said))
+        self.timeout_s = timeout_s
 
 
 class CompileRejected(UserError):
@@ -355,6 +370,8 @@ class OutOfHbm(CompileRejected):
 _OUT_OF_HBM = re.compile(r"Ran out of memory in memory space hbm\. Used ([0-9.]+[KMGT]?) of ([0-9.]+[KMGT]?) hbm")
 # A single buffer larger than a device's HBM is refused before any assignment: its shape says which.
 _ONE_ALLOCATION = re.compile(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\).*?shape = '([^'{]+)")
+_TEMPORARIES_EXCEED = re.compile(r"total memory required for HLO temporaries \(([0-9.]+[KMGT]?)\) exceeds "
+                                 r"available HBM \(([0-9.]+[KMGT]?)\)")
 _TEMP = re.compile(r"HLO temp ([0-9.]+[KMGT]?)")
 
 

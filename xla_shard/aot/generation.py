@@ -16,11 +16,15 @@ time if only its FLOPs, its HBM traffic or its collectives bounded it, and the t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
-from xla_shard.aot.compiler import Compiled, OutOfHbm, Slice
+from xla_shard.aot.compiler import ISOLATED, Compiled, CompileTimedOut, OutOfHbm, Slice
+from xla_shard.errors import UserError
 from xla_shard.planner.hardware import Accelerator
 from xla_shard.planner.hlo import collective_totals
 from xla_shard.sampling import Generation
@@ -77,21 +81,36 @@ def _program(decoding) -> bytes:
     return torch_xla._XLAC._get_xla_tensors_hlo_proto(list(decoding.carried().values()))
 
 
-def compile_programs(traced: GenerationTrace, tpu: Slice) -> dict[str, Compiled | OutOfHbm]:
-    """Each program compiled, or the compiler's verdict that it does not fit a device's HBM."""
-    compiled = {}
+# How long one generation program may take to compile. libtpu 0.0.20 (torch_xla 2.9's jax pin) did not finish a
+# token's program under bf16 autocast in 10 minutes (its memory growing past 18 GiB) where it compiled the fp32
+# one in 23 s, and 0.0.42 (XLA_SHARD_TPU_COMPILER) the bf16 one in 34 s: each program is compiled in a process
+# of its own, stopped after this long.
+COMPILE_S = 900.0
+
+
+def compile_programs(traced: GenerationTrace, tpu: Slice,
+                     say: Callable[[str], None] = lambda _: None) -> dict[str, Compiled | UserError]:
+    """Each program compiled, or why not: the compiler's verdict that it does not fit a device's HBM (OutOfHbm),
+    or that it did not finish in COMPILE_S (CompileTimedOut). Where XLA_SHARD_TPU_COMPILER names a newer
+    compiler, it compiles them."""
+    isolated = os.environ.get(ISOLATED)
+    if isolated and tpu.python is None:
+        tpu = replace(tpu, python=isolated, devices=None)
+    compiled: dict[str, Compiled | UserError] = {}
     for name in PROGRAMS:
+        started = time.monotonic()
         try:
-            compiled[name] = tpu.compile(traced.programs[name])
-        except OutOfHbm as verdict:
+            compiled[name] = tpu.compile(traced.programs[name], timeout_s=COMPILE_S)
+        except (OutOfHbm, CompileTimedOut) as verdict:
             compiled[name] = verdict
+        say(f"{name}: compiled in {time.monotonic() - started:.0f} s")
     return compiled
 
 
 @dataclass
 class GenerationReport:
     trace: GenerationTrace
-    compiled: dict[str, Compiled | OutOfHbm]
+    compiled: dict[str, Compiled | UserError]  # or why a program was not compiled (`compile_programs`)
     device: Accelerator  # per device of the program
     resting: int  # bytes per device training keeps through a generation: parameters and optimizer state
     chips: int
@@ -103,6 +122,8 @@ class GenerationReport:
         c = self.compiled[name]
         if isinstance(c, OutOfHbm):  # the compiler's own count: every buffer, arguments included
             return max(0, c.used - (self.resting if name == "layout" else 0))
+        if not isinstance(c, Compiled):  # not compiled in time: unknown
+            return 0
         arguments = 0 if name == "layout" else c.argument_bytes
         outputs = 0 if name == "token" else c.output_bytes
         return arguments + outputs + c.temporaries + c.code_bytes
@@ -112,7 +133,11 @@ class GenerationReport:
         return self.resting + max(self.held(name) for name in PROGRAMS)
 
     @property
-    def fits(self) -> bool:
+    def fits(self) -> bool | None:
+        """Whether the phase fits a device's HBM; None where a program that did not finish compiling leaves it
+        unknown."""
+        if any(isinstance(c, CompileTimedOut) for c in self.compiled.values()) and not self.refused:
+            return None
         return self.needed <= self.device.hbm_bytes and not self.refused
 
     @property
@@ -120,9 +145,17 @@ class GenerationReport:
         """The programs the compiler refused for want of HBM."""
         return [name for name, c in self.compiled.items() if isinstance(c, OutOfHbm)]
 
+    def refusal(self, label: str) -> str:
+        """One line: the step fits, its generation does not."""
+        largest = max(PROGRAMS, key=self.held)
+        return (f"the step fits, but its generation needs {_gib(self.needed)} per device on {label}, which has "
+                f"{_gib(self.device.hbm_bytes)} (training's state at rest {_gib(self.resting)} + the {largest} "
+                f"program {_gib(self.held(largest))}): fewer rows a generation (train.global_batch_size), a shorter "
+                "grpo.max_completion_length, mesh.generation, or more chips")
+
     def collectives(self, name: str) -> dict[str, dict[str, int]]:
         c = self.compiled[name]
-        if isinstance(c, OutOfHbm):
+        if not isinstance(c, Compiled):
             return {}
         totals = collective_totals(c.hlo_text)
         return {kind: v for kind, v in totals.items() if v["count"]}
@@ -132,7 +165,7 @@ class GenerationReport:
         (each alone), the largest a lower bound; and the tokens per second of the slice and of a chip that
         bound allows (every row draws a token a program)."""
         c, d = self.compiled["token"], self.device
-        if isinstance(c, OutOfHbm):
+        if not isinstance(c, Compiled):
             return {}
         ici = sum(v["bytes"] for v in self.collectives("token").values())
         times = {"compute_s": c.flops / d.peak_flops, "hbm_s": c.bytes_accessed / d.hbm_bw,
@@ -148,7 +181,7 @@ class GenerationReport:
                 "group": g.group, "split": self.trace.split, "needed_bytes_per_device": self.needed,
                 "resting_bytes_per_device": self.resting, "fits": self.fits,
                 "programs": {name: {"runs": _RUNS[name], "held_bytes_per_device": self.held(name),
-                                    **({"compiler": str(c)} if isinstance(c, OutOfHbm) else {
+                                    **({"compiler": _why(c)} if not isinstance(c, Compiled) else {
                                         "argument_bytes": c.argument_bytes, "output_bytes": c.output_bytes,
                                         "temp_bytes": c.temporaries, "flops_per_device": c.flops,
                                         "bytes_accessed_per_device": c.bytes_accessed,
@@ -162,11 +195,12 @@ class GenerationReport:
         lines = [f"generation (compiled; mesh.generation {self.trace.split}: {layout}): {g.rows} rows x "
                  f"{g.sampling.max_new_tokens} tokens after {g.prompt_len}-token prompts, {g.group} rows a prompt",
                  f"  the phase holds {_gib(self.needed)} per device (training's state at rest {_gib(self.resting)} "
-                 f"+ the largest program): " + ("fits" if self.fits else
+                 f"+ the largest program): " + ("fits" if self.fits else "unknown: a program was not compiled"
+                                                if self.fits is None else
                                                 f"does NOT fit, {_gib(self.needed - self.device.hbm_bytes)} over")]
         for name in PROGRAMS:
-            if name in self.refused:
-                lines.append(f"  {name} ({_RUNS[name]}): does NOT fit: {self.compiled[name]}")
+            if not isinstance(self.compiled[name], Compiled):
+                lines.append(f"  {name} ({_RUNS[name]}): {_why(self.compiled[name])}")
                 continue
             found = self.collectives(name)
             said = ", ".join(f"{kind} {v['count']} ops {v['bytes'] / 2**20:.2f} MiB" for kind, v in found.items())
@@ -184,3 +218,10 @@ class GenerationReport:
 
 def _gib(size: float) -> str:
     return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+
+
+def _why(verdict: UserError) -> str:
+    if isinstance(verdict, CompileTimedOut):
+        return (f"not compiled: the TPU compiler did not finish within {verdict.timeout_s:g} s (a newer one, named "
+                f"by {ISOLATED}, may: docs/planner.md)")
+    return f"does NOT fit: {verdict}"
