@@ -32,6 +32,30 @@ def test_attention_through_overrides_is_refused_naming_the_key():
     assert raised.value.key == "model.overrides" and "model.attn_implementation" in str(raised.value)
 
 
+@pytest.mark.parametrize("overrides, head_dim", [
+    ("{hidden_size: 256}", 64), ("{hidden_size: 256, num_attention_heads: 8}", 32),
+    ("{hidden_size: 256, head_dim: 8}", 8), ("{num_hidden_layers: 1}", 16)])
+def test_overridden_widths_of_a_saved_config_derive_its_head_dim_again(model_dirs, overrides, head_dim):
+    """tests/model_dirs.py's Llama stores head_dim 16 (64 / 4 heads): widening it through model.overrides gives
+    the head_dim the new widths derive (it kept 16: an 8B shape built on it had an eighth of its attention), and
+    a head_dim the overrides name stays."""
+    from xla_shard.models import model_config
+
+    cfg = config.load(None, [f"model.name={model_dirs.llama}", f"model.overrides={overrides}"])
+    assert model_config(cfg.model).head_dim == head_dim
+
+
+def test_a_head_dim_set_apart_from_the_widths_stays_when_they_change(tmp_path):
+    from transformers import LlamaConfig
+
+    from xla_shard.models import model_config
+
+    LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=32, num_key_value_heads=2, vocab_size=64,
+                intermediate_size=32, num_hidden_layers=1).save_pretrained(tmp_path)
+    cfg = config.load(None, [f"model.name={tmp_path}", "model.init=random", "model.overrides={hidden_size: 128}"])
+    assert model_config(cfg.model).head_dim == 32
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("backend, sets, extra", [

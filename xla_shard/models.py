@@ -102,6 +102,19 @@ def _refuse_unbuildable(fields: dict, where: str, key: str = "model.name") -> No
                                        "layers (or fewer than none) is not one xla_shard builds")
 
 
+def _rederived_head_dim(fields: dict, overrides: dict) -> dict:
+    """A saved config stores `head_dim` even where transformers derived it (hidden_size / num_attention_heads);
+    overriding those widths alone would keep the old one silently. Derived again there; a head_dim the config
+    set apart from its widths, or one the overrides name, is kept."""
+    hidden, heads, stored = fields.get("hidden_size"), fields.get("num_attention_heads"), fields.get("head_dim")
+    if ("head_dim" in overrides or not {"hidden_size", "num_attention_heads"} & set(overrides)
+            or not (isinstance(hidden, int) and isinstance(heads, int) and heads) or stored != hidden // heads):
+        return fields
+    width, count = overrides.get("hidden_size", hidden), overrides.get("num_attention_heads", heads)
+    return {**fields, "head_dim": width // count} if isinstance(width, int) and isinstance(count, int) and count \
+        else fields
+
+
 def model_config(section: ModelSection, source: ModelSource | None = None,
                  accelerator: str | None = None) -> PretrainedConfig:
     """The transformers config, with the attention kernel for `accelerator` ('tpu', 'cuda', 'cpu'; None
@@ -117,7 +130,8 @@ def model_config(section: ModelSection, source: ModelSource | None = None,
             raise ConfigError(f"model.overrides.{key}", f"{type(config).__name__} has no field {key!r}"
                                                         + (f"; did you mean {close[0]!r}?" if close else ""))
     if section.overrides:
-        config = _config_for(model_type, {**fields, **section.overrides}, "model.overrides", section.name)
+        overridden = {**_rederived_head_dim(fields, section.overrides), **section.overrides}
+        config = _config_for(model_type, overridden, "model.overrides", section.name)
     if section.task == "sequence_classification":
         _set_labels(config, section, fields)
     config._attn_implementation = _attention(section, accelerator)
