@@ -103,7 +103,7 @@ def compile_programs(traced: GenerationTrace, tpu: Slice,
             compiled[name] = tpu.compile(traced.programs[name], timeout_s=COMPILE_S)
         except (OutOfHbm, CompileTimedOut) as verdict:
             compiled[name] = verdict
-        say(f"{name}: compiled in {time.monotonic() - started:.0f} s")
+        say(f"{name}: {time.monotonic() - started:.0f} s in the compiler")
     return compiled
 
 

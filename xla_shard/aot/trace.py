@@ -102,11 +102,15 @@ def traced_trainer(cfg: ShardConfig, tpu: compiler.Slice, placeholders: bool = T
         yield trainer
 
 
+def _optimizer_tensors(trainer) -> list[torch.Tensor]:
+    return [v for s in trainer.optimizer.state.values() for v in s.values()
+            if isinstance(v, torch.Tensor) and v.device.type == "xla"]
+
+
 def resting_bytes(trainer) -> tuple[int, int]:
     """(parameters, optimizer state) bytes per device, from their shardings: what a device holds between steps."""
-    states = [v for s in trainer.optimizer.state.values() for v in s.values()
-              if isinstance(v, torch.Tensor) and v.device.type == "xla"]
-    return (sum(_device_bytes(t) for t in trainer.model.parameters()), sum(_device_bytes(t) for t in states))
+    return (sum(_device_bytes(t) for t in trainer.model.parameters()),
+            sum(_device_bytes(t) for t in _optimizer_tensors(trainer)))
 
 
 def trace(cfg: ShardConfig, tpu: compiler.Slice, placeholders: bool = True) -> Trace:
@@ -119,8 +123,7 @@ def trace(cfg: ShardConfig, tpu: compiler.Slice, placeholders: bool = True) -> T
         backend = trainer.backend
         batch = sum(t.numel() * t.element_size() for rows in trainer.micro_batches(1) for t in rows.values())
         trained = [p for p in trainer.model.parameters() if p.requires_grad]
-        states = [v for s in trainer.optimizer.state.values() for v in s.values()
-                  if isinstance(v, torch.Tensor) and v.device.type == "xla"]
+        states = _optimizer_tensors(trainer)
         # Measured before tracing, from the shardings (no data read: that would run the pending step).
         frozen = [] if trainer.objective.reference is None else list(trainer.objective.reference.parameters())
         params, state = resting_bytes(trainer)
@@ -129,7 +132,8 @@ def trace(cfg: ShardConfig, tpu: compiler.Slice, placeholders: bool = True) -> T
         trips = next(iter(stacked)).shape[0] if stacked else 1
         with compiler.kernels_lowered_for(tpu):
             proto = backend.traced_program(lambda: trainer.step(1), lambda: [*trained, *states])
-            generating = generation.trace(trainer)
+            # (real parameters: the generation's layout program would run, not be traced; only the step is held)
+            generating = generation.trace(trainer) if placeholders else None
         tokens = cfg.train.global_batch_size * cfg.train.seq_len * trainer.objective.sequences_per_row
         config = trainer.model.config
         causal = trainer.flops_per_token - causal_attention_discount(config, cfg.train.seq_len)

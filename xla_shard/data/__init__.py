@@ -82,7 +82,7 @@ def build(cfg, model_config, model_directory: str | None = None, generations=Non
         return DataSources(PromptSource(train_rows, raw, tokenizer, generations, train.global_batch_size, train.seed),
                            evaluation,
                            description=f"{data.path}: {len(train_rows)} prompts, left-padded to "
-                                       f"{train.seq_len - generations.completion_tokens} tokens, "
+                                       f"{generations.prompt_tokens(train.seq_len)} tokens, "
                                        f"{generations.per_prompt} completions each"
                                        + (f"; {dropped} prompt(s) longer dropped" if dropped else "")
                                        + (f", {len(eval_rows)} for evaluation" if eval_rows is not None else ""))
@@ -240,7 +240,7 @@ def _prompt_rows(cfg, tokenizer, rows, path, generations):
 
     workers = tokenize.worker_count(len(rows), cfg.data.num_proc)
     return prompts.examples(rows, tokenizer, prompts.fields_of(cfg.data),
-                            cfg.train.seq_len - generations.completion_tokens, completions.pad_id(tokenizer),
+                            generations.prompt_tokens(cfg.train.seq_len), completions.pad_id(tokenizer),
                             workers, path, generations.length_key)
 
 

@@ -26,6 +26,10 @@ class Generations:
     completion_tokens: int
     length_key: str
 
+    def prompt_tokens(self, seq_len: int) -> int:
+        """The positions a prompt is left-padded to: what the completion leaves of `seq_len`."""
+        return seq_len - self.completion_tokens
+
 
 @dataclass(frozen=True)
 class PromptFields:

@@ -126,7 +126,7 @@ class GrpoRollout(Rollout):
         """A step's generation: every row of the global batch, its prompt padded to what the completion leaves of
         train.seq_len, a group of num_generations rows a prompt."""
         sampling = self._sampling(source.tokenizer, model)
-        return Generation(sampling, self.batch_size, self.seq_len - sampling.max_new_tokens,
+        return Generation(sampling, self.batch_size, self.generations.prompt_tokens(self.seq_len),
                           self.section.num_generations)
 
     def _shaped_like(self, batch: Batch) -> Batch:
