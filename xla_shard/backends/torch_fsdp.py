@@ -221,7 +221,12 @@ class TorchFsdpBackend(Backend):
     def _compile(self, modules: list[nn.Module]) -> None:
         """torch.compile in place (`Module.compile`: parameter names stay as they are, so checkpoints and
         pretrained loads do not see it), before sharding as torchtitan does: FSDP2's hooks run outside the
-        compiled graphs (dynamo skips them)."""
+        compiled graphs (dynamo skips them). Dynamo traces activation checkpointing as one region that may not
+        change Python state outside it; a block's forward does (transformers' layers, through the `kernels`
+        library, set and reset a context variable each call), and the whole block would fall back to eager. As
+        torchtitan does, the recompute in backward skips those Python side effects (its tensors are the same)."""
+        if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):  # torch >= 2.10
+            torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
         for module in modules:
             module.compile(backend=self.profile.compile_backend)
 
