@@ -78,11 +78,11 @@ def test_sdpa_trains_on_the_backends_like_eager(tmp_path, backend, sets, extra):
 def test_auto_attention_is_the_fast_kernel_of_each_device():
     from xla_shard.attention import choose
 
-    chosen = [choose("auto", device) for device in ("tpu", "cuda", "cpu", None)]
-    assert chosen == ["xla_pallas", "sdpa", "eager", "eager"]
-    assert choose("sdpa", "tpu") == "sdpa"  # what the user names is used as named
+    chosen = [choose("auto", device) for device in ("tpu", "cuda", "cpu", "xla_cpu", None)]
+    assert chosen == ["xla_pallas", "sdpa", "sdpa_packed", "eager", "eager"]
+    assert choose("eager", "cpu") == "eager"  # what the user names is used as named
     section = config.load(None, ["model=tiny-llama"]).model
-    assert build_model(section, 0, accelerator="cpu").config._attn_implementation == "eager"
+    assert build_model(section, 0, accelerator="cpu").config._attn_implementation == "sdpa_packed"
 
 
 @pytest.mark.parametrize("kernel, device",
@@ -164,19 +164,55 @@ def test_packed_rows_reach_the_kernel_with_segment_ids_and_give_each_examples_lo
     assert documents.tolist()[2] == [0] * 30 + [1] * 50 + [2] * 48 and documents.dtype == torch.int32
 
 
+def test_sdpa_packed_attends_each_document_alone_without_a_mask(monkeypatch):
+    """Packed rows under `sdpa_packed`: SDPA runs once a document (causal, no mask: never a [rows, 1, tokens,
+    tokens] one), and each example's logits and its gradients are those it has alone; a padded batch still takes
+    SDPA with its mask."""
+    import torch.nn.functional as F
+
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda q, *a, **k: calls.append((q.shape[2], k.get("attn_mask"))) or sdpa(q, *a, **k))
+    lengths = [[40, 88], [128], [30, 50, 48]]  # three rows of 128 tokens
+    ids = torch.randint(3, 256, (3, 128), generator=torch.Generator().manual_seed(5))
+    positions = torch.tensor([[p for n in row for p in range(n)] for row in lengths])
+    models = {kernel: build_model(config.load(None, ["model=tiny-llama", f"model.attn_implementation={kernel}"]
+                                              ).model, 0) for kernel in ("eager", "sdpa_packed")}
+    packed = models["sdpa_packed"](input_ids=ids, position_ids=positions).logits
+    layers = models["sdpa_packed"].config.num_hidden_layers
+    assert sorted(length for length, _ in calls) == sorted([n for row in lengths for n in row] * layers)
+    assert all(mask is None for _, mask in calls)
+    weight = {kernel: model.model.layers[0].self_attn.q_proj.weight for kernel, model in models.items()}
+    for row, sizes in enumerate(lengths):
+        start = 0
+        for n in sizes:
+            alone = models["eager"](input_ids=ids[row:row + 1, start:start + n]).logits[0]
+            torch.testing.assert_close(packed[row, start:start + n], alone, rtol=1e-5, atol=1e-5)
+            grads = [torch.autograd.grad(logits.square().mean(), weight[kernel], retain_graph=True)[0]
+                     for kernel, logits in (("sdpa_packed", packed[row, start:start + n]), ("eager", alone))]
+            torch.testing.assert_close(*grads, rtol=1e-4, atol=1e-7)
+            start += n
+    calls.clear()
+    padded = torch.ones(2, 64, dtype=torch.long)
+    padded[1, 40:] = 0
+    models["sdpa_packed"](input_ids=ids[:2, :64], attention_mask=padded)
+    assert calls and all(length == 64 and mask is not None for length, mask in calls)
+
+
 def test_the_kernels_mask_function_builds_no_mask_only_where_the_kernel_says_it_all():
     from transformers import LlamaConfig, MistralConfig
 
-    from xla_shard.attention import pallas_mask, plain_causal
+    from xla_shard.attention import documents_mask, plain_causal
 
     assert plain_causal(LlamaConfig()) and not plain_causal(MistralConfig(sliding_window=64))
     arguments = dict(batch_size=2, q_length=8, kv_length=8, cache_position=torch.arange(8))
-    assert pallas_mask(**arguments, config=LlamaConfig()) is None
+    assert documents_mask(**arguments, config=LlamaConfig()) is None
     padded = torch.ones(2, 8, dtype=torch.bool)
     padded[1, 6:] = False
-    assert pallas_mask(**arguments, attention_mask=padded, config=LlamaConfig()).shape == (2, 1, 8, 8)
+    assert documents_mask(**arguments, attention_mask=padded, config=LlamaConfig()).shape == (2, 1, 8, 8)
     # a sliding window is SDPA's mask to build (transformers hands it a windowed mask function; here, none to skip)
-    windowed = pallas_mask(**arguments, config=MistralConfig(sliding_window=4), allow_is_causal_skip=False)
+    windowed = documents_mask(**arguments, config=MistralConfig(sliding_window=4), allow_is_causal_skip=False)
     assert windowed is not None and windowed.shape == (2, 1, 8, 8)
 
 

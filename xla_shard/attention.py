@@ -1,10 +1,11 @@
 """Which attention kernel a model runs, per device, and torch_xla's Pallas flash attention as a transformers
 attention function.
 
-`model.attn_implementation: auto` picks the fastest kernel that computes the same thing on the device: the
-Pallas flash attention kernel on TPUs under torch_xla, SDPA on CUDA GPUs and under TorchTPU (fused kernels),
-and eager on CPUs, where the backends are cross-checked against each other and eager is one formula on all of
-them (XLA lowers SDPA to the same math there). Anything else the user names is used as named, or refused.
+`model.attn_implementation: auto` picks the fastest kernel that computes the same thing on the device, as
+measured by `bench/attention_kernels.py`: the Pallas flash attention kernel on TPUs under torch_xla, SDPA on
+CUDA GPUs, under TorchTPU (fused kernels) and on torch's CPU (its flash kernel: 1.2-2.3x eager's SFT throughput
+and a fraction of its memory), and eager on XLA's CPU client, where XLA fuses eager's ops and lowers SDPA to the
+same math, a little slower. Anything else the user names is used as named, or refused.
 """
 
 from __future__ import annotations
@@ -15,17 +16,18 @@ import warnings
 import torch
 
 XLA_PALLAS = "xla_pallas"
+SDPA_PACKED = "sdpa_packed"
 # What `auto` resolves to, by accelerator (tpu: a TPU through torch_xla; torchtpu: a TPU through TorchTPU,
-# which routes SDPA to its splash attention kernel; cuda; anything else).
-_AUTO = {"tpu": XLA_PALLAS, "torchtpu": "sdpa", "cuda": "sdpa"}
+# which routes SDPA to its splash attention kernel; cuda; cpu: torch's own; xla_cpu: XLA's CPU client).
+AUTO = {"tpu": XLA_PALLAS, "torchtpu": "sdpa", "cuda": "sdpa", "cpu": SDPA_PACKED, "xla_cpu": "eager"}
 
 
 def choose(requested: str, device_type: str | None) -> str:
-    """The kernel for `device_type` ('tpu', 'torchtpu', 'cuda', 'cpu', or None before the runtime is known:
-    eager)."""
+    """The kernel for `device_type` (a key of `AUTO`, or None before the runtime is known: eager, the one
+    formula every runtime has)."""
     if requested != "auto":
         return requested
-    return _AUTO.get(device_type or "", "eager")
+    return AUTO.get(device_type or "", "eager")
 
 
 def available(name: str) -> str | None:
@@ -40,19 +42,21 @@ def available(name: str) -> str | None:
 
 @functools.cache
 def register() -> None:
-    """Make `xla_pallas` a transformers attention implementation, with its mask function (`pallas_mask`)."""
+    """Make `xla_pallas` and `sdpa_packed` transformers attention implementations, with their mask function
+    (`documents_mask`)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    AttentionInterface.register(XLA_PALLAS, xla_pallas_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(XLA_PALLAS, pallas_mask)
+    for name, function in ((XLA_PALLAS, xla_pallas_attention), (SDPA_PACKED, sdpa_packed_attention)):
+        AttentionInterface.register(name, function)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, documents_mask)
 
 
-def pallas_mask(*args, attention_mask: torch.Tensor | None = None, config=None, **kwargs):
-    """No mask where the kernel's own causal masking and its segment ids say it all: no padding, and a model
-    whose attention is causal over every earlier position (no sliding window, no chunks). Packed rows then reach
-    the kernel with their documents told apart by segment ids (`xla_pallas_attention`), instead of a [batch, 1,
-    tokens, tokens] block-diagonal mask that the kernel cannot take. Anything else: SDPA's mask."""
+def documents_mask(*args, attention_mask: torch.Tensor | None = None, config=None, **kwargs):
+    """No mask where causal attention within each document says it all: no padding, and a model whose attention
+    is causal over every earlier position (no sliding window, no chunks). Packed rows then reach the attention
+    function with their documents told apart by their positions (`segments`), instead of a [batch, 1, tokens,
+    tokens] block-diagonal mask. Anything else: SDPA's mask."""
     from transformers.masking_utils import sdpa_mask
 
     if attention_mask is None and plain_causal(config):
@@ -126,6 +130,43 @@ def xla_pallas_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     out = custom_kernel.flash_attention(query, key, value, causal=True, q_segment_ids=documents,
                                         kv_segment_ids=documents, sm_scale=scale, partition_spec=spec, mesh=mesh)
     return out.transpose(1, 2).contiguous(), None
+
+
+def sdpa_packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                          **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA, with each packed document attended alone: one causal SDPA call a document, without a
+    mask (torch's flash kernel on a CPU). A packed row then costs the sum of its documents' squares, not the
+    row's square, and no [rows, 1, tokens, tokens] mask is built: what variable-length flash attention does on
+    CUDA, where FlexAttention's block mask has no backward on a CPU (torch 2.15). Exact: each document computes
+    what it would alone.
+
+    Batches with a padding mask, a cache's keys (generation), a non-causal module, or a step being compiled
+    (the documents' bounds are data) are transformers' SDPA as is (packed rows there with the mask their
+    documents make)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kwargs.pop("is_causal", None)
+    causal = getattr(module, "is_causal", True)
+    split = attention_mask is None and causal and key.shape[2] == query.shape[2]
+    documents = segments(kwargs.get("position_ids"), query.shape[0]) if split else None
+    if documents is not None and torch.compiler.is_compiling():  # no branch on the data inside a graph
+        attention_mask, documents = segment_mask(documents, query.shape[2], key.shape[2]), None
+    if documents is None or not documents.any():  # else one document a row: SDPA's own causal attention
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    starts = torch.diff(documents, dim=-1, prepend=documents[:, :1] - 1).nonzero().tolist()
+    bounds: list[list[int]] = [[] for _ in range(query.shape[0])]
+    for row, start in starts:
+        bounds[row].append(start)
+    rows = []
+    for row, begins in enumerate(bounds):
+        ends = [*begins[1:], query.shape[2]]
+        rows.append(torch.cat([sdpa_attention_forward(module, query[row:row + 1, :, a:b], key[row:row + 1, :, a:b],
+                                                      value[row:row + 1, :, a:b], None, dropout=dropout,
+                                                      scaling=scaling, **kwargs)[0]
+                               for a, b in zip(begins, ends)], dim=1))
+    return torch.cat(rows), None
 
 
 def segment_mask(documents: torch.Tensor, queries: int, keys: int) -> torch.Tensor:

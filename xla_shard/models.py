@@ -141,9 +141,9 @@ def model_config(section: ModelSection, source: ModelSource | None = None,
 def _attention(section: ModelSection, accelerator: str | None) -> str:
     chosen = attention.choose(section.attn_implementation, accelerator)
     problem = attention.available(chosen)
-    if chosen == attention.XLA_PALLAS:
-        if accelerator not in (None, "tpu"):
-            problem = f"is torch_xla's Pallas kernel for TPUs; this run is on {accelerator}: use auto, sdpa or eager"
+    if chosen == attention.XLA_PALLAS and accelerator not in (None, "tpu"):
+        problem = f"is torch_xla's Pallas kernel for TPUs; this run is on {accelerator}: use auto, sdpa or eager"
+    if chosen in (attention.XLA_PALLAS, attention.SDPA_PACKED):
         attention.register()
     if chosen == "flash_attention_2" and accelerator not in (None, "cuda"):
         problem = f"runs on CUDA GPUs; this run is on {accelerator}: use auto, sdpa or eager"

@@ -196,7 +196,8 @@ class Backend(abc.ABC):
 
     @property
     def accelerator(self) -> str:
-        """'tpu', 'cuda' or 'cpu': the kind of device the model runs on (attention kernels are chosen by it)."""
+        """The kind of device the model runs on, and through which runtime (attention kernels are chosen by it):
+        a key of `xla_shard.attention.AUTO`."""
         return "cuda" if self.device.type == "cuda" else "cpu"
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -134,7 +134,7 @@ class XlaBackend(Backend):
 
     @property
     def accelerator(self) -> str:
-        return "tpu" if on_tpu() or self.traced_for == "tpu" else "cpu"
+        return "tpu" if on_tpu() or self.traced_for == "tpu" else "xla_cpu"
 
     def after_step(self) -> None:
         import torch_xla

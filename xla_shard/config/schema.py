@@ -239,9 +239,10 @@ class ModelSection(Section):
     # Applied on top of the transformers config, e.g. {num_hidden_layers: 4}.
     overrides: dict[str, Any] = Field(default_factory=dict)
     # The attention kernel. auto: the fastest that computes the same thing on the device (TPU: xla_pallas,
-    # torch_xla's Pallas flash attention; CUDA: sdpa; CPU: eager, one formula on every backend). eager; sdpa
-    # (torch's scaled_dot_product_attention); flash_attention_2 (CUDA, the flash-attn package); xla_pallas (TPU).
-    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2", "xla_pallas"] = "auto"
+    # torch_xla's Pallas flash attention; CUDA and TorchTPU: sdpa; torch's CPU: sdpa_packed; XLA's CPU: eager).
+    # eager; sdpa (torch's scaled_dot_product_attention); sdpa_packed (SDPA with packed rows' documents attended
+    # apart, no mask); flash_attention_2 (CUDA, the flash-attn package); xla_pallas (TPU).
+    attn_implementation: Literal["auto", "eager", "sdpa", "sdpa_packed", "flash_attention_2", "xla_pallas"] = "auto"
     # Train LoRA adapters (peft) instead of every weight; null: full fine-tuning.
     lora: LoraSection | None = None
 
@@ -729,7 +730,8 @@ class _ShardConfig(Section):
             raise ValueError(f"mesh.context={context} scores the loss per piece of the split sequence: "
                              "train.loss_chunks 0 (the model's own loss, over whole logits) cannot; set auto")
         # what attention across the shards runs: torch_fsdp SDPA, xla_spmd the splash kernel on TPUs (else eager)
-        kept = ("auto", "sdpa") if self.backend is Backend.TORCH_FSDP else ("auto", "eager", "xla_pallas")
+        kept = (("auto", "sdpa", "sdpa_packed") if self.backend is Backend.TORCH_FSDP
+                else ("auto", "eager", "xla_pallas"))
         if self.model.attn_implementation not in kept:
             raise ValueError(f"mesh.context={context} computes attention across the sequence's shards itself "
                              f"(SDPA on torch_fsdp; splash attention on TPUs, eager elsewhere, on xla_spmd): "
