@@ -18,8 +18,8 @@ about `--new` tokens a row.
 Like for like, as each side is set up by a user who knows it: xla_shard's prompt positions are the longest
 prompt's (`train.seq_len` = it + `--new`; TRL pads each batch to its longest), both clip the gradient norm at
 1.0 (TRL's default `max_grad_norm`), both attend with SDPA (transformers' default, which TRL loads; xla_shard's
-`auto` takes eager on a CPU, so it is named), and each process runs `--threads` threads (1: neither side takes
-the other's core).
+`auto`, `sdpa_packed` on a CPU, is transformers' SDPA for unpacked rows), and each process runs `--threads`
+threads (1: neither side takes the other's core).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def ours(directory: str, data: str, rewards: str, generations: int, new: int, ba
         "method=grpo", "data.kind=prompt", f"grpo.reward_funcs=[{rewards}:low_token_share]",
         f"grpo.num_generations={generations}", f"grpo.max_completion_length={new}",
         f"train.seq_len={new + longest_prompt(directory, data)}", f"train.global_batch_size={batch}",
-        "train.max_grad_norm=1.0", "train.lr=1e-6", "train.optimizer=adamw", "model.attn_implementation=sdpa",
+        "train.max_grad_norm=1.0", "train.lr=1e-6", "train.optimizer=adamw", "model.attn_implementation=auto",
         "output_dir=" + str(Path(data).parent / "ours")])).setup()
     times, tokens = [], []
     for step in range(steps + 1):

@@ -85,6 +85,21 @@ def test_auto_attention_is_the_fast_kernel_of_each_device():
     assert build_model(section, 0, accelerator="cpu").config._attn_implementation == "sdpa_packed"
 
 
+def test_auto_attention_is_eager_for_a_model_the_fused_kernels_do_not_compute(tmp_path):
+    """Gemma 2 soft-caps its scores, which SDPA and the flash kernels do not: transformers refuses SDPA for it,
+    and `auto` takes eager on every device (a named kernel is still refused, not swapped)."""
+    from transformers import Gemma2Config
+
+    Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16, vocab_size=64).save_pretrained(tmp_path)
+    section = config.load(None, [f"model.name={tmp_path}", "model.init=random"]).model
+    assert {build_model(section, 0, accelerator=device).config._attn_implementation
+            for device in ("cpu", "cuda", "tpu")} == {"eager"}
+    named = config.load(None, [f"model.name={tmp_path}", "model.init=random", "model.attn_implementation=sdpa"])
+    with pytest.raises(ConfigError, match="model.attn_implementation"):
+        build_model(named.model, 0, accelerator="cpu")
+
+
 @pytest.mark.parametrize("kernel, device",
                          [("xla_pallas", "cpu"), ("xla_pallas", "cuda"), ("flash_attention_2", "cpu")])
 def test_a_kernel_the_device_lacks_is_refused_naming_the_key(kernel, device):

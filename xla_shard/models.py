@@ -152,6 +152,17 @@ def _attention(section: ModelSection, accelerator: str | None) -> str:
     return chosen
 
 
+def _fused_attention(auto, config: PretrainedConfig) -> bool:
+    """Whether transformers lets the model's class attend through SDPA: the fused kernels (SDPA's, flash
+    attention's) compute plain softmax attention, and a class that declares no SDPA attends otherwise (Gemma 2's
+    soft-capped scores). Unknown: yes (the build then says what it refuses)."""
+    try:
+        model_class = auto._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return True
+    return getattr(model_class, "_supports_sdpa", True)
+
+
 def _set_labels(config: PretrainedConfig, section: ModelSection, fields: dict[str, Any]) -> None:
     has_labels = "id2label" in fields or "num_labels" in fields
     if section.num_labels is None:
@@ -187,6 +198,8 @@ def build_model(section: ModelSection, seed: int, empty: bool = False, source: M
             experts_kernels.register()
         config._experts_implementation = experts
     auto = _AUTO_CLASSES[section.task]
+    if section.attn_implementation == "auto" and not _fused_attention(auto, config):
+        config._attn_implementation = "eager"  # what `auto` picks for a model the fused kernels do not compute
     key = "model.overrides" if section.overrides else "model.name"
     try:
         if empty:

@@ -157,14 +157,18 @@ def allowed(position_ids: torch.Tensor, padding: torch.Tensor | None, shards: in
     """[rows, 1, queries, tokens] booleans over the reordered tokens: a token sees the tokens before it in the
     original order, in its own document, that are not padding (and always itself: a padded token's row is
     never empty). `queries`: the reordered tokens asking (all, or one process's piece)."""
-    tokens = position_ids.shape[-1]
-    place = reorder(torch.arange(tokens, device=position_ids.device), shards)
-    docs = documents(position_ids, shards)
-    asking = place[queries]
-    seen = (asking[:, None] >= place[None, :]) & (docs[:, queries, None] == docs[:, None, :])
+    place = reorder(torch.arange(position_ids.shape[-1], device=position_ids.device), shards)
+    return _seen(place, documents(position_ids, shards), padding, queries, slice(None))
+
+
+def _seen(place: torch.Tensor, docs: torch.Tensor, padding: torch.Tensor | None, queries: slice,
+          keys: slice) -> torch.Tensor:
+    """`allowed`'s booleans for the reordered tokens `queries` asking and `keys` seen."""
+    asking, seen_place = place[queries], place[keys]
+    seen = (asking[:, None] >= seen_place[None, :]) & (docs[:, queries, None] == docs[:, None, keys])
     if padding is not None:
-        seen = seen & padding[:, None, :]
-    seen = seen | (asking[:, None] == place[None, :])
+        seen = seen & padding[:, None, keys]
+    seen = seen | (asking[:, None] == seen_place[None, :])
     return seen.unsqueeze(1)
 
 
@@ -191,32 +195,135 @@ def gathered_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
                        **kwargs) -> tuple[torch.Tensor, None]:
     """Attention over a sequence split over a process group (torch_fsdp): this process's queries against the
     keys and values gathered whole along the group (torch's FlexAttention context parallelism's all-gather,
-    gradients reduce-scattered), through the model's SDPA with the mask's rows for these queries. Every process
-    gathers positions and padding alike (even where its piece has none), so the collectives pair up."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    gradients reduce-scattered). On a CPU, block by block (`BlockwiseAttention`: memory that grows with the
+    sequence, not its square); elsewhere, or with attention dropout, the model's SDPA with the mask's rows for
+    these queries. Every process gathers positions and padding alike (even where its piece has none), so the
+    collectives pair up."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     position_ids = _positions(kwargs)
     cached = _masks[0]
     if cached is not None and cached[0] is position_ids and cached[1] is attention_mask:
-        seen = cached[2]  # the forward's layers (and checkpointing's recompute) share one mask
+        blocks = cached[2]  # the forward's layers (and checkpointing's recompute) share one
     else:
-        seen = _mask_rows(position_ids.expand(query.shape[0], -1), attention_mask, query.shape[2])
-        _masks[0] = (position_ids, attention_mask, seen)
-    return sdpa_attention_forward(module, query, gathered(key, 2), gathered(value, 2), seen, dropout=dropout,
-                                  scaling=scaling, **kwargs)
+        blocks = _blocks(position_ids.expand(query.shape[0], -1), attention_mask, query.shape[2])
+        _masks[0] = (position_ids, attention_mask, blocks)
+    key, value = gathered(key, 2), gathered(value, 2)
+    if query.device.type == "cpu" and not (dropout and module.training):
+        groups = getattr(module, "num_key_value_groups", 1)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = BlockwiseAttention.apply(query, repeat_kv(key, groups), repeat_kv(value, groups), blocks, scale)
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, blocks.whole(), dropout=dropout, scaling=scaling,
+                                  **kwargs)
 
 
-_masks: list = [None]  # (positions, padding, the mask made of them): the last forward's
+_masks: list = [None]  # (positions, padding, the `Blocks` made of them): the last forward's
+
+
+_BLOCK_TOKENS = 1024  # a block's side: its mask is a few MiB, and the causal blocks nobody sees are skipped finely
+
+
+def _cut(tokens: int) -> list[slice]:
+    return [slice(start, min(start + _BLOCK_TOKENS, tokens)) for start in range(0, tokens, _BLOCK_TOKENS)]
+
+
+class Blocks:
+    """Which of the group's whole reordered row this process's queries see, a block at a time (blocks of up to
+    `_BLOCK_TOKENS` queries and as many keys). Made of per-token vectors (original places, documents, padding),
+    so a block's mask is built when it is used and dropped after: never the [rows, 1, queries, tokens] whole."""
+
+    def __init__(self, place: torch.Tensor, docs: torch.Tensor, padding: torch.Tensor | None, mine: slice):
+        self.place, self.docs, self.padding, self.mine = place, docs, padding, mine
+        self.keys = _cut(place.shape[-1])
+        self.queries = _cut(mine.stop - mine.start)  # within this process's piece
+
+    def seen(self, queries: slice = slice(None), keys: slice = slice(None)) -> torch.Tensor:
+        """[rows, 1, queries, keys] booleans (`queries` within this process's piece): a token sees the tokens
+        before it in the original order, in its own document, that are not padding, and always itself."""
+        start = self.mine.start + (queries.start or 0)
+        stop = self.mine.start + (queries.stop if queries.stop is not None else self.mine.stop - self.mine.start)
+        asking = slice(start, stop)
+        return _seen(self.place, self.docs, self.padding, asking, keys)
+
+    def whole(self) -> torch.Tensor:
+        return self.seen()
+
+    def additive(self, queries: slice, keys: slice, dtype: torch.dtype) -> tuple[bool, torch.Tensor | None]:
+        """(whether the block is seen at all, its mask for the kernel: None where every pair is seen, else 0
+        where seen and the dtype's lowest where not: a query that sees nothing of this block then weighs
+        nothing in the merged softmax, without the NaN an all -inf row would give)."""
+        seen = self.seen(queries, keys)
+        if not bool(seen.any()):
+            return False, None
+        if bool(seen.all()):
+            return True, None
+        return True, torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen,
+                                                                                           torch.finfo(dtype).min)
+
+
+class BlockwiseAttention(torch.autograd.Function):
+    """Softmax attention of this process's queries over the gathered keys, one (queries, keys) block at a time
+    through torch's CPU flash kernel, which returns each block's log-sum-exp: the blocks' outputs are
+    merged by their log-sum-exps (as ring attention merges them), blocks nobody sees are skipped, and the
+    backward runs the kernel's backward per block against the merged output and log-sum-exp (exact: each block's
+    share of the softmax is exp(score - merged log-sum-exp)). Masks are rebuilt per block, in the forward and
+    again in the backward: the only whole-row state kept is the output and its log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, blocks: Blocks, scale: float):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        outs, sums = [], []
+        for queries in blocks.queries:
+            out = lse = None
+            for keys in blocks.keys:
+                used, mask = blocks.additive(queries, keys, query.dtype)
+                if not used:
+                    continue
+                part, part_lse = flash(query[:, :, queries], key[:, :, keys], value[:, :, keys], 0.0, False,
+                                       attn_mask=mask, scale=scale)
+                if out is None:
+                    out, lse = part, part_lse
+                    continue
+                merged = torch.logaddexp(lse, part_lse)
+                out = (out * (lse - merged).exp().unsqueeze(-1).to(out.dtype)
+                       + part * (part_lse - merged).exp().unsqueeze(-1).to(out.dtype))
+                lse = merged
+            outs.append(out)
+            sums.append(lse)
+        out, lse = torch.cat(outs, 2), torch.cat(sums, 2)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.blocks, ctx.scale = blocks, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, out, lse = ctx.saved_tensors
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        grads = [torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)]
+        for queries in ctx.blocks.queries:
+            for keys in ctx.blocks.keys:
+                used, mask = ctx.blocks.additive(queries, keys, query.dtype)
+                if not used:
+                    continue
+                dq, dk, dv = backward(grad[:, :, queries].contiguous(), query[:, :, queries], key[:, :, keys],
+                                      value[:, :, keys], out[:, :, queries].contiguous(),
+                                      lse[:, :, queries].contiguous(), 0.0, False, attn_mask=mask, scale=ctx.scale)
+                grads[0][:, :, queries] += dq
+                grads[1][:, :, keys] += dk
+                grads[2][:, :, keys] += dv
+        return *grads, None, None
 
 
 @torch.no_grad()
-def _mask_rows(position_ids: torch.Tensor, padding: torch.Tensor | None, tokens: int) -> torch.Tensor:
-    """The mask's rows for this process's `tokens` queries, over the group's whole reordered row."""
+def _blocks(position_ids: torch.Tensor, padding: torch.Tensor | None, tokens: int) -> Blocks:
+    """This process's `tokens` queries' view of the group's whole reordered row."""
     padding = padding if padding is not None else torch.ones_like(position_ids, dtype=torch.bool)
     whole = gathered(torch.stack([position_ids, padding.long()]), 2)
     group = _group[0]
-    mine = slice(group.rank() * tokens, (group.rank() + 1) * tokens)
-    return allowed(whole[0], whole[1].bool(), group.size(), mine)
+    place = reorder(torch.arange(whole.shape[-1], device=whole.device), group.size())
+    return Blocks(place, documents(whole[0], group.size()), whole[1].bool(),
+                  slice(group.rank() * tokens, (group.rank() + 1) * tokens))
 
 
 def _positions(kwargs: dict) -> torch.Tensor:
