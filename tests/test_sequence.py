@@ -47,6 +47,36 @@ def test_the_split_sequences_mask_is_the_packed_rows_causal_mask_in_the_new_orde
     assert torch.equal(back, wanted)
 
 
+@pytest.mark.parametrize("shards", [2, 4])
+def test_each_process_attends_block_by_block_as_sdpa_with_its_rows_of_the_mask(monkeypatch, shards):
+    """torch_fsdp's attention over a split sequence on a CPU (`BlockwiseAttention`), in blocks of 8 tokens so
+    that every kind of block occurs (seen whole, in part, not at all: skipped; rows seeing nothing of a block):
+    each process's output and its gradients of queries, keys and values equal SDPA with its rows of the whole
+    mask, for packed documents and padding, with two query heads to a key/value head."""
+    monkeypatch.setattr(sequence, "_BLOCK_TOKENS", 8)
+    tokens, heads, dim = 64, 4, 8
+    positions = torch.tensor([list(range(20)) + list(range(9)) + list(range(35)), list(range(64))])
+    padding = torch.ones(2, tokens, dtype=torch.bool)
+    padding[1, 50:] = False
+    place = sequence.reorder(torch.arange(tokens), shards)
+    docs = sequence.documents(sequence.reorder(positions, shards), shards)
+    generator = torch.Generator().manual_seed(3)
+    key, value = (torch.randn(2, heads // 2, tokens, dim, generator=generator, requires_grad=True) for _ in range(2))
+    per_process = tokens // shards
+    for rank in range(shards):
+        mine = slice(rank * per_process, (rank + 1) * per_process)
+        query = torch.randn(2, heads, per_process, dim, generator=generator, requires_grad=True)
+        blocks = sequence.Blocks(place, docs, sequence.reorder(padding, shards), mine)
+        got = sequence.BlockwiseAttention.apply(query, key, value, blocks, 0.3)
+        want = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=blocks.whole(),
+                                                                scale=0.3, enable_gqa=True)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        upstream = torch.randn(got.shape, generator=generator)
+        grads = [torch.autograd.grad(out, (query, key, value), upstream) for out in (got, want)]
+        for mine_grad, sdpa_grad in zip(*grads):
+            torch.testing.assert_close(mine_grad, sdpa_grad, rtol=1e-4, atol=1e-6)
+
+
 def test_rows_are_reordered_but_their_labels_are_not_and_positions_are_added():
     rows = {"input_ids": torch.arange(16).view(2, 8), "labels": torch.arange(16).view(2, 8),
             "attention_mask": torch.ones(2, 8, dtype=torch.long)}

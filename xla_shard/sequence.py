@@ -199,7 +199,7 @@ def gathered_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     sequence, not its square); elsewhere, or with attention dropout, the model's SDPA with the mask's rows for
     these queries. Every process gathers positions and padding alike (even where its piece has none), so the
     collectives pair up."""
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     position_ids = _positions(kwargs)
     cached = _masks[0]
@@ -210,9 +210,8 @@ def gathered_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         _masks[0] = (position_ids, attention_mask, blocks)
     key, value = gathered(key, 2), gathered(value, 2)
     if query.device.type == "cpu" and not (dropout and module.training):
-        groups = getattr(module, "num_key_value_groups", 1)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = BlockwiseAttention.apply(query, repeat_kv(key, groups), repeat_kv(value, groups), blocks, scale)
+        out = BlockwiseAttention.apply(query, key, value, blocks, scale)
         return out.transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(module, query, key, value, blocks.whole(), dropout=dropout, scaling=scaling,
                                   **kwargs)
@@ -264,15 +263,17 @@ class Blocks:
 
 class BlockwiseAttention(torch.autograd.Function):
     """Softmax attention of this process's queries over the gathered keys, one (queries, keys) block at a time
-    through torch's CPU flash kernel, which returns each block's log-sum-exp: the blocks' outputs are
-    merged by their log-sum-exps (as ring attention merges them), blocks nobody sees are skipped, and the
-    backward runs the kernel's backward per block against the merged output and log-sum-exp (exact: each block's
-    share of the softmax is exp(score - merged log-sum-exp)). Masks are rebuilt per block, in the forward and
-    again in the backward: the only whole-row state kept is the output and its log-sum-exp."""
+    through torch's CPU flash kernel, which returns each block's log-sum-exp: the blocks' outputs are merged by
+    their log-sum-exps (as ring attention merges them), blocks nobody sees are skipped, and the backward runs
+    the kernel's backward per block against the merged output and log-sum-exp (exact: each block's share of the
+    softmax is exp(score - merged log-sum-exp)). Masks are rebuilt per block, in the forward and again in the
+    backward, and grouped key/value heads are repeated per block: the whole-row state kept is the keys and
+    values as gathered, the output and its log-sum-exp."""
 
     @staticmethod
     def forward(ctx, query, key, value, blocks: Blocks, scale: float):
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        groups = query.shape[1] // key.shape[1]
         outs, sums = [], []
         for queries in blocks.queries:
             out = lse = None
@@ -280,8 +281,8 @@ class BlockwiseAttention(torch.autograd.Function):
                 used, mask = blocks.additive(queries, keys, query.dtype)
                 if not used:
                     continue
-                part, part_lse = flash(query[:, :, queries], key[:, :, keys], value[:, :, keys], 0.0, False,
-                                       attn_mask=mask, scale=scale)
+                part, part_lse = flash(query[:, :, queries], _heads(key[:, :, keys], groups),
+                                       _heads(value[:, :, keys], groups), 0.0, False, attn_mask=mask, scale=scale)
                 if out is None:
                     out, lse = part, part_lse
                     continue
@@ -300,19 +301,34 @@ class BlockwiseAttention(torch.autograd.Function):
     def backward(ctx, grad):
         query, key, value, out, lse = ctx.saved_tensors
         backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        groups = query.shape[1] // key.shape[1]
         grads = [torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)]
         for queries in ctx.blocks.queries:
             for keys in ctx.blocks.keys:
                 used, mask = ctx.blocks.additive(queries, keys, query.dtype)
                 if not used:
                     continue
-                dq, dk, dv = backward(grad[:, :, queries].contiguous(), query[:, :, queries], key[:, :, keys],
-                                      value[:, :, keys], out[:, :, queries].contiguous(),
-                                      lse[:, :, queries].contiguous(), 0.0, False, attn_mask=mask, scale=ctx.scale)
+                dq, dk, dv = backward(grad[:, :, queries].contiguous(), query[:, :, queries],
+                                      _heads(key[:, :, keys], groups), _heads(value[:, :, keys], groups),
+                                      out[:, :, queries].contiguous(), lse[:, :, queries].contiguous(), 0.0, False,
+                                      attn_mask=mask, scale=ctx.scale)
                 grads[0][:, :, queries] += dq
-                grads[1][:, :, keys] += dk
-                grads[2][:, :, keys] += dv
+                grads[1][:, :, keys] += _grouped(dk, groups)
+                grads[2][:, :, keys] += _grouped(dv, groups)
         return *grads, None, None
+
+
+def _heads(tensor: torch.Tensor, groups: int) -> torch.Tensor:
+    """Grouped key/value heads repeated for their query heads ([rows, heads, tokens, dim])."""
+    return tensor.repeat_interleave(groups, 1) if groups > 1 else tensor
+
+
+def _grouped(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The repeated heads' gradients summed back onto their key/value head."""
+    if groups == 1:
+        return grad
+    rows, heads, tokens, dim = grad.shape
+    return grad.view(rows, heads // groups, groups, tokens, dim).sum(2)
 
 
 @torch.no_grad()
