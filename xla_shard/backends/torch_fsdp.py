@@ -311,10 +311,13 @@ class TorchFsdpBackend(Backend):
 
 @contextlib.contextmanager
 def _gathered_throughout(model: nn.Module):
-    """FSDP2's units left gathered after each forward (then resharded once), by their parameter groups' post-forward
-    mesh (None: keep them gathered), as `FSDPModule.set_reshard_after_forward(False)` sets it; that call cannot set
-    back an int or the root's own setting, so the groups' values are kept and restored here. Where FSDP2 keeps its
-    groups elsewhere (another torch), the forwards gather as they always do."""
+    """FSDP2's units gathered once for the whole generation, and its forward hooks off meanwhile: a token's forward
+    is then the model's own (FSDP2's pre- and post-forward hooks, run for every unit at every token, cost ~13% of
+    a small model's GRPO step on a CPU, and would only confirm that the units are gathered). The units are
+    unsharded up front with their parameter groups' post-forward mesh cleared (None: keep them gathered), as
+    `FSDPModule.set_reshard_after_forward(False)` sets it; that call cannot set back an int or the root's own
+    setting, so the groups' values are kept and restored here, with the hooks, and each unit resharded once.
+    Where FSDP2 keeps its groups or hooks elsewhere (another torch), the forwards gather as they always do."""
     units = [module for module in model.modules() if isinstance(module, FSDPModule)]
     root = model._get_fsdp_state() if isinstance(model, FSDPModule) else None
     if not units or not hasattr(root, "_lazy_init"):
@@ -325,13 +328,58 @@ def _gathered_throughout(model: nn.Module):
     kept = [group.post_forward_mesh_info for group in groups]
     for group in groups:
         group.post_forward_mesh_info = None
+    hooks = _forward_hooks(units) if groups else None
     try:
+        if hooks is not None:
+            for unit in units:
+                unit.unshard()
+            hooks.remove()
         yield
     finally:
+        if hooks is not None:
+            hooks.restore()
         for group, info in zip(groups, kept):
             group.post_forward_mesh_info = info
         for unit in units:
             unit.reshard()
+
+
+class _StashedHooks:
+    """FSDP2's forward hooks on its units, taken out of the modules' hook dictionaries and put back in their
+    places (the dictionaries' order is the hooks' order)."""
+
+    def __init__(self, handles: list):
+        self.handles = handles
+        self.dicts = {id(d): d for h in handles for ref in (h.hooks_dict_ref, *h.extra_dict_ref)
+                      if (d := ref()) is not None}
+        self.saved: dict[int, list] = {}
+
+    def remove(self) -> None:
+        self.saved = {key: list(d.items()) for key, d in self.dicts.items()}
+        for handle in self.handles:
+            handle.remove()
+
+    def restore(self) -> None:
+        for key, d in self.dicts.items():
+            added = [(k, v) for k, v in d.items() if k not in dict(self.saved.get(key, ()))]
+            d.clear()
+            d.update(self.saved.get(key, ()))
+            d.update(added)
+
+
+def _forward_hooks(units: list) -> _StashedHooks | None:
+    """The handles of FSDP2's forward hooks on `units` (a multi-module unit's handle holds one per module), or
+    None where this torch keeps them otherwise."""
+    handles = []
+    for unit in units:
+        state = unit._get_fsdp_state()
+        for name in ("_pre_forward_hook_handle", "_post_forward_hook_handle"):
+            handle = getattr(state, name, None)
+            for one in getattr(handle, "handles", (handle,)):
+                if not hasattr(one, "hooks_dict_ref"):
+                    return None
+                handles.append(one)
+    return _StashedHooks(list({id(h): h for h in handles}.values()))
 
 
 def _param_groups(unit: FSDPModule) -> list:
