@@ -2,7 +2,7 @@
 function and generation settings: step time and generated tokens per second of step, side by side in one run,
 and the ratios.
 
-    python bench/grpo_step.py [--hidden 256 --layers 4 --prompts 4 --generations 4 --new 64 --steps 4]
+    python bench/grpo_step.py [--hidden 256 --layers 4 --prompts 4 --generations 4 --new 64 --steps 8]
                               [--processes 1]
 
 Makes a Llama directory and its tokenizer with `save_pretrained` (tests/model_dirs.py; nothing downloaded), a
@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="prompts a step")
     parser.add_argument("--generations", type=int, default=4)
     parser.add_argument("--new", type=int, default=64, help="max_completion_length")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--processes", type=int, default=1, help="xla_shard's torch_fsdp processes (TRL: one)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads a process, each side")
     parser.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
