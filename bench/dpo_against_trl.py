@@ -1,7 +1,8 @@
 """A DPO step, xla_shard's (method: dpo) beside TRL's DPOTrainer on the same model, preference rows and settings:
 step time and preference pairs per second, side by side in one run, and the ratio.
 
-    python bench/dpo_against_trl.py [--hidden 256 --layers 4 --rows 64 --batch 8 --seq-len 256 --steps 6] [--lora]
+    python bench/dpo_against_trl.py [--hidden 256 --layers 4 --rows 64 --batch 8 --seq-len 256 --steps 6
+                                     --rounds 2] [--lora]
 
 Makes a Llama directory and its tokenizer with `save_pretrained` (tests/model_dirs.py; nothing downloaded) and a
 file of prompt / chosen / rejected rows (bench/dpo_step.py's). Alike on both sides, as each is set up by a user
@@ -9,7 +10,8 @@ who knows it: sigmoid loss at beta 0.1, the reference the starting weights (full
 `--lora`: the adapters switched off, as both do under peft), fp32, SDPA (xla_shard's `auto` on a CPU is
 `sdpa_packed`, transformers' SDPA for padded rows), no activation checkpointing (DPOConfig turns it on by
 default: turned off), gradients clipped at 1.0, AdamW, rows cut at --seq-len tokens, one CPU process of one
-thread each. The first step is a warm-up; the median of the others is reported.
+thread each. The two sides run in turn, `--rounds` times (so drift on a shared machine hits both); in each run
+the first step is a warm-up, and the median of all the others is reported.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each side, interleaved")
     parser.add_argument("--lora", action="store_true", help=f"LoRA r {LORA_R} on every linear layer, both sides")
     parser.add_argument("--trl-worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -112,13 +115,16 @@ def main() -> None:
         directory = llama_dir(tmp / "llama", hidden=args.hidden, layers=args.layers)
         data = tmp / "pairs.jsonl"
         write_rows(data, args.rows)
-        steps = {"TRL DPOTrainer": trl(directory, data, args), "xla_shard method: dpo": ours(directory, data,
-                                                                                             tmp / "ours", args)}
+        steps: dict[str, list[float]] = {"TRL DPOTrainer": [], "xla_shard method: dpo": []}
+        for round_ in range(args.rounds):
+            steps["TRL DPOTrainer"] += trl(directory, data, args)
+            steps["xla_shard method: dpo"] += ours(directory, data, tmp / f"ours{round_}", args)
     medians = {name: statistics.median(times) for name, times in steps.items()}
     print(f"Llama hidden {args.hidden} x {args.layers} layers, {args.batch} preference pairs a step, rows cut at "
           f"{args.seq_len} tokens, {f'LoRA r {LORA_R} all-linear' if args.lora else 'full fine-tuning'}, fp32, "
-          f"AdamW, clip 1.0, one CPU process of one thread each, median of {args.steps - 1} steps")
-    print("| trainer | step s | pairs/s | x TRL |")
+          f"AdamW, clip 1.0, one CPU process of one thread each, median of {args.rounds} x {args.steps - 1} steps, "
+          "interleaved")
+    print("| trainer | step s | pairs/s | step x TRL's |")
     print("|---|---|---|---|")
     for name, median in medians.items():
         print(f"| {name} | {median:.3f} | {args.batch / median:.1f} | {median / medians['TRL DPOTrainer']:.2f} |")

@@ -41,3 +41,29 @@ def test_bf16_training_over_nccl_resumes_bitwise(model_dirs, tmp_path):
     train(tmp_path / "split", 2)
     resumed = train(tmp_path / "split", 4)
     assert resumed[-2:] == whole[-2:], (whole, resumed)
+
+
+def test_packed_rows_run_one_variable_length_flash_call_exact_against_each_example_alone(monkeypatch):
+    """`sdpa_packed` on CUDA in bf16: the batch's documents in one `varlen_attn` call (no SDPA call, no mask),
+    each example's logits those it has alone (SDPA's flash kernel, bf16)."""
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    from xla_shard import config
+    from xla_shard.models import build_model
+
+    calls = []
+    real = varlen.varlen_attn
+    monkeypatch.setattr(varlen, "varlen_attn", lambda *a, **k: calls.append(a[3].tolist()) or real(*a, **k))
+    lengths = [[40, 88], [128], [30, 50, 48]]
+    ids = torch.randint(3, 256, (3, 128), generator=torch.Generator().manual_seed(5)).cuda()
+    positions = torch.tensor([[p for n in row for p in range(n)] for row in lengths]).cuda()
+    model = build_model(config.load(None, ["model=tiny-llama", "model.attn_implementation=sdpa_packed"]).model,
+                        0).cuda().to(torch.bfloat16)
+    packed = model(input_ids=ids, position_ids=positions).logits
+    assert calls and calls[0] == [0, 40, 128, 256, 286, 336, 384]
+    model.config._attn_implementation = "sdpa"
+    for row, sizes in enumerate(lengths):
+        start = 0
+        for n in sizes:
+            alone = model(input_ids=ids[row:row + 1, start:start + n]).logits[0]
+            torch.testing.assert_close(packed[row, start:start + n].float(), alone.float(), rtol=2e-2, atol=2e-2)
+            start += n

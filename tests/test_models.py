@@ -79,7 +79,7 @@ def test_auto_attention_is_the_fast_kernel_of_each_device():
     from xla_shard.attention import choose
 
     chosen = [choose("auto", device) for device in ("tpu", "cuda", "cpu", "xla_cpu", None)]
-    assert chosen == ["xla_pallas", "sdpa", "sdpa_packed", "eager", "eager"]
+    assert chosen == ["xla_pallas", "sdpa_packed", "sdpa_packed", "eager", "eager"]
     assert choose("eager", "cpu") == "eager"  # what the user names is used as named
     section = config.load(None, ["model=tiny-llama"]).model
     assert build_model(section, 0, accelerator="cpu").config._attn_implementation == "sdpa_packed"

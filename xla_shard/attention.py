@@ -2,10 +2,11 @@
 attention function.
 
 `model.attn_implementation: auto` picks the fastest kernel that computes the same thing on the device, as
-measured by `bench/attention_kernels.py`: the Pallas flash attention kernel on TPUs under torch_xla, SDPA on
-CUDA GPUs, under TorchTPU (fused kernels) and on torch's CPU (its flash kernel: 1.2-2.3x eager's SFT throughput
-and a fraction of its memory), and eager on XLA's CPU client, where XLA fuses eager's ops and lowers SDPA to the
-same math, a little slower. Anything else the user names is used as named, or refused.
+measured by `bench/attention_kernels.py`: the Pallas flash attention kernel on TPUs under torch_xla; SDPA under
+TorchTPU (fused kernels); `sdpa_packed` on torch's CPU (its flash kernel, each packed document alone: 1.2-2.3x
+eager's SFT throughput and a fraction of its memory) and on CUDA GPUs (packed rows through variable-length flash
+attention, others SDPA as is); and eager on XLA's CPU client, where XLA fuses eager's ops and lowers SDPA to
+the same math, a little slower. Anything else the user names is used as named, or refused.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ XLA_PALLAS = "xla_pallas"
 SDPA_PACKED = "sdpa_packed"
 # What `auto` resolves to, by accelerator (tpu: a TPU through torch_xla; torchtpu: a TPU through TorchTPU,
 # which routes SDPA to its splash attention kernel; cuda; cpu: torch's own; xla_cpu: XLA's CPU client).
-AUTO = {"tpu": XLA_PALLAS, "torchtpu": "sdpa", "cuda": "sdpa", "cpu": SDPA_PACKED, "xla_cpu": "eager"}
+AUTO = {"tpu": XLA_PALLAS, "torchtpu": "sdpa", "cuda": SDPA_PACKED, "cpu": SDPA_PACKED, "xla_cpu": "eager"}
 
 
 def choose(requested: str, device_type: str | None) -> str:
@@ -135,11 +136,11 @@ def xla_pallas_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
 def sdpa_packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                           **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA, with each packed document attended alone: one causal SDPA call a document, without a
-    mask (torch's flash kernel on a CPU). A packed row then costs the sum of its documents' squares, not the
-    row's square, and no [rows, 1, tokens, tokens] mask is built: what variable-length flash attention does on
-    CUDA, where FlexAttention's block mask has no backward on a CPU (torch 2.15). Exact: each document computes
-    what it would alone.
+    """transformers' SDPA, with each packed document attended alone, without a mask: on CUDA in half precision
+    one variable-length flash call for the batch (torch's `varlen_attn`, as TRL's padding-free path), elsewhere
+    one causal SDPA call a document (torch's flash kernel on a CPU, where FlexAttention's block mask has no
+    backward, torch 2.15). A packed row then costs the sum of its documents' squares, not the row's square, and
+    no [rows, 1, tokens, tokens] mask is built. Exact: each document computes what it would alone.
 
     Batches with a padding mask, a cache's keys (generation), a non-causal module, or a step being compiled
     (the documents' bounds are data) are transformers' SDPA as is (packed rows there with the mask their
@@ -155,9 +156,11 @@ def sdpa_packed_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     if documents is None or not documents.any():  # else one document a row: SDPA's own causal attention
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    starts = torch.diff(documents, dim=-1, prepend=documents[:, :1] - 1).nonzero().tolist()
+    starts = torch.diff(documents, dim=-1, prepend=documents[:, :1] - 1).nonzero()
+    if _varlen(query, dropout and module.training) is not None:
+        return _varlen_attention(module, query, key, value, starts, scaling), None
     bounds: list[list[int]] = [[] for _ in range(query.shape[0])]
-    for row, start in starts:
+    for row, start in starts.tolist():
         bounds[row].append(start)
     rows = []
     for row, begins in enumerate(bounds):
@@ -167,6 +170,42 @@ def sdpa_packed_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
                                                       scaling=scaling, **kwargs)[0]
                                for a, b in zip(begins, ends)], dim=1))
     return torch.cat(rows), None
+
+
+def _varlen(query: torch.Tensor, dropout: bool):
+    """torch's variable-length flash attention (`torch.nn.attention.varlen.varlen_attn`, torch 2.10 on) where it
+    runs: CUDA, half precision, no dropout; else None."""
+    if query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16) or dropout:
+        return None
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _varlen_attention(module, query, key, value, starts: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """Every document of every row in one variable-length flash call, as TRL's padding-free path runs
+    flash-attn: the rows laid end to end ([rows x tokens, heads, dim]) and cut at the documents' starts
+    (`starts`: [documents, 2] of (row, token)). Returns [rows, tokens, heads, dim], as transformers' SDPA does."""
+    import inspect
+
+    varlen_attn = _varlen(query, False)
+    rows, heads, tokens, dim = query.shape
+    flat = [t.transpose(1, 2).reshape(rows * tokens, t.shape[1], dim) for t in (query, key, value)]
+    offsets = starts[:, 0] * tokens + starts[:, 1]
+    cuts = torch.cat([offsets, offsets.new_tensor([rows * tokens])]).to(torch.int32)
+    longest = int(torch.diff(cuts).max())
+    options = inspect.signature(varlen_attn).parameters
+    extra = {"window_size": (-1, 0)} if "window_size" in options else {"is_causal": True}
+    if key.shape[1] != heads:
+        if "enable_gqa" in options:
+            extra["enable_gqa"] = True
+        else:
+            groups = heads // key.shape[1]
+            flat[1:] = [t.repeat_interleave(groups, 1) for t in flat[1:]]
+    out = varlen_attn(*flat, cuts, cuts, longest, longest, scale=scaling, **extra)
+    return out.view(rows, tokens, heads, dim)
 
 
 def segment_mask(documents: torch.Tensor, queries: int, keys: int) -> torch.Tensor:

@@ -15,8 +15,10 @@ Two runtimes split a sequence. Under torch_xla's SPMD (xla_spmd) a row is one gl
 part of the mask as data (`_splash`); elsewhere the model's own eager attention with that mask (`xla_context`).
 Under torch.distributed (torch_fsdp) each process of a group holds its piece of the reordered row (`piece`):
 keys and values are all-gathered over the group, their gradients reduce-scattered back (torch's functional
-collectives, as torch's FlexAttention context parallelism does), and attention is SDPA with the mask's rows for
-this process's queries (`torch_context`).
+collectives, as torch's FlexAttention context parallelism does). On a CPU attention runs block by block through
+the flash kernel, the keys gathered for the forward and again for the backward, so a process keeps only its
+share of the row (`BlockwiseAttention`); elsewhere it is SDPA with the mask's rows for this process's queries
+(`torch_context`).
 """
 
 from __future__ import annotations
@@ -208,13 +210,12 @@ def gathered_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     else:
         blocks = _blocks(position_ids.expand(query.shape[0], -1), attention_mask, query.shape[2])
         _masks[0] = (position_ids, attention_mask, blocks)
-    key, value = gathered(key, 2), gathered(value, 2)
     if query.device.type == "cpu" and not (dropout and module.training):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = BlockwiseAttention.apply(query, key, value, blocks, scale)
+        out = BlockwiseAttention.apply(query, key, value, blocks, scale, _group[0])
         return out.transpose(1, 2).contiguous(), None
-    return sdpa_attention_forward(module, query, key, value, blocks.whole(), dropout=dropout, scaling=scaling,
-                                  **kwargs)
+    return sdpa_attention_forward(module, query, gathered(key, 2), gathered(value, 2), blocks.whole(),
+                                  dropout=dropout, scaling=scaling, **kwargs)
 
 
 _masks: list = [None]  # (positions, padding, the `Blocks` made of them): the last forward's
@@ -267,39 +268,47 @@ class BlockwiseAttention(torch.autograd.Function):
     their log-sum-exps (as ring attention merges them), blocks nobody sees are skipped, and the backward runs
     the kernel's backward per block against the merged output and log-sum-exp (exact: each block's share of the
     softmax is exp(score - merged log-sum-exp)). Masks are rebuilt per block, in the forward and again in the
-    backward, and grouped key/value heads are repeated per block: the whole-row state kept is the keys and
-    values as gathered, the output and its log-sum-exp."""
+    backward, and grouped key/value heads are repeated per block. Given a `group`, `key` and `value` are this
+    process's pieces: they are gathered whole along it for the forward and again for the backward (as a ring
+    passes them twice), and their gradients are reduce-scattered back; only the pieces are kept between the two,
+    so what a process keeps per layer is its share of the row: its queries, keys, values, output and
+    log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, query, key, value, blocks: Blocks, scale: float):
+    def forward(ctx, query, key_piece, value_piece, blocks: Blocks, scale: float, group=None):
+        key, value = _whole(key_piece, group), _whole(value_piece, group)
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         groups = query.shape[1] // key.shape[1]
-        outs, sums = [], []
+        rows, heads, tokens, dim = query.shape
+        # laid out [rows, tokens, heads, dim] as the output projection reads it: the caller's transpose is a view,
+        # and the projection keeps this tensor for its backward rather than a copy of it
+        out = query.new_empty(rows, tokens, heads, dim).transpose(1, 2)
+        lse = query.new_empty(rows, heads, tokens, dtype=torch.float32)
         for queries in blocks.queries:
-            out = lse = None
+            merged_out = merged_lse = None
             for keys in blocks.keys:
                 used, mask = blocks.additive(queries, keys, query.dtype)
                 if not used:
                     continue
                 part, part_lse = flash(query[:, :, queries], _heads(key[:, :, keys], groups),
                                        _heads(value[:, :, keys], groups), 0.0, False, attn_mask=mask, scale=scale)
-                if out is None:
-                    out, lse = part, part_lse
+                if merged_out is None:
+                    merged_out, merged_lse = part, part_lse
                     continue
-                merged = torch.logaddexp(lse, part_lse)
-                out = (out * (lse - merged).exp().unsqueeze(-1).to(out.dtype)
-                       + part * (part_lse - merged).exp().unsqueeze(-1).to(out.dtype))
-                lse = merged
-            outs.append(out)
-            sums.append(lse)
-        out, lse = torch.cat(outs, 2), torch.cat(sums, 2)
-        ctx.save_for_backward(query, key, value, out, lse)
-        ctx.blocks, ctx.scale = blocks, scale
+                both = torch.logaddexp(merged_lse, part_lse)
+                merged_out = (merged_out * (merged_lse - both).exp().unsqueeze(-1).to(part.dtype)
+                              + part * (part_lse - both).exp().unsqueeze(-1).to(part.dtype))
+                merged_lse = both
+            out[:, :, queries] = merged_out
+            lse[:, :, queries] = merged_lse
+        ctx.save_for_backward(query, key_piece, value_piece, out, lse)
+        ctx.blocks, ctx.scale, ctx.group = blocks, scale, group
         return out
 
     @staticmethod
     def backward(ctx, grad):
         query, key, value, out, lse = ctx.saved_tensors
+        key, value = _whole(key, ctx.group), _whole(value, ctx.group)
         backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         groups = query.shape[1] // key.shape[1]
         grads = [torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)]
@@ -315,7 +324,26 @@ class BlockwiseAttention(torch.autograd.Function):
                 grads[0][:, :, queries] += dq
                 grads[1][:, :, keys] += _grouped(dk, groups)
                 grads[2][:, :, keys] += _grouped(dv, groups)
-        return *grads, None, None
+        if ctx.group is not None:
+            grads[1:] = [_summed_pieces(g, ctx.group) for g in grads[1:]]
+        return *grads, None, None, None
+
+
+def _whole(piece: torch.Tensor, group) -> torch.Tensor:
+    """The group's pieces of a [rows, heads, tokens, dim] tensor put together along the tokens (no autograd:
+    `BlockwiseAttention` handles its own gradients); the tensor itself without a group."""
+    import torch.distributed._functional_collectives as funcol
+
+    if group is None:
+        return piece
+    return funcol.wait_tensor(funcol.all_gather_tensor(piece.contiguous(), 2, group))
+
+
+def _summed_pieces(grad: torch.Tensor, group) -> torch.Tensor:
+    """Each process's piece of the group's summed gradients of the whole keys (or values): a reduce-scatter."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.reduce_scatter_tensor(grad.contiguous(), "sum", 2, group))
 
 
 def _heads(tensor: torch.Tensor, groups: int) -> torch.Tensor:
