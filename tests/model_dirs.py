@@ -71,11 +71,13 @@ def wordpiece_tokenizer() -> PreTrainedTokenizerFast:
 
 def llama_dir(path: Path, tied: bool = False, files: int = 1, dtype: torch.dtype = torch.float32,
               hidden: int = 64, layers: int = 2, seed: int = 7, chat_template: str | None = None,
-              positions: int = 256) -> Path:
-    """A Llama causal LM as `save_pretrained` writes it; `files` > 1 splits the weights with an index."""
+              positions: int = 256, heads: int = 4) -> Path:
+    """A Llama causal LM as `save_pretrained` writes it (`heads` query heads, half as many key/value heads);
+    `files` > 1 splits the weights with an index."""
     tokenizer = bpe_tokenizer(chat_template)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=max(1, heads // 2),
                          max_position_embeddings=positions, tie_word_embeddings=tied,
                          bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)

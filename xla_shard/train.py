@@ -279,6 +279,9 @@ class Trainer:
         self._fill_model(weights, source, model_class)
         if self.objective.reference_directory:
             self.objective.use_reference(self._reference_model(model.config))
+        prepared = self.method.rollout.prepare(self.model, backend)
+        if prepared:
+            self._log(prepared)
         return self
 
     def _fill_model(self, weights: PretrainedWeights | None, source, model_class: str) -> None:

@@ -78,6 +78,11 @@ class Backend(abc.ABC):
     def check(self) -> None:
         """Reject, with a ConfigError naming key and backend, every option this backend cannot honour."""
         self.capabilities.check(self.cfg)
+        from xla_shard.methods import INFERENCE_ENGINE
+
+        if INFERENCE_ENGINE in self.method.needs and self.capabilities.inference_engine:
+            self.capabilities.refuse("method", f"{self.method.name} needs {INFERENCE_ENGINE}, and "
+                                               f"{self.capabilities.inference_engine}")
 
     def check_runtime(self) -> None:
         """Refuse, naming `backend`, to start where this machine lacks what the backend runs on (its package, its

@@ -102,7 +102,7 @@ class SequencePieces(lm_head.Partials):
 class TorchFsdpBackend(Backend):
     capabilities = Capabilities(
         "torch_fsdp", launcher="torchrun", platforms=("cuda", "cpu"), unit="torchrun processes",
-        gathers_model_to_generate=True,
+        gathers_model_to_generate=True, inference_engine=None,
         offload_params=None,  # FSDP2's CPUOffloadPolicy, on a machine with GPUs
         nonuniform_triple="FSDP2 keeps gradients and optimizer state in the parameters' DTensor layout and cannot "
                           "shard them wider: pytorch/pytorch#148257",

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 # What a method may need of a backend beyond training a model (`Method.needs`).
 REFERENCE_MODEL = "a frozen reference model beside the policy"
 GENERATION = "generation with the policy being trained"
+INFERENCE_ENGINE = "an inference engine beside its processes (grpo.use_vllm)"
 
 
 @dataclass(frozen=True)
@@ -99,5 +100,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["GENERATION", "METHODS", "REFERENCE_MODEL", "Adapter", "Method", "Objective", "adapter_export",
-           "adapter_for", "method_for", "objective_for"]
+__all__ = ["GENERATION", "INFERENCE_ENGINE", "METHODS", "REFERENCE_MODEL", "Adapter", "Method", "Objective",
+           "adapter_export", "adapter_for", "method_for", "objective_for"]

@@ -98,7 +98,8 @@ def policy_loss(logps: torch.Tensor, mask: torch.Tensor, advantage: torch.Tensor
                 old_logps: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
                 loss_type: LossType = "dapo", epsilon_low: float = 0.2, epsilon_high: float | None = None,
                 beta: float = 0.0, kl_correction: bool = True, max_completion_length: int | None = None,
-                tokens_in_step: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                tokens_in_step: float | None = None, importance_ratio: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch's loss over its completions' tokens ([rows, tokens]: `logps` with gradient, `mask` 1 where
     a token counts, `advantage` [rows]), and per-token terms for TRL's metrics (`kl`, the `clip_ratio` flags).
 
@@ -108,7 +109,9 @@ def policy_loss(logps: torch.Tensor, mask: torch.Tensor, advantage: torch.Tensor
     Normalisers, as TRL's for one micro-batch of one process: dr_grpo divides by rows x `max_completion_length`;
     dapo by `tokens_in_step`, the completion tokens this micro-batch's share of the step holds (TRL's
     `num_items_in_batch` over processes and micro-batches). The step's loss is the sum of its micro-batches' for
-    dapo, else their mean (the caller's)."""
+    dapo, else their mean (the caller's). `importance_ratio` ([rows, tokens] or [rows, 1]): an inference engine's
+    sampling corrected for (TRL's vllm_importance_sampling_correction), weighing each token's policy term, not
+    its KL term."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"grpo.loss_type is {loss_type!r}: one of {', '.join(LOSS_TYPES)}")
     epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
@@ -118,6 +121,8 @@ def policy_loss(logps: torch.Tensor, mask: torch.Tensor, advantage: torch.Tensor
     ratio = torch.exp(logps - old)
     clipped = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)
     per_token = -torch.min(ratio * advantage, clipped * advantage)
+    if importance_ratio is not None:
+        per_token = per_token * importance_ratio.to(per_token.dtype)
     terms: dict[str, torch.Tensor] = {}
     if beta != 0.0:
         if ref_logps is None:

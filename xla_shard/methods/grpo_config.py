@@ -46,6 +46,28 @@ class GrpoSection(MethodSection):
     # (model.lora), else the weights it starts from.
     reference: str | None = None
 
+    # vLLM draws the completions (`xla_shard.methods.vllm_engine`), TRL's keys: an engine colocated with each
+    # training process, built from model.name's directory, the policy's weights pushed to it before each
+    # generation (under model.lora, the adapters alone).
+    use_vllm: bool = False
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    # CUDA: the share of GPU memory the engine takes (weights and KV cache); CPU: the most host memory its KV
+    # cache may take (sized for one generation's rows within that share).
+    vllm_gpu_memory_utilization: float = Field(default=0.3, gt=0, lt=1)
+    vllm_tensor_parallel_size: int = Field(default=1, ge=1)
+    vllm_max_model_length: int | None = Field(default=None, ge=1)  # null: train.seq_len
+    vllm_enable_sleep_mode: bool = False
+    # TRL's truncated importance-sampling correction for the engine's numerics differing from the trainer's.
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
+                                           "sequence_mask"] = "sequence_mask"
+    vllm_importance_sampling_clip_max: float | None = Field(default=3.0, gt=0)
+    vllm_importance_sampling_clip_min: float | None = Field(default=None, ge=0)
+    # The run stops when the engine's log-probabilities of its sampled tokens are further than this from the
+    # trainer's, on average over a step's tokens (a sync that did not happen, or pushed other weights). null:
+    # 1e-3 where both compute in fp32, 0.1 in bf16/fp16.
+    vllm_logp_difference_limit: float | None = Field(default=None, gt=0)
+
     @model_validator(mode="after")
     def _reference_needs_beta(self) -> GrpoSection:
         if self.reference is not None and self.beta == 0:
@@ -69,6 +91,32 @@ class GrpoSection(MethodSection):
         if cfg.mesh.context > 1:
             raise ValueError(f"mesh.context={cfg.mesh.context} splits sequences; GRPO generates whole ones: set "
                              "mesh.context: 1")
+        if self.use_vllm:
+            self._check_engine(cfg)
         if cfg.fsdp.scan_layers:
             raise ValueError("fsdp.scan_layers runs the decoder layers as one XLA loop, which cannot carry the static "
                              "KV cache GRPO samples with (one per layer): set fsdp.scan_layers: false")
+
+    def _check_engine(self, cfg) -> None:
+        """What the colocated engine cannot do, refused before anything is built (what needs the runtime, the
+        engine's own checks, is `vllm_engine.check_runtime`'s)."""
+        if self.vllm_mode == "server":
+            raise ValueError("grpo.vllm_mode server (an engine in its own process, weights over its update API) is "
+                             "not built yet: use vllm_mode colocate, an engine beside each training process")
+        if self.vllm_tensor_parallel_size > 1:
+            raise ValueError(f"grpo.vllm_tensor_parallel_size={self.vllm_tensor_parallel_size}: an engine spanning "
+                             "processes is not built yet; set 1 (an engine per training process)")
+        longest = self.vllm_max_model_length
+        if longest is not None and longest < cfg.train.seq_len:
+            raise ValueError(f"grpo.vllm_max_model_length={longest} is shorter than train.seq_len="
+                             f"{cfg.train.seq_len}, a prompt and its completion: raise it, or leave it null")
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"grpo.vllm_importance_sampling_clip_min={low} is above clip_max={high}")
+        lora = cfg.model.lora
+        if lora is not None and lora.use_dora:
+            raise ValueError("grpo.use_vllm pushes the adapters through vLLM's LoRA loading, which has no DoRA: "
+                             "set model.lora.use_dora: false, or grpo.use_vllm: false")
+        if lora is not None and lora.modules_to_save:
+            raise ValueError("grpo.use_vllm pushes the adapters through vLLM's LoRA loading, which takes no "
+                             "module trained whole: empty model.lora.modules_to_save, or set grpo.use_vllm: false")

@@ -43,7 +43,8 @@ class Grpo(Objective):
                                        ref_logps=batch.get("ref_logps"), loss_type=s.loss_type,
                                        epsilon_low=s.epsilon, epsilon_high=s.epsilon_high, beta=s.beta,
                                        kl_correction=s.kl_correction, max_completion_length=s.max_completion_length,
-                                       tokens_in_step=batch["step_tokens"].mean())
+                                       tokens_in_step=batch["step_tokens"].mean(),
+                                       importance_ratio=batch.get("importance_ratio"))
         weight = mask.to(logps.dtype)
         sums = {key: (value * weight).sum() for key, value in terms.items()}
         sums["entropy"] = (entropy.detach() * weight).sum()
@@ -95,11 +96,12 @@ class Grpo(Objective):
 
 def build(cfg, adapter: Adapter, loss_fn):
     """Method grpo (`registry.METHODS`): it generates, and with grpo.beta > 0 scores with a reference."""
-    from xla_shard.methods import GENERATION, REFERENCE_MODEL
+    from xla_shard.methods import GENERATION, INFERENCE_ENGINE, REFERENCE_MODEL
 
     if loss_fn is not None:
         raise ConfigError("method", "grpo's loss is its own (the clipped policy loss of its completions); a loss_fn "
                                     "of yours replaces the objective of the other methods")
     rollout = GrpoRollout(cfg, adapter)
-    needs = frozenset({GENERATION} | ({REFERENCE_MODEL} if cfg.grpo.beta > 0 else set()))
+    needs = frozenset({GENERATION} | ({REFERENCE_MODEL} if cfg.grpo.beta > 0 else set())
+                      | ({INFERENCE_ENGINE} if cfg.grpo.use_vllm else set()))
     return Grpo(cfg, adapter, rollout), needs, rollout

@@ -38,7 +38,8 @@ class GrpoRollout(Rollout):
 
     def __init__(self, cfg, adapter: Adapter):
         section = cfg.grpo
-        self.section, self.adapter, self.seed = section, adapter, cfg.train.seed
+        self.section, self.adapter, self.seed, self.cfg = section, adapter, cfg.train.seed, cfg
+        self.engine = None  # the colocated vLLM engine (grpo.use_vllm), built at the first generation
         self.prompt_field = cfg.data.prompt_field
         self.rewards = Rewards.from_specs(section.reward_funcs, section.reward_weights)
         self.steps_per_round = section.num_iterations
@@ -74,13 +75,18 @@ class GrpoRollout(Rollout):
         data_rows = torch.cat([batch["row"] for batch in micro_batches]).tolist()
         places = [r for part in rows for r in part]  # this process's rows of the global batch
         sampling = self._sampling(tokenizer, model)
-        group = shared_prompts(prompts["input_ids"], prompts["attention_mask"])
-        with backend.generation_context(model) as place:
-            placed = place(prompts)
-            ids, mask = sample(model, placed["input_ids"], placed["attention_mask"], sampling,
-                               row_keys(stream, places), after_token=backend.after_step, group=group,
-                               agreed=lambda ended: not backend.processes.any_rank(not ended))
-            ids, mask = backend.to_host(ids, mask)
+        keys = row_keys(stream, places)
+        engine_logps = None
+        if self.section.use_vllm:
+            ids, mask, engine_logps = self._engine_draws(model, backend, prompts, sampling, keys, len(places))
+        else:
+            group = shared_prompts(prompts["input_ids"], prompts["attention_mask"])
+            with backend.generation_context(model) as place:
+                placed = place(prompts)
+                ids, mask = sample(model, placed["input_ids"], placed["attention_mask"], sampling, keys,
+                                   after_token=backend.after_step, group=group,
+                                   agreed=lambda ended: not backend.processes.any_rank(not ended))
+                ids, mask = backend.to_host(ids, mask)
         real = torch.tensor([row >= 0 for row in data_rows])
         mask = mask * real[:, None]  # a filler row's completion counts for nothing
         lengths = mask.sum(-1)
@@ -113,9 +119,61 @@ class GrpoRollout(Rollout):
                          "completion_mask": mask[part],
                          "advantages": advantages[[places[i] for i in range(start, start + n)]],
                          "step_tokens": torch.full((n,), step_tokens)})
+            if engine_logps is not None:
+                made[-1]["engine_logps"] = engine_logps[part]
             start += n
         self._score_without_grad(model, backend, made)
+        if engine_logps is not None:
+            self._check_engine(backend, made)
         return made
+
+    def prepare(self, model, backend) -> str:
+        if not self.section.use_vllm or backend.placeholders:
+            return ""
+        from xla_shard.methods.vllm_engine import VllmEngine
+
+        self.engine = VllmEngine(self.cfg, model, backend, max(self.batch_size // backend.world, 1))
+        return f"grpo: completions drawn by {self.engine.describe()}"
+
+    def _engine_draws(self, model, backend, prompts, sampling, keys, rows):
+        """The engine's completions of this process's rows, with its log-probabilities of them; the policy's
+        weights are pushed to it before each generation."""
+        from xla_shard.methods.vllm_engine import VllmEngine, seeds
+
+        if self.engine is None:  # a rollout used without the trainer's set-up (a user's own loop)
+            self.engine = VllmEngine(self.cfg, model, backend, rows)
+        self.engine.push(model)
+        return self.engine.draw(prompts["input_ids"], prompts["attention_mask"], sampling, seeds(keys))
+
+    def _check_engine(self, backend, made: list[Batch]) -> None:
+        """TRL's metrics of how far the engine's log-probabilities are from the trainer's, its importance ratio
+        put into each micro-batch, and the run stopped where they are too far apart to be the same weights."""
+        from xla_shard.methods.vllm_engine import importance_sampling
+
+        differences, largest, count = 0.0, 0.0, 0.0
+        for batch in made:
+            ratio, metrics = importance_sampling(batch["old_logps"], batch.pop("engine_logps"),
+                                                 batch["completion_mask"], self.section)
+            if ratio is not None:
+                batch["importance_ratio"] = ratio
+            tokens = float(batch["completion_mask"].sum())
+            differences += float(metrics["sampling/sampling_logp_difference/mean"]) * tokens
+            largest = max(largest, float(metrics["sampling/sampling_logp_difference/max"]))
+            count += tokens
+            for key, value in metrics.items():
+                if "importance_sampling_ratio" in key:
+                    self._host.setdefault(key, []).append(float(value))
+        differences, count = backend.processes.total([differences, count])  # the largest stays this process's
+        mean = differences / count if count else 0.0
+        self._host.setdefault("sampling/sampling_logp_difference/mean", []).append(mean)
+        self._host.setdefault("sampling/sampling_logp_difference/max", []).append(largest)
+        limit = self.engine.default_limit()
+        if mean > limit:
+            raise ConfigError("grpo.vllm_logp_difference_limit",
+                              f"the engine's log-probabilities of its own tokens are {mean:.3g} from the "
+                              f"trainer's on average, over the limit {limit:g}: the engine is not sampling "
+                              "from the weights being trained (a weight sync that did not happen, or pushed other "
+                              "weights). Stopping rather than training on them")
 
     def _sampling(self, tokenizer, model) -> Sampling:
         s = self.section
@@ -164,12 +222,13 @@ class GrpoRollout(Rollout):
         """The generating policy's log-probabilities (num_iterations > 1) and the reference's (beta > 0) of each
         micro-batch's completions, as TRL computes them when it generates."""
         s = self.section
-        if s.num_iterations == 1 and s.beta == 0:
+        old = s.num_iterations > 1 or s.use_vllm  # TRL scores the engine's tokens with the trainer, always
+        if not old and s.beta == 0:
             return
         for batch in made:
             placed = backend.place({key: batch[key] for key in ("input_ids", "attention_mask", "completion_mask")})
             with backend.forward_context():
-                if s.num_iterations > 1:
+                if old:
                     batch["old_logps"] = grpo.completion_log_probs(model, placed, s.temperature)[0].float()
                 if s.beta > 0:
                     if self.reference is not None:

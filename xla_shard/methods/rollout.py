@@ -28,6 +28,11 @@ class Rollout:
         """How examples are made, for the run's log (empty: as read)."""
         return ""
 
+    def prepare(self, model: nn.Module, backend) -> str:
+        """Build what generation needs beside the model (an inference engine) before the first step, so what
+        cannot run is said before training starts; what it built, for the run's log (empty: nothing)."""
+        return ""
+
     def make(self, model: nn.Module, backend, source, step: int, micro_batches: list[Batch],
              rows: list[range]) -> list[Batch]:
         """What `step` trains on, from the rows read for it (host tensors; `rows`: each micro-batch's rows of the
