@@ -3,7 +3,7 @@ function and generation settings: step time and generated tokens per second of s
 and the ratios.
 
     python bench/grpo_step.py [--hidden 256 --layers 4 --prompts 4 --generations 4 --new 64 --steps 8]
-                              [--processes 1]
+                              [--processes 1] [--vllm]
 
 Makes a Llama directory and its tokenizer with `save_pretrained` (tests/model_dirs.py; nothing downloaded), a
 file of prompts and a reward function (the share of low token ids in a completion). Each side trains fully
@@ -14,6 +14,11 @@ vLLM). A step generates every completion of the batch (prompts x
 generations, up to `--new` tokens each), scores them and trains on them; tokens/s counts the completions'
 tokens over the step's wall time. The EOS token is out of the random model's likely draws, so both sample
 about `--new` tokens a row.
+
+`--vllm` (in an environment with vLLM, `.venv-vllm`) adds both sides' vLLM legs, colocated in the training
+process: xla_shard's `grpo.use_vllm` and TRL's `use_vllm=True, vllm_mode="colocate"` (each engine's KV cache 1 GiB
+on a CPU), the tokens/s column then the generation's share of the step included. The Llama's heads are of 64
+(vLLM's CPU attention takes no smaller).
 
 Like for like, as each side is set up by a user who knows it: xla_shard's prompt positions are the longest
 prompt's (`train.seq_len` = it + `--new`; TRL pads each batch to its longest), both clip the gradient norm at
@@ -59,7 +64,7 @@ def longest_prompt(directory: str, data: str) -> int:
 
 
 def ours(directory: str, data: str, rewards: str, generations: int, new: int, batch: int, steps: int,
-         threads: int, processes: int) -> dict:
+         threads: int, processes: int, vllm: int = 0) -> dict:
     import torch
 
     from xla_shard import config
@@ -72,7 +77,7 @@ def ours(directory: str, data: str, rewards: str, generations: int, new: int, ba
         f"grpo.num_generations={generations}", f"grpo.max_completion_length={new}",
         f"train.seq_len={new + longest_prompt(directory, data)}", f"train.global_batch_size={batch}",
         "train.max_grad_norm=1.0", "train.lr=1e-6", "train.optimizer=adamw", "model.attn_implementation=auto",
-        "output_dir=" + str(Path(data).parent / "ours")])).setup()
+        f"grpo.use_vllm={bool(vllm)}", "output_dir=" + str(Path(data).parent / f"ours{vllm}")])).setup()
     times, tokens = [], []
     for step in range(steps + 1):
         start = time.perf_counter()
@@ -87,7 +92,7 @@ def ours(directory: str, data: str, rewards: str, generations: int, new: int, ba
 
 
 def trl(directory: str, data: str, rewards: str, generations: int, new: int, batch: int, steps: int,
-        threads: int) -> dict:
+        threads: int, vllm: int = 0) -> dict:
     import datasets
     import importlib.util
 
@@ -113,7 +118,9 @@ def trl(directory: str, data: str, rewards: str, generations: int, new: int, bat
         def on_log(self, args, state, control, logs=None, **kwargs):
             logged.append(dict(logs or {}))
 
-    args = GRPOConfig(output_dir=str(Path(data).parent / "trl"), report_to=[], use_cpu=True, bf16=False,
+    engine = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=new + longest_prompt(directory, data)
+                  ) if vllm else {}
+    args = GRPOConfig(output_dir=str(Path(data).parent / "trl"), report_to=[], use_cpu=True, bf16=False, **engine,
                       per_device_train_batch_size=batch, num_generations=generations, max_completion_length=new,
                       max_steps=steps + 1, logging_steps=1, learning_rate=1e-6, save_strategy="no",
                       gradient_checkpointing=False, disable_tqdm=True, temperature=1.0, max_grad_norm=1.0)
@@ -136,6 +143,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--processes", type=int, default=1, help="xla_shard's torch_fsdp processes (TRL: one)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads a process, each side")
+    parser.add_argument("--vllm", action="store_true", help="add both sides' vLLM legs (colocated)")
     parser.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -159,21 +167,33 @@ def main() -> None:
         rewards.write_text(REWARD)
         given = [str(directory), str(data), str(rewards), str(args.generations), str(args.new), str(batch),
                  str(args.steps), str(args.threads)]
-        done = subprocess.run([sys.executable, __file__, "--worker", "trl", *given], capture_output=True, text=True,
-                              env={**os.environ, "USE_TORCH_XLA": "0"}, cwd=REPO)
-        if done.returncode:
-            sys.exit(f"TRL: {done.stderr[-3000:]}")
-        results["trl"] = json.loads(done.stdout.strip().splitlines()[-1])
-        results["ours"] = torchrun_records(__file__, args.processes, ["ours", *given, str(args.processes)],
-                                           "xla_shard")[-1]  # torch_fsdp's launcher
+        legs = [(False, "TRL GRPOTrainer", "xla_shard method: grpo")]
+        if args.vllm:
+            legs.append((True, "TRL, vLLM colocate", "xla_shard, grpo.use_vllm"))
+        env = {**os.environ, "USE_TORCH_XLA": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+        for vllm, trl_name, our_name in legs:
+            done = subprocess.run([sys.executable, __file__, "--worker", "trl", *given, str(int(vllm))],
+                                  capture_output=True, text=True, env=env, cwd=REPO)
+            results[trl_name] = (json.loads(done.stdout.strip().splitlines()[-1]) if not done.returncode
+                                 else {"failed": _last_error(done.stderr)})
+            results[our_name] = torchrun_records(__file__, args.processes,
+                                                 ["ours", *given, str(args.processes), str(int(vllm))],
+                                                 "xla_shard")[-1]  # torch_fsdp's launcher
     print(f"Llama hidden {args.hidden} x {args.layers} layers, {args.prompts} prompts x {args.generations} "
           f"completions of up to {args.new} tokens a step, AdamW fp32, gradients clipped at 1.0, CPU, {args.threads} "
           f"thread(s) a process; xla_shard on {args.processes} process(es), TRL on one:")
-    print(f"{'':28} {'step s':>8} {'generated tokens/s':>19}")
-    for side, name in (("trl", "TRL GRPOTrainer"), ("ours", "xla_shard method: grpo")):
-        print(f"{name:28} {results[side]['step_s']:8.3f} {results[side]['tokens_per_s']:19.0f}")
-    print(f"{'ratio (xla_shard / TRL)':28} {results['ours']['step_s'] / results['trl']['step_s']:8.2f} "
-          f"{results['ours']['tokens_per_s'] / results['trl']['tokens_per_s']:19.2f}")
+    print(f"{'':28} {'step s':>8} {'generated tokens/s':>19} {'x TRL step':>11}")
+    base = results["TRL GRPOTrainer"]
+    for name, got in results.items():
+        if "failed" in got:
+            print(f"{name:28} failed: {got['failed']}")
+            continue
+        print(f"{name:28} {got['step_s']:8.3f} {got['tokens_per_s']:19.0f} {got['step_s'] / base['step_s']:11.2f}")
+
+
+def _last_error(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if "Error" in line]
+    return (lines[-1] if lines else stderr.strip().splitlines()[-1] if stderr.strip() else "no output")[:300]
 
 
 if __name__ == "__main__":

@@ -124,6 +124,17 @@ def _last_logits_only(model: nn.Module) -> dict:
     return {"logits_to_keep": 1} if named else {}
 
 
+def _cache_argument(model: nn.Module) -> str:
+    """The forward's keyword for the KV cache: `cache` (transformers 5.20 on) or `past_key_values` (before), which
+    an older forward would otherwise swallow into its **kwargs, filling no cache."""
+    forward = getattr(type(model), "forward", None)
+    try:
+        named = forward is not None and "cache" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        named = True
+    return "cache" if named else "past_key_values"
+
+
 def _share(cache, group: int) -> None:
     """The static cache filled for one row of each group, repeated for the group's rows."""
     for layer in cache.layers:
@@ -161,8 +172,9 @@ class Decoding:
         position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         self.cache = StaticCache(config=model.config, max_cache_len=total)
         shared = slice(None, None, group)
+        self.cache_argument = _cache_argument(model)
         self.logits = model(input_ids=prompt_ids[shared], attention_mask=self.mask[shared],
-                            position_ids=position_ids[shared], cache=self.cache,
+                            position_ids=position_ids[shared], **{self.cache_argument: self.cache},
                             cache_position=self.positions[:self.prompt_len], use_cache=True,
                             **_last_logits_only(model)).logits[:, -1]
         if group > 1:
@@ -192,7 +204,8 @@ class Decoding:
         """The forward of the token `draw(step)` wrote (cached only: uncached, `draw` runs the whole buffer)."""
         if self.cached:
             self.logits = self.model(input_ids=self.token[:, None], attention_mask=self.mask,
-                                     position_ids=self.next_position, cache=self.cache, cache_position=self.at(step),
+                                     position_ids=self.next_position, **{self.cache_argument: self.cache},
+                                     cache_position=self.at(step),
                                      use_cache=True).logits[:, -1]
             self.next_position = self.next_position + 1
 
