@@ -7,7 +7,10 @@ wrapper's gathers still happen around it) scores the hidden states it is given a
 head and the model's own post-processing (a soft cap, a scale) inside each chunk, in fp32 as transformers' loss
 takes them, reduced to the label's log-probability (and, for evaluation, whether the most likely token is the
 label); the model gets a placeholder for its logits. Backward computes each chunk again and passes its gradient
-on: memory holds one chunk's logits, never all of them.
+on: memory holds one chunk's logits, never all of them. Where the loss is a fixed weighting of the
+log-probabilities (the token mean of SFT: `scoring(..., linear=True)`), the gradients are computed in the forward
+chunk instead, as Liger's fused linear cross-entropy does, and backward only scales them: the head's logits are
+computed once a step, not twice.
 
 Which post-processing a model applies after its head is read from its class's forward, between the head's call
 and the loss; a model that does anything this module does not know there keeps its own loss, whole (said once).
@@ -110,6 +113,9 @@ class _Request:
     hits: bool
     temperature: float = 1.0  # the logits are scored over it (a sampling distribution's, GRPO's)
     entropies: bool = False  # also say each position's entropy (without gradient)
+    # The loss is the labelled positions' log-probabilities times one scalar (a token mean): the head's gradients
+    # are computed in the forward chunks, backward scales them (`_ChunkedLinear`)
+    linear: bool = False
     logps: torch.Tensor | None = None
     correct: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
@@ -184,13 +190,17 @@ class Scorer:
         self.head.forward = self._head_forward  # the instance's: wrappers around the module stay as they are
 
     @contextlib.contextmanager
-    def scoring(self, labels: torch.Tensor, hits: bool = False, temperature: float = 1.0, entropies: bool = False):
+    def scoring(self, labels: torch.Tensor, hits: bool = False, temperature: float = 1.0, entropies: bool = False,
+                linear: bool = False):
         """Within it, the model's forward scores `labels` (a causal LM's: each position predicts the next label);
         the request it yields holds, once the forward ran, `logps` (the log-probability of the next label at
         each position, [rows, tokens - 1]), with `hits`, `correct` (whether it is the most likely token), with
-        `entropies`, `entropy` (the distribution's, no gradient). `temperature` divides the logits first."""
+        `entropies`, `entropy` (the distribution's, no gradient). `temperature` divides the logits first.
+        `linear`: the caller's loss is the sum of the labelled positions' `logps` times one scalar (each
+        position's gradient the same, the unlabelled ones' none), so the head's weight gradient is computed in
+        the forward (a loss of another shape would get a wrong one)."""
         targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)
-        request = self._request = _Request(targets, hits, temperature, entropies)
+        request = self._request = _Request(targets, hits, temperature, entropies, linear)
         try:
             yield request
         finally:
@@ -251,7 +261,7 @@ class _State:
 
     def __init__(self, scorer: Scorer, device_type: str, request: _Request):
         self.scorer, self.device_type, self.hits = scorer, device_type, request.hits
-        self.temperature, self.entropies = request.temperature, request.entropies
+        self.temperature, self.entropies, self.linear = request.temperature, request.entropies, request.linear
         self.autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
         self.correct: torch.Tensor | None = None
         self.entropy: torch.Tensor | None = None
@@ -264,12 +274,17 @@ class _State:
 
     def scored(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A chunk's label log-probabilities (forward), keeping what the request asked beside them."""
-        if self.hits:
-            self._correct.append(logits.argmax(-1) == targets)
-        if self.entropies:
-            log_probs = logits.log_softmax(-1)
-            self._entropy.append(-(log_probs.exp() * log_probs).sum(-1))
+        self.kept(logits, targets)
         return _label_logps(logits, targets)
+
+    def kept(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        """What the request asked beside the log-probabilities, of a chunk's logits (no gradient)."""
+        with torch.no_grad():
+            if self.hits:
+                self._correct.append(logits.argmax(-1) == targets)
+            if self.entropies:
+                log_probs = logits.log_softmax(-1)
+                self._entropy.append(-(log_probs.exp() * log_probs).sum(-1))
 
     def close(self) -> None:
         if self.hits:
@@ -315,51 +330,98 @@ class _ChunkedLinear(torch.autograd.Function):
     Backward computes each chunk's logits again, takes their gradient through the tail and the log-softmax, and
     does the linear layer's own backward by hand: the hidden states' gradient against the whole weight, and the
     weight's as each device's partial sum over its own rows, added up over the chunks and summed over the
-    devices once (`Partials.summed`)."""
+    devices once (`Partials.summed`). Under a linear loss (`_State.linear`) the forward does that work on the
+    logits it has just computed, with a gradient of 1 at each labelled position (each position's own gradient
+    for the hidden states; their sum for the weight and bias), and backward multiplies: the hidden states' by
+    each position's upstream gradient, the weight's and bias's by the one scalar the loss weighs them all by."""
 
     @staticmethod
     def forward(ctx, state: _State, hidden, targets, weight, bias):
         scorer, out = state.scorer, []
+        ahead = state.linear and any(ctx.needs_input_grad[1:5])
+        grads: list[torch.Tensor] = []
+        weight_grad = bias_grad = None
         with torch.no_grad():
             for start, end in state.bounds(hidden.shape[1]):
-                (piece,) = state.after([hidden[:, start:end]], out[-1:])
-                logits = state.scaled(scorer.finish(torch.nn.functional.linear(piece, weight, bias)))
-                out.append(state.scored(logits, targets[:, start:end]))
+                done = [g for g in (weight_grad, bias_grad) if g is not None]
+                (piece,) = state.after([hidden[:, start:end]], out[-1:] + grads[-1:] + done)
+                if not ahead:
+                    logits = state.scaled(scorer.finish(torch.nn.functional.linear(piece, weight, bias)))
+                    out.append(state.scored(logits, targets[:, start:end]))
+                    continue
+                logps, piece_grad, weight_grad, bias_grad = _chunk_grads(
+                    state, piece, targets[:, start:end], weight, bias, torch.ones_like(targets[:, start:end],
+                                                                                       dtype=torch.float32),
+                    weight_grad, bias_grad, labelled_only=True, wants=ctx.needs_input_grad[3:5])
+                out.append(logps)
+                grads.append(piece_grad)
         state.close()
-        ctx.state = state
-        ctx.save_for_backward(hidden, targets, weight, bias)
+        ctx.state, ctx.ahead = state, ahead
+        if ahead:
+            if weight_grad is not None:
+                weight_grad = scorer.partials.summed(weight_grad, scorer.head.weight).to(weight.dtype)
+            ctx.save_for_backward(torch.cat(grads, dim=1), targets, weight_grad,
+                                  bias_grad.to(bias.dtype) if bias_grad is not None else None)
+        else:
+            ctx.save_for_backward(hidden, targets, weight, bias)
         return torch.cat(out, dim=1)
 
     @staticmethod
     def backward(ctx, grad):
         state = ctx.state
+        if ctx.ahead:
+            hidden_grad, targets, weight_grad, bias_grad = ctx.saved_tensors
+            labelled = (targets != IGNORE).to(grad.dtype)
+            # the one scalar the loss weighs every labelled position by (linear: the same at each of them)
+            scale = (grad * labelled).sum() / labelled.sum().clamp(min=1.0)
+            return (None, (hidden_grad * grad.unsqueeze(-1).to(hidden_grad.dtype)), None,
+                    weight_grad * scale.to(weight_grad.dtype) if weight_grad is not None else None,
+                    bias_grad * scale.to(bias_grad.dtype) if bias_grad is not None else None)
         hidden, targets, weight, bias = ctx.saved_tensors
-        partials, scorer = state.scorer.partials, state.scorer
         grads, weight_grad, bias_grad = [], None, None
         for start, end in state.bounds(hidden.shape[1]):
             done = [g for g in (weight_grad, bias_grad) if g is not None]
             piece, upstream = state.after([hidden[:, start:end].detach(), grad[:, start:end]], grads[-1:] + done)
-            with torch.no_grad(), state.autocasting():
-                logits = torch.nn.functional.linear(piece, weight, bias)
-            logits = logits.detach().requires_grad_()
-            with torch.enable_grad():
-                torch.autograd.backward(_label_logps(state.scaled(scorer.finish(logits)), targets[:, start:end]),
-                                        upstream)
-            scores = logits.grad  # d loss / d logits, in the logits' dtype
-            with torch.no_grad(), state.autocasting():
-                grads.append(torch.matmul(scores, weight).to(hidden.dtype))
-                # [devices, vocabulary, rows x tokens] x [devices, rows x tokens, width], added to the sum so far
-                left = partials.rows(scores).flatten(1, 2).transpose(1, 2)
-                right = partials.rows(piece.to(scores.dtype)).flatten(1, 2)
-                weight_grad = (torch.bmm(left, right) if weight_grad is None
-                               else torch.baddbmm(weight_grad, left, right))
-            partials.hold(weight_grad)
-            if bias is not None:
-                summed = scores.sum((0, 1))
-                bias_grad = summed if bias_grad is None else bias_grad + summed
-        weight_grad = partials.summed(weight_grad, scorer.head.weight).to(weight.dtype)
+            _, piece_grad, weight_grad, bias_grad = _chunk_grads(state, piece, targets[:, start:end], weight, bias,
+                                                                 upstream, weight_grad, bias_grad)
+            grads.append(piece_grad.to(hidden.dtype))
+        weight_grad = state.scorer.partials.summed(weight_grad, state.scorer.head.weight).to(weight.dtype)
         return (None, torch.cat(grads, dim=1), None, weight_grad,
                 bias_grad.to(bias.dtype) if bias is not None else None)
+
+
+def _chunk_grads(state: _State, piece, targets, weight, bias, upstream, weight_grad, bias_grad,
+                 labelled_only: bool = False, wants: tuple[bool, bool] = (True, True)):
+    """One chunk's logits, their label log-probabilities (scored as the request asks, when `labelled_only`: the
+    forward's), and the linear layer's backward by hand for the gradient `upstream` of those log-probabilities:
+    (logps, the hidden states' gradient, the weight's partial sums and the bias's with this chunk's added).
+    `labelled_only`: the weight's and bias's sums take the labelled positions alone (a linear loss's). `wants`:
+    whether the weight's and the bias's are asked for (a frozen head's are not)."""
+    partials, scorer = state.scorer.partials, state.scorer
+    with torch.no_grad(), state.autocasting():
+        logits = torch.nn.functional.linear(piece, weight, bias)
+    logits = logits.detach().requires_grad_()
+    with torch.enable_grad():
+        scaled = state.scaled(scorer.finish(logits))
+        if labelled_only:
+            state.kept(scaled, targets)
+        logps = _label_logps(scaled, targets)
+        torch.autograd.backward(logps, upstream)
+    scores = logits.grad  # d loss / d logits, in the logits' dtype
+    with torch.no_grad(), state.autocasting():
+        piece_grad = torch.matmul(scores, weight).to(piece.dtype)
+        if labelled_only:
+            scores = scores * (targets != IGNORE).unsqueeze(-1).to(scores.dtype)
+        if wants[0]:  # [devices, vocabulary, rows x tokens] x [devices, rows x tokens, width], added to the sum
+            left = partials.rows(scores).flatten(1, 2).transpose(1, 2)
+            right = partials.rows(piece.to(scores.dtype)).flatten(1, 2)
+            weight_grad = torch.bmm(left, right) if weight_grad is None else torch.baddbmm(weight_grad, left, right)
+    if wants[0]:
+        partials.hold(weight_grad)
+    if bias is not None and wants[1]:
+        summed = scores.sum((0, 1))
+        bias_grad = summed if bias_grad is None else bias_grad + summed
+    return logps.detach(), piece_grad, weight_grad, bias_grad
 
 
 class _ChunkedModule(torch.autograd.Function):

@@ -110,7 +110,7 @@ class ModelLoss(Objective):
         head = lm_head.scorer(model) if self.causal else None
         if head is None:
             return model(**batch).loss
-        request, out = scored_forward(model, head, batch)
+        request, out = scored_forward(model, head, batch, linear=True)
         counted = scored(batch["labels"], True)
         loss = -(request.logps * counted).sum() / counted.sum()  # the mean over labelled tokens, as transformers'
         return loss + router_loss(head, out)
@@ -142,10 +142,11 @@ class ModelLoss(Objective):
                 "eval_mean_token_accuracy": sums["correct"] / sums["count"]}
 
 
-def scored_forward(model: nn.Module, head: lm_head.Scorer, batch: Batch, hits: bool = False):
+def scored_forward(model: nn.Module, head: lm_head.Scorer, batch: Batch, hits: bool = False, linear: bool = False):
     """The model's forward on `batch`, its output head scoring the labels chunk by chunk: (the request, holding
-    each position's log-probability of its next label [and whether it is the most likely], the model's output)."""
-    with head.scoring(batch["labels"], hits=hits) as request:
+    each position's log-probability of its next label [and whether it is the most likely], the model's output).
+    `linear`: the loss is the labelled positions' log-probabilities times one scalar (`Scorer.scoring`)."""
+    with head.scoring(batch["labels"], hits=hits, linear=linear) as request:
         out = model(**{key: value for key, value in batch.items() if key != "labels"})
     request.tie(getattr(out, "logits", None))
     return request, out
