@@ -61,6 +61,7 @@ def test_auto_takes_what_the_machine_has_installed(monkeypatch, machine, has_tor
 
 
 @pytest.mark.xla  # xla_spmd's own checks read torch_xla
+@pytest.mark.e2e  # xla_spmd's check of fsdp.scan_layers imports jax and torchax: 2.4-3.4 s, 5.2 on a loaded machine
 def test_auto_on_a_cpu_takes_xla_spmd_where_fsdp2_does_not_train_the_config_and_says_why(monkeypatch):
     _machine(monkeypatch, "cpu", False, True)
     name, why = backends.auto_choice(config.load(None, ["fsdp.scan_layers=true"]), can_launch=True)
