@@ -1,6 +1,5 @@
 """GRPO's completions drawn by vLLM (`grpo.use_vllm`, TRL's colocate mode): an engine in each training process,
-built from model.name's directory, sampling that process's rows (`vllm_tensor_parallel_size` > 1: an engine split
-over that many consecutive processes, serving all their rows, each process taking its own back).
+built from model.name's directory, sampling that process's rows.
 
 - **Weights.** Before each generation the policy's weights are pushed into the engine: in full fine-tuning they
   stream one parameter at a time from the shards (each gathered whole, handed to the engine's in-place reload,
@@ -89,8 +88,7 @@ class VllmEngine:
         self.max_len = section.vllm_max_model_length or cfg.train.seq_len
         self._adapters = tempfile.TemporaryDirectory(prefix="xla_shard_vllm_lora_") if self.lora else None
         self._lora_id = 0
-        self.group = _tensor_parallel_group(section.vllm_tensor_parallel_size, backend.world)
-        self.llm = self._build(cfg, model, backend, device_type, rows * section.vllm_tensor_parallel_size)
+        self.llm = self._build(cfg, model, backend, device_type, rows)
 
     def _build(self, cfg, model, backend, device_type: str, rows: int):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, as TRL's
@@ -197,17 +195,8 @@ class VllmEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        asked = [(row[keep.bool()].tolist(), seed) for row, keep, seed in zip(prompt_ids, prompt_mask, seeds)]
-        mine = slice(0, len(asked))
-        if self.group is not None:  # the group's engine serves every process of it: each asks for all its rows
-            import torch.distributed as dist
-
-            everyone: list = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(everyone, asked, group=self.group)
-            before = sum(len(part) for part in everyone[:dist.get_rank(self.group)])
-            mine, asked = slice(before, before + len(asked)), [row for part in everyone for row in part]
-        prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in asked]
-        seeds = [seed for _, seed in asked]
+        prompts = [TokensPrompt(prompt_token_ids=row[keep.bool()].tolist())
+                   for row, keep in zip(prompt_ids, prompt_mask)]
         params = [SamplingParams(max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                                  top_p=sampling.top_p, top_k=sampling.top_k or -1, seed=seed, logprobs=0,
                                  stop_token_ids=list(sampling.eos_token_ids), detokenize=False)
@@ -215,7 +204,7 @@ class VllmEngine:
         lora = getattr(self, "_request", None) if self.lora is not None else None
         if self.section.vllm_enable_sleep_mode:
             self.llm.wake_up(tags=["kv_cache"])
-        outputs = self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)[mine]
+        outputs = self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
         if self.section.vllm_enable_sleep_mode:
             self.llm.sleep(level=2)
         rows, width = len(outputs), sampling.max_new_tokens
@@ -235,21 +224,6 @@ class VllmEngine:
         """The mean difference of log-probabilities past which a step stops (`vllm_logp_difference_limit`)."""
         limit = self.section.vllm_logp_difference_limit
         return limit if limit is not None else (1e-3 if self.dtype == "float32" else 0.1)
-
-
-def _tensor_parallel_group(size: int, world: int):
-    """The torch.distributed group of the processes one engine spans (consecutive ranks, as vLLM's
-    external_launcher lays its tensor-parallel groups over the world), or None for an engine a process."""
-    if size == 1:
-        return None
-    if world % size:
-        raise ConfigError("grpo.vllm_tensor_parallel_size", f"{size} does not divide the run's {world} training "
-                                                            "processes: each engine spans that many of them")
-    import torch.distributed as dist
-
-    group, _ = dist.new_subgroups_by_enumeration([list(range(start, start + size))
-                                                  for start in range(0, world, size)])
-    return group
 
 
 def _first_token(llm) -> None:
