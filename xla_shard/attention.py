@@ -157,8 +157,9 @@ def sdpa_packed_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     starts = torch.diff(documents, dim=-1, prepend=documents[:, :1] - 1).nonzero()
-    if _varlen(query, dropout and module.training) is not None:
-        return _varlen_attention(module, query, key, value, starts, scaling), None
+    varlen_attn = _varlen(query, dropout and module.training)
+    if varlen_attn is not None:
+        return _varlen_attention(varlen_attn, query, key, value, starts, scaling), None
     bounds: list[list[int]] = [[] for _ in range(query.shape[0])]
     for row, start in starts.tolist():
         bounds[row].append(start)
@@ -184,13 +185,12 @@ def _varlen(query: torch.Tensor, dropout: bool):
     return varlen_attn
 
 
-def _varlen_attention(module, query, key, value, starts: torch.Tensor, scaling: float | None) -> torch.Tensor:
+def _varlen_attention(varlen_attn, query, key, value, starts: torch.Tensor, scaling: float | None) -> torch.Tensor:
     """Every document of every row in one variable-length flash call, as TRL's padding-free path runs
     flash-attn: the rows laid end to end ([rows x tokens, heads, dim]) and cut at the documents' starts
     (`starts`: [documents, 2] of (row, token)). Returns [rows, tokens, heads, dim], as transformers' SDPA does."""
     import inspect
 
-    varlen_attn = _varlen(query, False)
     rows, heads, tokens, dim = query.shape
     flat = [t.transpose(1, 2).reshape(rows * tokens, t.shape[1], dim) for t in (query, key, value)]
     offsets = starts[:, 0] * tokens + starts[:, 1]

