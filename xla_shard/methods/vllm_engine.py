@@ -137,11 +137,10 @@ class VllmEngine:
     def _host_kv_bytes(self, model: nn.Module, rows: int) -> int:
         """A CPU engine's KV cache: one generation's rows at full length (and one block's slack each), within
         vllm_gpu_memory_utilization of the host's memory."""
-        from xla_shard.planner import attention_widths
-
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        _, key_width = attention_widths(model.config)
-        per_token = 2 * text.num_hidden_layers * key_width * torch.finfo(getattr(torch, self.dtype)).bits // 8
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        per_token = 2 * text.num_hidden_layers * heads * head_dim * torch.finfo(getattr(torch, self.dtype)).bits // 8
         wanted = per_token * (self.max_len + 16) * max(rows, 1)
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         share = self.section.vllm_gpu_memory_utilization
