@@ -216,6 +216,37 @@ def test_the_splash_kernel_over_a_split_sequence_computes_the_eager_attention(tm
     assert found["padded eager"]["loss"] != pytest.approx(found["eager"]["loss"], rel=1e-5)  # another batch
 
 
+@pytest.mark.e2e
+@pytest.mark.xla
+def test_the_compiled_axis_runs_the_attention_forward_twice_a_layer_and_each_backward_kernel_once():
+    """Compiled for a v5p-8 (scanned, checkpointed layers, sequences split 2 ways): the splash backward takes
+    the forward's output and log-sum-exp rather than running the kernel's forward again, so a layer runs the
+    forward twice (forward, checkpointing's recompute), dq and dkv once; each counted at causal attention's
+    FLOPs from the shapes, and the matmuls of the scanned layers once per layer: the model's own count (the
+    recompute adds its layers' forward), within what the loss adds."""
+    pytest.importorskip("jax")
+    from tpu_compiles import compile_json
+
+    layers, hidden, heads, kv_heads, head, mlp, vocab, tokens, rows = 2, 512, 8, 2, 64, 1024, 2048, 4096, 4
+    shape = (f"{{hidden_size: {hidden}, intermediate_size: {mlp}, num_hidden_layers: {layers}, num_attention_heads: "
+             f"{heads}, num_key_value_heads: {kv_heads}, vocab_size: {vocab}, max_position_embeddings: {tokens}}}")
+    sets = ["model=small-llama", f"model.overrides={shape}", f"train.seq_len={tokens}",
+            f"train.global_batch_size={rows}", "fsdp.mixed_precision=bf16", "mesh.context=2", "fsdp.scan_layers=true",
+            "fsdp.activation_checkpointing=true"]
+    report = compile_json("--tpu", "v5p-8", *[a for s in sets for a in ("--set", s)])
+    ran, devices = report["executed_flops_per_device"], report["devices"]
+    # each device: rows * tokens / devices query positions against whole sequences of keys, causal
+    causal = 2 * 2 * (rows * tokens // devices) * tokens * heads * head / 2
+    assert ran["attention forward"] == pytest.approx(2 * layers * causal)
+    assert ran["attention dq"] == pytest.approx(1.5 * layers * causal)
+    assert ran["attention dkv"] == pytest.approx(2 * layers * causal)
+    per_layer = 2 * hidden * heads * head + 2 * hidden * kv_heads * head + 3 * hidden * mlp
+    positions = rows * tokens / devices
+    model = 2 * positions * (layers * per_layer + vocab * hidden)
+    assert 3 * model + 2 * positions * layers * per_layer <= ran["matmuls"] <= 1.02 * (
+        3 * model + 2 * positions * layers * per_layer)
+
+
 def test_the_longest_sequence_search_tries_the_axis_sizes_the_batch_allows():
     from xla_shard.aot.run import context_sizes
 

@@ -270,6 +270,7 @@ def test_mfu_is_never_above_one(tmp_path):
     assert ("more than the" in done.stderr) == (len(os.sched_getaffinity(0)) < 2)  # cpu_devices=2
     high = train(tmp_path / "high", [*sets, "train.peak_flops_per_device=1e18"])
     assert all(0 < r["mfu"] < 1e-3 for r in high)
+    assert "PaLM's count" in high[0]["mfu_basis"]  # which convention the MFU is in
 
 
 def test_without_a_terminal_each_record_is_one_line_with_the_time_left(tmp_path, capsys):

@@ -395,7 +395,7 @@ def _splash(module, query, key, value, position_ids, padding, scaling, count):
     docs = documents(position_ids, count)
     if padding is not None:
         docs = docs.masked_fill(~padding, -1)
-    out = torch.ops.xla_shard.context_attention(query * scale, key, value, docs, count)
+    out, _ = torch.ops.xla_shard.context_attention(query * scale, key, value, docs, count)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -430,20 +430,42 @@ def _kernel(tokens: int, heads: int, count: int, interpret: bool):
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
     mask = masks.MultiHeadMask([_ReorderedCausal((tokens, tokens))] * heads)
+    # save_residuals: the forward returns its output's log-sum-exp beside it, which the backward kernels take
     kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=count,
-                                    interpret=interpret)
+                                    interpret=interpret, save_residuals=True)
     leaves, tree = jax.tree_util.tree_flatten(kernel)
     # each leaf's dim split over the sequence axis (shard_map's spec of the kernel: its q blocks), or None
     specs = jax.tree_util.tree_leaves(kernel.manual_sharding_spec(_FakeSharding(count)),
                                       is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     split = [next((d for d, axis in enumerate(spec) if axis is not None), None) for spec in specs]
 
-    def run(leaves, query, key, value, query_docs, key_docs):
+    def forward(leaves, query, key, value, query_docs, key_docs):
+        """(output, log-sum-exp) of each row."""
         bound = jax.tree_util.tree_unflatten(tree, leaves)
-        one = lambda q, k, v, qs, ks: bound(q, k, v, segment_ids=splash.SegmentIds(qs, ks))  # noqa: E731
+
+        def one(q, k, v, qs, ks):
+            out, (logsumexp,) = bound(q, k, v, segment_ids=splash.SegmentIds(qs, ks))
+            return out, logsumexp
+
         return jax.vmap(one)(query, key, value, query_docs, key_docs)
 
-    return [np.array(leaf) for leaf in leaves], split, run  # writable copies, for torch
+    def backward(leaves, query, key, value, query_docs, key_docs, out, logsumexp, grad):
+        """(dq, dk, dv) of each row from the forward's output and log-sum-exp: the dq and dkv kernels alone,
+        where differentiating the kernel (`jax.vjp`) would run its forward a third time in a checkpointed
+        layer (MaxText's step keeps these residuals the same way)."""
+        bound = jax.tree_util.tree_unflatten(tree, leaves)
+        options = bound.kwargs
+
+        def one(q, k, v, qs, ks, o, lse, do):
+            residuals = (q, k, v, splash.SegmentIds(qs, ks), None, o, lse, bound.dq_mask_info, bound.dkv_mask_info)
+            grads = splash._splash_attention_bwd(
+                False, options["mask_value"], options["is_mqa"], options["block_sizes"], None,
+                options["mask_function"], options["attn_logits_soft_cap"], options["interpret"], residuals, do)
+            return grads[3:6]
+
+        return jax.vmap(one)(query, key, value, query_docs, key_docs, out, logsumexp, grad)
+
+    return [np.array(leaf) for leaf in leaves], split, forward, backward  # writable copies, for torch
 
 
 class _FakeSharding:
@@ -462,52 +484,54 @@ class _FakeSharding:
 
 @torch.library.custom_op("xla_shard::context_attention", mutates_args=())
 def _splash_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, docs: torch.Tensor,
-               count: int) -> torch.Tensor:
-    """The kernel inside a manual SPMD region (XLA runs it per device as written). An op, not Python the tracer
-    walks into: under `scan_layers` torch_xla traces each layer with AOTAutograd, and the region (and the
-    kernel's mask data, made here) needs real XLA tensors."""
-    return _call(False, query, key, value, docs, count)
+               count: int) -> list[torch.Tensor]:
+    """The kernel inside a manual SPMD region (XLA runs it per device as written): its output and log-sum-exp
+    (for the backward). An op, not Python the tracer walks into: under `scan_layers` torch_xla traces each
+    layer with AOTAutograd, and the region (and the kernel's mask data, made here) needs real XLA tensors."""
+    return list(_call(False, query, key, value, docs, count))
 
 
 @_splash_op.register_fake
 def _(query, key, value, docs, count):
-    return torch.empty_like(query)
+    return [torch.empty_like(query), query.new_empty(query.shape[:-1], dtype=torch.float32)]
 
 
 @torch.library.custom_op("xla_shard::context_attention_backward", mutates_args=())
 def _splash_backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        docs: torch.Tensor, count: int) -> list[torch.Tensor]:
+                        docs: torch.Tensor, out: torch.Tensor, logsumexp: torch.Tensor,
+                        count: int) -> list[torch.Tensor]:
     """Each device's gradient of the whole keys and values is its partial sum: summed over the sequence axis on
     the way out (a reduce-scatter, to the keys' split)."""
-    return list(_call(True, query, key, value, docs, count, grad))
+    return list(_call(True, query, key, value, docs, count, (out, logsumexp, grad)))
 
 
 @_splash_backward_op.register_fake
-def _(grad, query, key, value, docs, count):
+def _(grad, query, key, value, docs, out, logsumexp, count):
     return [torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)]
 
 
 def _setup_context(ctx, inputs, output):
     *tensors, ctx.count = inputs
-    ctx.save_for_backward(*tensors)
+    ctx.save_for_backward(*tensors, *output)
 
 
-def _splash_grads(ctx, grad):
-    dq, dk, dv = torch.ops.xla_shard.context_attention_backward(grad, *ctx.saved_tensors, ctx.count)
+def _splash_grads(ctx, grads):
+    # grads: the output's, and the log-sum-exp's (nothing reads it but the backward, so none)
+    dq, dk, dv = torch.ops.xla_shard.context_attention_backward(grads[0], *ctx.saved_tensors, ctx.count)
     return dq, dk, dv, None, None
 
 
 _splash_op.register_autograd(_splash_grads, setup_context=_setup_context)
 
 
-def _call(backward: bool, query, key, value, docs, count, grad=None):
+def _call(backward: bool, query, key, value, docs, count, residuals=None):
     import torch_xla.core.xla_builder as xb
 
     from xla_shard import experts
 
     mesh = experts.spmd_mesh()[0]
     rows = tuple(axis for axis in mesh.axis_names if axis != CONTEXT_AXIS)
-    leaves, split, run = _kernel(query.shape[2], query.shape[1], count, experts.interpreted())
+    leaves, split, forward, backward_rows = _kernel(query.shape[2], query.shape[1], count, experts.interpreted())
     placed = [_leaf(leaf, dim, mesh, query.device) for leaf, dim in zip(leaves, split)]
     by_tokens, whole = (rows, None, CONTEXT_AXIS, None), (rows, None, None, None)
     # keys, values and their documents gathered whole along the axis (entering the region); put back in their
@@ -515,11 +539,14 @@ def _call(backward: bool, query, key, value, docs, count, grad=None):
     args = [experts.to_local(query, mesh, by_tokens), experts.to_local(key, mesh, whole),
             experts.to_local(value, mesh, whole), experts.to_local(docs, mesh, (rows, CONTEXT_AXIS)),
             experts.to_local(docs, mesh, (rows, None))]
-    kwargs = {"run": run, "count": count}
     if not backward:
-        return experts.to_global(xb.call_jax(_forward, (placed, *args), kwargs), mesh, by_tokens, query.shape)
-    local_grad = experts.to_local(grad, mesh, by_tokens)
-    dq, dk, dv = xb.call_jax(_backward, (placed, *args, local_grad), kwargs)
+        out, logsumexp = xb.call_jax(_forward, (placed, *args), {"run": forward, "count": count})
+        return (experts.to_global(out, mesh, by_tokens, query.shape),
+                experts.to_global(logsumexp, mesh, by_tokens[:-1], query.shape[:-1]))
+    out, logsumexp, grad = residuals
+    local = [experts.to_local(out, mesh, by_tokens), experts.to_local(logsumexp, mesh, by_tokens[:-1]),
+             experts.to_local(grad, mesh, by_tokens)]
+    dq, dk, dv = xb.call_jax(_backward, (placed, *args, *local), {"run": backward_rows, "count": count})
     dq = experts.to_global(dq, mesh, by_tokens, query.shape)
     # each device's partial sums over its queries (in the balanced order again), stacked on an axis split over
     # the sequence axis, moved to the keys' own split (an all-to-all: each device gets every device's partial
@@ -554,16 +581,9 @@ def _forward(leaves, query, key, value, docs, key_docs, *, run, count):
                _original(key_docs, count, 1))
 
 
-def _backward(leaves, query, key, value, docs, key_docs, grad, *, run, count):
-    import jax
-
-    key_docs = _original(key_docs, count, 1)
-
-    def attend(q, k, v):
-        return run(leaves, q, k, v, docs, key_docs)
-
-    _, pull = jax.vjp(attend, query, _original(key, count, 2), _original(value, count, 2))
-    dq, dk, dv = pull(grad)
+def _backward(leaves, query, key, value, docs, key_docs, out, logsumexp, grad, *, run, count):
+    dq, dk, dv = run(leaves, query, _original(key, count, 2), _original(value, count, 2), docs,
+                     _original(key_docs, count, 1), out, logsumexp, grad)
     return dq, _balanced(dk, count, 2), _balanced(dv, count, 2)
 
 

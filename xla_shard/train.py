@@ -176,6 +176,11 @@ StepHook = Callable[["Trainer", int, "dict[str, Any] | None"], None]
 EvalHook = Callable[["Trainer", int, "dict[str, Any]"], None]
 
 
+# What the trainer's MFU counts (metrics.train_flops_per_token), said in the first record: at long context it
+# reads well above MaxText's convention for the same step time.
+_MFU_CONVENTION = ("FLOPs by PaLM's count: 6 x non-embedding parameters + 12 x layers x hidden x seq_len a token, "
+                   "attention over every pair of positions (MaxText's count takes causal attention at half)")
+
 class Trainer:
     """The whole training job for one config.
 
@@ -412,10 +417,10 @@ class Trainer:
         no spec-sheet peak, and a matmul timed on a busy machine is no ceiling (it once gave MFU 19)."""
         configured = self.cfg.train.peak_flops_per_device
         if configured:
-            return configured, f"train.peak_flops_per_device={configured:.3g}"
+            return configured, f"train.peak_flops_per_device={configured:.3g}; {_MFU_CONVENTION}"
         peak = peak_for(self.backend.device_kind)
         if peak:
-            return peak, f"{self.backend.device_kind} dense bf16 peak {peak:.3g} FLOP/s"
+            return peak, f"{self.backend.device_kind} dense bf16 peak {peak:.3g} FLOP/s; {_MFU_CONVENTION}"
         return None, (f"no MFU: {self.backend.device_kind} has no known peak FLOP/s "
                       "(set train.peak_flops_per_device to report one)")
 

@@ -7,9 +7,11 @@ largest slots are named) and code. torch_xla donates the buffers of tensors a st
 outputs that replace them (`Trace.updated`) take no memory of their own; any other output does. What is not
 counted: the runtime's own reserve, and a second program (evaluation).
 
-FLOPs in two conventions: PaLM's (attention counted for every pair of positions), which the trainer's MFU uses,
-and MaxText's (causal attention at half), which its published MFU figures use; with a measured step time, each
-gives its MFU.
+FLOPs. What the program executes per device (`planner.hlo.executed_flops`: its matmuls as often as they run, a
+scanned layer's once per layer, and its attention kernels), which bounds the step's compute time; and the model's
+in two conventions: PaLM's (attention counted for every pair of positions), which the trainer's MFU uses, and
+MaxText's (causal attention at half), which its published MFU figures use. With a step time (the roofline's bound,
+or a measured one) each gives its MFU.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from xla_shard.aot.generation import GenerationReport
 from xla_shard.aot.target import Target
 from xla_shard.aot.trace import Trace
 from xla_shard.planner.hardware import Accelerator
-from xla_shard.planner.hlo import collective_totals
+from xla_shard.planner.hlo import collective_totals, executed_flops
 
 GiB = 2**30
 _SCALARS = 4096  # bytes an op at most, for a collective of scalars (and a few short vectors)
@@ -71,6 +73,15 @@ class Report:
         totals = collective_totals(self.compiled.hlo_text, self.trace.loop_trips, dcn=self.target.slices > 1)
         return {k: v for k, v in totals.items() if v["count"]}
 
+    @functools.cached_property
+    def executed(self) -> dict[str, float]:
+        """FLOPs per device per step by what runs them (matmuls, the attention kernels' passes)."""
+        return executed_flops(self.compiled.hlo_text, self.trace.loop_trips)
+
+    @property
+    def executed_flops(self) -> float:
+        return sum(v for k, v in self.executed.items() if k != "other kernels")
+
     def roofline(self) -> dict[str, float]:
         """Seconds per step if nothing but compute, HBM traffic, ICI or DCN traffic bounded it (each alone,
         perfectly overlapped): the largest is a lower bound of the step time, and the MFU it allows is a
@@ -78,14 +89,22 @@ class Report:
         d, c = self.device, self.compiled
         dcn = sum(v.get("dcn_bytes", 0) for v in self.collectives.values())
         ici = sum(v["bytes"] for v in self.collectives.values()) - dcn
-        # The cost analysis counts a loop's body once (scan_layers): the model's own FLOPs bound it from below.
-        flops = max(c.flops, self.trace.model_flops / c.devices)
+        # What the program executes; where it calls kernels whose FLOPs are not read (the MoE experts' grouped
+        # matmuls) or nothing was read, the model's own FLOPs bound it from below (the cost analysis counts a
+        # loop's body once).
+        flops = self.executed_flops
+        if self.executed["other kernels"] or not flops:
+            flops = max(flops, c.flops, self.trace.model_flops / c.devices)
         times = {"compute_s": flops / d.peak_flops, "hbm_s": c.bytes_accessed / d.hbm_bw,
                  "ici_s": ici / d.fast_bw if ici else 0.0,
                  **({"dcn_s": dcn / d.slow_bw} if self.target.slices > 1 else {})}
         bound = max(times.values())
         ceiling = self.trace.model_flops / (bound * d.peak_flops * c.devices) if bound else 0.0
-        return {**times, "lower_bound_s": bound, "mfu_ceiling": min(1.0, ceiling)}
+        causal = self.trace.causal_flops / (bound * d.peak_flops * c.devices) if bound else 0.0
+        # at the bound, in both conventions, as computed: PaLM's passes 1 where the program runs fewer FLOPs than
+        # it counts (causal attention past the diagonal skipped, at long context)
+        return {**times, "lower_bound_s": bound, "mfu_ceiling": min(1.0, ceiling),
+                "mfu_at_bound": {"palm": ceiling, "maxtext": causal}}
 
     def as_dict(self) -> dict:
         return {"target": self.target.name, "topology": self.target.topology, "slices": self.target.slices,
@@ -101,6 +120,7 @@ class Report:
                                            "maxtext": self.trace.causal_flops / self.compiled.devices / 1e12},
                 "pallas_kernels": self.trace.kernels, "pallas_kernel_kinds": self.trace.kernel_kinds,
                 "flops_per_device": self.compiled.flops,
+                "executed_flops_per_device": {**self.executed, "total": self.executed_flops},
                 "bytes_accessed_per_device": self.compiled.bytes_accessed,
                 "collectives": self.collectives,
                 "planned_collectives": {kind: [{"what": what, "bytes": planned} for what, planned in found]
@@ -151,6 +171,13 @@ class Report:
                      + (f" (a loop's body counted once: {self.trace.loop_trips} scanned layers run it; the model's "
                         f"{self.trace.model_flops / c.devices / 1e12:.3f} TFLOP per device bound the roofline)"
                         if self.trace.loop_trips > 1 else ""))
+        ran = self.executed
+        attention = {k.split()[-1]: v for k, v in ran.items() if k.startswith("attention") and v}
+        lines.append(f"executed per device per step: {self.executed_flops / 1e12:.3f} TFLOP (matmuls "
+                     f"{ran['matmuls'] / 1e12:.3f}" + (", attention kernels " + ", ".join(
+                         f"{kind} {v / 1e12:.3f}" for kind, v in attention.items()) if attention else "")
+                     + (f"; {ran['other kernels']:.0f} other kernel calls, their FLOPs not counted"
+                        if ran["other kernels"] else "") + ")")
         kinds = self.trace.kernel_kinds
         if kinds:
             lines.append("Pallas kernels compiled into the program: "
@@ -166,7 +193,8 @@ class Report:
                      f"(compute {roof['compute_s'] * 1e3:.1f}, HBM {roof['hbm_s'] * 1e3:.1f}, ICI "
                      f"{roof['ici_s'] * 1e3:.1f}" + (f", DCN {roof['dcn_s'] * 1e3:.1f}" if "dcn_s" in roof else "")
                      + f"): {bound.upper() if bound != 'compute' else 'compute'}-bound"
-                     + (f", MFU at most {roof['mfu_ceiling']:.2f}" if round(roof["mfu_ceiling"], 2) < 1 else ""))
+                     + f"; MFU at that bound: {roof['mfu_at_bound']['palm']:.2f} by PaLM's count, "
+                     f"{roof['mfu_at_bound']['maxtext']:.2f} by MaxText's")
         palm, causal = (flops / c.devices / 1e12 for flops in (self.trace.model_flops, self.trace.causal_flops))
         peak = d.peak_flops / 1e12
         lines.append(f"model FLOPs per device per step: {palm:.1f} TFLOP by PaLM's count (attention over every pair "

@@ -1,5 +1,6 @@
-"""Collectives in a compiled XLA program, read from its optimized HLO text (`XLA_FLAGS=--xla_dump_to=DIR
---xla_dump_hlo_as_text`): what the cost model's predictions are checked against."""
+"""Collectives and executed FLOPs of a compiled XLA program, read from its optimized HLO text
+(`XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text`, or the TPU compiler's answer): what the cost model's
+predictions and the compile report's roofline are held to."""
 
 from __future__ import annotations
 
@@ -113,6 +114,110 @@ def collective_totals(hlo_text: str, loop_trips: int = 1, dcn: bool = False) -> 
         if dcn and link == "dcn":
             entry["dcn_bytes"] += round(times * size)
     return totals
+
+
+def executed_flops(hlo_text: str, loop_trips: int = 1) -> dict[str, float]:
+    """FLOPs the program runs per device per execution, by what runs them, each op as often as its computation
+    runs (a scanned layer's loop body: its trip count, which the compiler's cost analysis counts once):
+
+    - "matmuls": every dot and convolution, 2 x its result's elements x the products each sums;
+    - "attention forward" / "attention dq" / "attention dkv": the Pallas attention kernels (flash or splash), told
+      apart by the name their Mosaic body carries. A kernel's FLOPs are not in the program; they are counted as
+      the causal attention they compute (blocks past the diagonal skipped): with F = 2 x 2 x rows x heads x
+      queries x keys x head size / 2, the forward F (QK^T, PV), dq 1.5 F (QK^T, dO V^T, dS K) and dkv 2 F
+      (QK^T, dO V^T, P^T dO, dS^T Q), read from the shapes of the queries and keys they are given;
+    - "other kernels": how many other custom kernel calls ran (the MoE experts' grouped matmuls), uncounted."""
+    computations = {name: (header, body) for header, name, body in _COMPUTATION.findall(hlo_text)}
+    runs, _ = _runs(computations, loop_trips, _Program(computations))
+    found = {"matmuls": 0.0, "attention forward": 0.0, "attention dq": 0.0, "attention dkv": 0.0,
+             "other kernels": 0.0}
+    for name, (header, body) in computations.items():
+        times = runs.get(name, 0)
+        if not times:
+            continue
+        shapes = _value_shapes(header, body)
+        for line in body.splitlines():
+            matmul = _MATMUL.search(line)
+            if matmul:
+                found["matmuls"] += times * _matmul_flops(matmul, line, shapes)
+            elif 'custom_call_target="tpu_custom_call"' in line:
+                kind, flops = _kernel_flops(line)
+                found[kind] += times * flops
+    return found
+
+
+def _value_shapes(header: str, body: str) -> dict[str, list[int]]:
+    """Each value's dims in a computation (its parameters' from the header where they are not defined)."""
+    shapes = {name: _dims(dims) for name, _, dims in _HEADER_PARAM.findall(header)}
+    shapes.update({name: _dims(dims) for name, _, dims in _VALUE.findall(body)})
+    return shapes
+
+
+def _dims(dims: str) -> list[int]:
+    return [int(d) for d in dims.split(",") if d]
+
+
+def _matmul_flops(match: re.Match, line: str, shapes: dict[str, list[int]]) -> float:
+    out, op, operands = _dims(match.group(1)), match.group(2), _CALLEE.findall(match.group(3))
+    lhs, rhs = (shapes.get(o) for o in (operands + ["", ""])[:2])
+    if lhs is None or rhs is None:
+        return 0.0
+    if op == "dot":
+        contracting = _CONTRACTING.search(line)
+        summed = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting else 1
+        return 2.0 * math.prod(out) * summed
+    labels = _DIM_LABELS.search(line)
+    if labels is None:
+        return 0.0
+    return 2.0 * _convolution_products(out, lhs, rhs, *labels.groups(), _WINDOW.search(line))
+
+
+def _convolution_products(out, lhs, rhs, lhs_labels: str, rhs_labels: str, out_labels: str, window) -> float:
+    """The products a convolution sums into its outputs: each output element's input features, times the kernel
+    taps that meet the input rather than its padding, counted along each spatial dim. The TPU compiler writes
+    matmuls as convolutions, a batch dim as a spatial one padded so that one tap of its window meets the
+    input: counting the window's whole size there would count that matmul as many times over."""
+    features = rhs[rhs_labels.index("i")]
+    sizes = _window_list(window, "size")
+    pads = [tuple(int(x) for x in p.split("_")) for p in _window_list(window, "pad", raw=True)]
+    strides = _window_list(window, "stride")
+    elements = math.prod(out)
+    taps = 1
+    for d, size in enumerate(sizes):
+        inputs, outputs = lhs[lhs_labels.index(str(d))], out[out_labels.index(str(d))]
+        low = pads[d][0] if d < len(pads) else 0
+        stride = strides[d] if d < len(strides) else 1
+        # taps k of the window at output o that land on input o * stride - low + k inside [0, inputs)
+        met = sum(max(0, min(outputs, -(-(inputs + low - k) // stride)) - max(0, -(-(low - k) // stride)))
+                  for k in range(size))
+        taps *= met / outputs
+    return elements * features * taps
+
+
+def _window_list(window, key: str, raw: bool = False) -> list:
+    found = re.search(rf"\b{key}=([0-9_x]+)", window.group(1)) if window else None
+    items = found.group(1).split("x") if found else []
+    return items if raw else [int(x) for x in items]
+
+
+def _kernel_flops(line: str) -> tuple[str, float]:
+    import base64
+
+    body = _MOSAIC_BODY.search(line)
+    name = base64.b64decode(body.group(1)) if body else b""
+    attention = _ATTENTION_KERNEL.search(name)
+    operands = [_dims(dims) for dtype, dims in _TENSOR.findall(_LAYOUTS.search(line).group(1) if _LAYOUTS.search(
+        line) else "") if dtype in ("bf16", "f32", "f16") and dims.count(",") == 3]
+    if attention is None or len(operands) < 2:
+        return "other kernels", 1.0
+    (rows, heads, queries, size), keys = operands[0], operands[1][2]
+    forward = 2 * 2 * rows * heads * queries * keys * size / 2
+    kind = attention.group(1)
+    if b"dkv" in kind:
+        return "attention dkv", 2 * forward
+    if b"dq" in kind:
+        return "attention dq", 1.5 * forward
+    return "attention forward", forward
 
 
 def _summed(parts: list[tuple[str, float]]) -> dict[str, float]:
@@ -277,6 +382,20 @@ _COMPUTATION = re.compile(
 # if it ran, an upper bound).
 _CALL = re.compile(r"\b(calls|body|condition|to_apply|branch_computations|called_computations)=(\{[^}]*\}|%[\w.-]+)")
 _CALLEE = re.compile(r"%([\w.-]+)")
+
+
+# `%v = bf16[2048,512]{1,0:T(8,128)} convolution(%a, %b), dim_labels=fb_io->bf`, or `... dot(...)`.
+_MATMUL = re.compile(r"= [a-z][a-z0-9]*\[([0-9,]*)\][^ ]* (dot|convolution)\(([^)]*)\)")
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+_DIM_LABELS = re.compile(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)")  # input, kernel, output: b f i o, spatial
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
+_VALUE = re.compile(r"^\s*(?:ROOT )?%([\w.-]+) = ([a-z][a-z0-9]*)\[([0-9,]*)\]", re.M)
+_HEADER_PARAM = re.compile(r"([\w.-]+): ([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_LAYOUTS = re.compile(r"operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}")  # each operand's type and layout
+_MOSAIC_BODY = re.compile(r'"body": ?"([A-Za-z0-9+/=]+)"')
+# A Pallas attention kernel, by the function its Mosaic body is named after: splash's (`splash_mha_fwd...`,
+# `splash_mha_dq...`, `splash_mha_dkv...`) and flash's (`flash_attention_kernel`, `_flash_attention_dq_kernel`...)
+_ATTENTION_KERNEL = re.compile(rb"(?<![A-Za-z0-9])(splash_mha_[a-z_]+|_?flash_attention[a-z_]*)")
 
 
 def _first_group(groups: str) -> list[int]:
