@@ -10,9 +10,10 @@ the TPU compiler's own working memory comes after, and grows with the program it
 of layers is one copy of each layer's code; `--scan` compiles one). Beside it, the memory the model would take
 at rest (fp32 parameters and AdamW state) had the trace allocated it.
 
-At the default shape with `--scan --checkpointing`, the compiled program's memory and collectives per device are
-printed beside MaxText's `train_compile` of the same step (figures recorded below, from its own run: MaxText
-0.2.5, libtpu 0.0.52), with the ratios.
+With `--scan --checkpointing`, the default shape (32 x 8192) and the long-context ones (`--seq-len 65536` or
+131072 `--batch 4 --context 8`) print the compiled program's memory, collectives and executed FLOPs per device
+beside MaxText's `train_compile` of the same step (figures recorded below, from its own run: MaxText 0.2.5,
+libtpu 0.0.52), with the ratios.
 
     python bench/aot_compile.py --packed-chat [--tpu v5p-8 --seq-len 8192 --batch 4]
 
@@ -39,11 +40,19 @@ from xla_shard.aot import compiler, target, trace  # noqa: E402
 from xla_shard.aot.report import Report  # noqa: E402
 
 
-# MaxText 0.2.5 `train_compile` (libtpu 0.0.52) of Llama-3-8B on a v5p-64, 32 x 8192 tokens, bf16 compute, fp32
-# weights and AdamW, full remat, flash attention, scanned layers, per device (GiB): model_name=llama3-8b
-# compile_topology=v5p-64 per_device_batch_size=1 max_target_length=8192 remat_policy=full attention=flash
-# dtype=bfloat16 weight_dtype=float32 opt_type=adamw scan_layers=true dataset_type=synthetic
-MAXTEXT = {"temporaries": 7.43, "total HBM": 10.28, "arguments": 2.80, "all-gather": 26.98, "all-reduce": 0.0005}
+# MaxText 0.2.5 `train_compile` (libtpu 0.0.52) of Llama-3-8B on a v5p-64, bf16 compute, fp32 weights and AdamW,
+# full remat, flash attention, scanned layers, per device (GiB; executed TFLOP: its matmuls x loop trips and its
+# attention kernels counted as ours are, forward F, dq 1.5 F, dkv 2 F). Keyed by (seq_len, global batch,
+# mesh.context). 8K: model_name=llama3-8b compile_topology=v5p-64 per_device_batch_size=1 max_target_length=8192
+# remat_policy=full attention=flash dtype=bfloat16 weight_dtype=float32 opt_type=adamw scan_layers=true
+# dataset_type=synthetic. 64K and 128K: per_device_batch_size=0.125 max_target_length=65536 (131072)
+# ici_fsdp_parallelism=4 ici_context_parallelism=8 context_parallel_strategy=all_gather, the rest the same.
+MAXTEXT = {
+    (8192, 32, 1): {"temporaries": 7.43, "total HBM": 10.28, "arguments": 2.80, "all-gather": 26.98,
+                    "all-reduce": 0.0005, "executed TFLOP": 549.2},
+    (65536, 4, 8): {"total HBM": 11.10, "executed TFLOP": 1226.5},
+    (131072, 4, 8): {"total HBM": 17.09, "executed TFLOP": 4001.0},
+}
 GIB = 2**30
 
 
@@ -51,16 +60,23 @@ def host_peak() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
 
 
-def beside_maxtext(report: Report) -> None:
+def beside_maxtext(report: Report, theirs: dict[str, float]) -> None:
     ours = {"temporaries": report.compiled.temporaries / GIB, "total HBM": report.needed / GIB,
-            "arguments": report.compiled.argument_bytes / GIB,
+            "arguments": report.compiled.argument_bytes / GIB, "executed TFLOP": report.executed_flops / 1e12,
             **{kind: report.collectives.get(kind, {}).get("bytes", 0) / GIB for kind in ("all-gather", "all-reduce")}}
     print("\nper device, GiB | xla-shard compile | MaxText train_compile | ratio")
     print("|---|---|---|---|")
-    for what, theirs in MAXTEXT.items():
-        print(f"| {what} | {ours[what]:.3f} | {theirs:.4g} | {ours[what] / theirs:.2f} |")
-    for kind in ("reduce-scatter", "all-to-all"):
-        print(f"| {kind} | {report.collectives.get(kind, {}).get('bytes', 0) / GIB:.3f} | (not recorded) | |")
+    for what, figure in theirs.items():
+        print(f"| {what} | {ours[what]:.3f} | {figure:.4g} | {ours[what] / figure:.3f} |")
+
+
+def described(report: Report) -> None:
+    print(f"temporaries {report.compiled.temporaries / GIB:.2f} GiB, arguments "
+          f"{report.compiled.argument_bytes / GIB:.2f} GiB; collectives GiB per device: "
+          + ", ".join(f"{kind} {v.get('bytes', 0) / GIB:.2f}" for kind, v in report.collectives.items()))
+    print("executed TFLOP per device: " + ", ".join(f"{what} {flops / 1e12:.1f}"
+                                                   for what, flops in report.executed.items() if flops)
+          + f"; total {report.executed_flops / 1e12:.1f}")
     largest = "; ".join(f"{slot.bytes / GIB:.2f} {what} ({slot.spelled})"
                         for what, slot in report.largest_temporaries())
     print(f"largest temporaries: {largest}")
@@ -123,8 +139,8 @@ def main() -> None:
     if small:
         return packed_chat(args, tpu_name)
     llama3_8b = (tpu_name, args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate, args.vocab,
-                 args.seq_len, args.batch, args.scan, args.checkpointing, args.context) == (
-                     "v5p-64", 4096, 32, 32, 8, 14336, 128256, 8192, 32, True, True, 1)
+                 args.scan, args.checkpointing) == ("v5p-64", 4096, 32, 32, 8, 14336, 128256, True, True)
+    theirs = MAXTEXT.get((args.seq_len, args.batch, args.context)) if llama3_8b else None
     overrides = (f"{{hidden_size: {args.hidden}, intermediate_size: {args.intermediate}, num_hidden_layers: "
                  f"{args.layers}, num_attention_heads: {args.heads}, num_key_value_heads: {args.kv_heads}, "
                  f"vocab_size: {args.vocab}, max_position_embeddings: {args.seq_len}}}")
@@ -152,15 +168,9 @@ def main() -> None:
     print(f"| {traced_s:.1f} | {traced_peak:.2f} | {compiled_s:.1f} | {compiled_peak:.2f} | "
           f"{params * 12 / 2**30:.1f} | {report.needed / 2**30:.2f} ({report.available / 2**30:.0f}) | "
           f"{report.fits} |")
-    if llama3_8b:
-        beside_maxtext(report)
-    else:
-        print(f"temporaries {report.compiled.temporaries / GIB:.2f} GiB, arguments "
-              f"{report.compiled.argument_bytes / GIB:.2f} GiB; collectives GiB per device: "
-              + ", ".join(f"{kind} {v.get('bytes', 0) / GIB:.2f}" for kind, v in report.collectives.items()))
-        largest = "; ".join(f"{slot.bytes / GIB:.2f} {what} ({slot.spelled})"
-                            for what, slot in report.largest_temporaries())
-        print(f"largest temporaries: {largest}")
+    described(report)
+    if theirs:
+        beside_maxtext(report, theirs)
 
 
 if __name__ == "__main__":

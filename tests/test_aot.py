@@ -33,6 +33,33 @@ def test_a_slice_that_does_not_exist_is_one_line(name):
         target.parse(name)
 
 
+# The heap's block as libtpu 0.0.20 and 0.0.42 write it, and as 0.0.52 does (a page, and blocks in other memories
+# marked with their color), values abridged from their dumps.
+_HEAP_0_0_20 = """allocation 7: size 110166048, preallocated-temp:
+ value: <3281 add.1265 @0> (size=512,offset=2719744): u32[]{:T(128)}
+ value: <88 fusion.3 @0> (size=16777216,offset=0): bf16[32,1,8192,4096]{3,2,1,0}
+"""
+_HEAP_0_0_52 = """allocation 321: size 1024, page 0, maybe-live-out:
+ value: <4859 multiply_add_fusion.28{0} @0> (size=1024,offset=0): f32[2,128]{1,0:T(2,128)}
+allocation 322: size 110166048, page 0, preallocated-temp:
+ value: <3281 add.1265 @0> (size=512,offset=2719744): u32[]{:T(128)}
+ value: <88 fusion.3 @0> (size=16777216,offset=0): bf16[32,1,8192,4096]{3,2,1,0}
+allocation 323: size 60, color 2, page 0, preallocated-temp:
+ value: <3290 copy-start.41{2} @2> (size=4,offset=0): u32[]{:S(2)}
+"""
+
+
+@pytest.mark.parametrize("text", [_HEAP_0_0_20, _HEAP_0_0_52], ids=["libtpu-0.0.20", "libtpu-0.0.52"])
+def test_the_heap_is_read_from_either_compilers_buffer_assignment_and_its_slots_named_under_the_axis(text):
+    from xla_shard.aot import memory
+
+    found = memory.parse(text)
+    assert found.heap == 110166048 and found.slots[0].shape == (32, 1, 8192, 4096)
+    dims = memory.Dims(hidden=4096, vocab=128256, layers=32, intermediate=14336, head_dim=128, kv_width=1024,
+                       tokens=65536, devices=32, context=8)  # each device holds 8192 of a sequence's tokens
+    assert memory.named(found.slots[0], dims).startswith("layer checkpoints")
+
+
 @pytest.mark.e2e
 def test_the_trainers_step_compiles_for_a_tpu_and_holds_its_shards_per_device():
     """small-llama, FULL_SHARD over the 4 devices of a v5p-8, 256-token sequences: the TPU program runs Pallas

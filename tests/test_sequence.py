@@ -4,6 +4,7 @@ across the pieces, the loss scored per piece; a run with it trains as the same r
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -218,14 +219,16 @@ def test_the_splash_kernel_over_a_split_sequence_computes_the_eager_attention(tm
 
 @pytest.mark.e2e
 @pytest.mark.xla
-def test_the_compiled_axis_runs_the_attention_forward_twice_a_layer_and_each_backward_kernel_once():
-    """Compiled for a v5p-8 (scanned, checkpointed layers, sequences split 2 ways): the splash backward takes
-    the forward's output and log-sum-exp rather than running the kernel's forward again, so a layer runs the
-    forward twice (forward, checkpointing's recompute), dq and dkv once; each counted at causal attention's
-    FLOPs from the shapes, and the matmuls of the scanned layers once per layer: the model's own count (the
-    recompute adds its layers' forward), within what the loss adds."""
+def test_the_compiled_axis_does_maxtexts_attention_work_and_moves_each_devices_own_rows(tmp_path):
+    """Compiled for a v5p-8 (scanned, checkpointed layers, sequences split 2 ways):
+    - the splash backward takes the forward's output and log-sum-exp rather than running the kernel's forward
+      again, so a layer runs the forward twice (forward, checkpointing's recompute), dq and dkv once, each
+      counted at causal attention's FLOPs from the shapes; the matmuls of the scanned layers once per layer:
+      the model's own count (the recompute adds its layers' forward), within what the loss adds;
+    - the embedding's looked-up rows reach their devices without any device gathering the whole batch's
+      hidden states (XLA did, and sliced its own, for the forward and again for the gradient)."""
     pytest.importorskip("jax")
-    from tpu_compiles import compile_json
+    from tpu_compiles import traces
 
     layers, hidden, heads, kv_heads, head, mlp, vocab, tokens, rows = 2, 512, 8, 2, 64, 1024, 2048, 4096, 4
     shape = (f"{{hidden_size: {hidden}, intermediate_size: {mlp}, num_hidden_layers: {layers}, num_attention_heads: "
@@ -233,8 +236,8 @@ def test_the_compiled_axis_runs_the_attention_forward_twice_a_layer_and_each_bac
     sets = ["model=small-llama", f"model.overrides={shape}", f"train.seq_len={tokens}",
             f"train.global_batch_size={rows}", "fsdp.mixed_precision=bf16", "mesh.context=2", "fsdp.scan_layers=true",
             "fsdp.activation_checkpointing=true"]
-    report = compile_json("--tpu", "v5p-8", *[a for s in sets for a in ("--set", s)])
-    ran, devices = report["executed_flops_per_device"], report["devices"]
+    (found,) = traces("v5p-8", *sets, runs=[[]], cwd=tmp_path)
+    ran, devices = found["placeholders"]["executed"], found["placeholders"]["devices"]
     # each device: rows * tokens / devices query positions against whole sequences of keys, causal
     causal = 2 * 2 * (rows * tokens // devices) * tokens * heads * head / 2
     assert ran["attention forward"] == pytest.approx(2 * layers * causal)
@@ -245,6 +248,8 @@ def test_the_compiled_axis_runs_the_attention_forward_twice_a_layer_and_each_bac
     model = 2 * positions * (layers * per_layer + vocab * hidden)
     assert 3 * model + 2 * positions * layers * per_layer <= ran["matmuls"] <= 1.02 * (
         3 * model + 2 * positions * layers * per_layer)
+    whole_batch = rows * tokens * hidden
+    assert all(math.prod(dims) < whole_batch for dims in found["placeholders"]["all_gathered"])
 
 
 def test_the_longest_sequence_search_tries_the_axis_sizes_the_batch_allows():

@@ -7,6 +7,8 @@ Usage: aot_traces.py SLICE [--real] [KEY=VALUE ...] -- [KEY=VALUE ...] [-- ...] 
 """
 
 import json
+import math
+import re
 import sys
 
 from runs import split_runs
@@ -18,13 +20,19 @@ from xla_shard.planner import cost, hlo
 from xla_shard.planner.settle import settle
 
 
+_GATHERED = re.compile(r"= [a-z][a-z0-9]*\[([0-9,]*)\][^ ]* all-gather(?:-start)?\(")
+
+
 def compiled(cfg, tpu, placeholders: bool) -> dict:
     traced = trace.trace(cfg, tpu, placeholders=placeholders)
     program = tpu.compile(traced.proto)
     return {"traced": [traced.parameters, traced.optimizer_state, traced.batch, traced.reference],
             "memory": [program.argument_bytes, program.output_bytes, program.temporaries],
             "flops": program.flops, "collectives": hlo.collective_totals(program.hlo_text, traced.loop_trips),
-            "kernels": traced.kernels}
+            "kernels": traced.kernels, "executed": hlo.executed_flops(program.hlo_text, traced.loop_trips),
+            "devices": tpu.count,
+            "all_gathered": sorted({tuple(int(d) for d in dims.split(",") if d) for dims in _GATHERED.findall(
+                program.hlo_text)}, key=lambda dims: -math.prod(dims))}  # each all-gather's result dims
 
 
 def predicted(cfg, devices: int, chip) -> dict:

@@ -275,15 +275,25 @@ def compile_program(proto: bytes, devices: list) -> Compiled:
         except Exception as exc:  # noqa: BLE001 - what the TPU compiler rejected, said in one line
             raise rejection(" ".join(str(exc).split())) from None
         assignment = memory.read(dump)
+        optimized = _optimized_text(dump, executable)
     stats = executable.get_compiled_memory_stats()
     cost = executable.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     return Compiled(len(devices), stats.argument_size_in_bytes, stats.output_size_in_bytes,
                     stats.alias_size_in_bytes, stats.temp_size_in_bytes, stats.generated_code_size_in_bytes,
-                    float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)),
-                    executable.hlo_modules()[0].to_string(),
+                    float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)), optimized,
                     assignment.heap if assignment else None,
                     [[s.bytes, s.dtype, list(s.shape)] for s in assignment.slots[:memory.KEPT]] if assignment else [])
+
+
+def _optimized_text(dump: str, executable) -> str:
+    """The optimized program as the compiler wrote it into its dump; else as jaxlib reads it back (a libtpu
+    newer than jaxlib writes ops jaxlib's parser refuses: 0.0.52's async-update under jax 0.10.2). The largest
+    module is the step (each Pallas kernel is a module of its own)."""
+    files = list(Path(dump).glob("*after_optimizations.txt"))
+    if not files:
+        return executable.hlo_modules()[0].to_string()
+    return max(files, key=lambda f: f.stat().st_size).read_text()
 
 
 def _without_empty_tilings(module):

@@ -14,13 +14,17 @@ the layers' checkpoints, the logits, gathered weights, attention's, the MLP's.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_HEAP = re.compile(r"^allocation \d+: size (\d+), preallocated-temp:\n((?: value:.*\n)+)", re.M)
+# The heap in HBM: `allocation 7: size S, preallocated-temp:` (libtpu 0.0.20, 0.0.42) or `..., page 0,
+# preallocated-temp:` (0.0.52); blocks in other memories say their `color N` and are not it.
+_HEAP = re.compile(r"^allocation \d+: size (\d+)(?:, page \d+)?, preallocated-temp:\n((?: value:.*\n)+)", re.M)
 _VALUE = re.compile(r" value: <\d+ [^ ]+ @\d+> \(size=(\d+),offset=(\d+)\): (\w+)\[([0-9,]*)\]")
 _SLOTS_SHOWN = 6
+_LANES = 128  # the attention kernels keep their per-row statistics (log-sum-exp) widened to a vector's lanes
 KEPT = 24  # slots a compile keeps for its report
 
 
@@ -84,6 +88,7 @@ class Dims:
     kv_width: int  # keys' (and values') projection width: KV heads x head_dim
     tokens: int  # per sequence
     devices: int
+    context: int = 1  # devices a sequence is split over (mesh.context): each holds tokens / context of it
 
 
 def named(slot: Slot, dims: Dims | None) -> str:
@@ -96,14 +101,16 @@ def named(slot: Slot, dims: Dims | None) -> str:
     vocab = {dims.vocab, -(-dims.vocab // dims.devices)}
     widths = {dims.hidden, dims.intermediate, dims.kv_width}
     widths |= {-(-w // dims.devices) for w in widths}  # a device's shard of one
-    sequence = dims.tokens in shape
+    sequence = bool({dims.tokens, dims.tokens // dims.context} & set(shape))  # whole, or a device's piece
     if sequence and shape[-1] == dims.hidden and shape[0] == dims.layers and len(shape) >= 3:
         return "layer checkpoints (the residual stream each layer keeps)"
     if not sequence and len(shape) >= 2 and set(shape[-2:]) <= widths | vocab and shape[-1] not in vocab - widths:
         return "weights gathered whole, or their gradients"
+    if not sequence and math.prod(shape) in {dims.vocab * dims.hidden, -(-dims.vocab // dims.devices) * dims.hidden}:
+        return "the output head's gradient, laid out for its sum over devices"
     if shape[-1] in vocab:
         return "logits (or their gradient)"
-    if sequence and shape[-1] == dims.head_dim:
+    if sequence and (shape[-1] == dims.head_dim or (slot.dtype == "f32" and shape[-1] == _LANES)):
         return "attention (queries, keys, values, flash attention's statistics)"
     if sequence and shape[-1] == dims.intermediate:
         return "MLP activations"

@@ -139,7 +139,7 @@ def trace(cfg: ShardConfig, tpu: compiler.Slice, placeholders: bool = True) -> T
         causal = trainer.flops_per_token - causal_attention_discount(config, cfg.train.seq_len)
         return Trace(proto, backend.num_devices, str(backend.plan), params, state, batch // backend.num_devices,
                      updated + state, trainer.flops_per_token * tokens, trips, reference, causal * tokens,
-                     _dims(config, cfg.train.seq_len, backend.num_devices), generating)
+                     _dims(config, cfg.train.seq_len, backend.num_devices, backend.plan.context), generating)
 
 
 def causal_attention_discount(config, seq_len: int) -> float:
@@ -148,14 +148,14 @@ def causal_attention_discount(config, seq_len: int) -> float:
     return 6.0 * config.num_hidden_layers * config.hidden_size * seq_len
 
 
-def _dims(config, seq_len: int, devices: int) -> memory.Dims:
+def _dims(config, seq_len: int, devices: int, context: int) -> memory.Dims:
     from xla_shard.planner import attention_widths
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     head_dim, kv_width = attention_widths(config)
     return memory.Dims(text.hidden_size, text.vocab_size, text.num_hidden_layers,
                        getattr(text, "intermediate_size", 0) or 4 * text.hidden_size, head_dim, kv_width,
-                       seq_len, devices)
+                       seq_len, devices, context)
 
 
 def _device_bytes(tensor: torch.Tensor) -> int:

@@ -206,12 +206,14 @@ def _kernel_flops(line: str) -> tuple[str, float]:
     body = _MOSAIC_BODY.search(line)
     name = base64.b64decode(body.group(1)) if body else b""
     attention = _ATTENTION_KERNEL.search(name)
-    operands = [_dims(dims) for dtype, dims in _TENSOR.findall(_LAYOUTS.search(line).group(1) if _LAYOUTS.search(
-        line) else "") if dtype in ("bf16", "f32", "f16") and dims.count(",") == 3]
+    layouts = _LAYOUTS.search(line)
+    # queries [rows..., heads, tokens, head size] then keys (a batch of one row loses its rows dim)
+    operands = [_dims(dims) for dtype, dims in _TENSOR.findall(layouts.group(1) if layouts else "")
+                if dtype in ("bf16", "f32", "f16") and dims.count(",") >= 2]
     if attention is None or len(operands) < 2:
         return "other kernels", 1.0
-    (rows, heads, queries, size), keys = operands[0], operands[1][2]
-    forward = 2 * 2 * rows * heads * queries * keys * size / 2
+    query, keys = operands[0], operands[1][-2]
+    forward = 2 * 2 * math.prod(query) * keys / 2
     kind = attention.group(1)
     if b"dkv" in kind:
         return "attention dkv", 2 * forward
