@@ -246,8 +246,10 @@ def test_the_compiled_axis_does_maxtexts_attention_work_and_moves_each_devices_o
     per_layer = 2 * hidden * heads * head + 2 * hidden * kv_heads * head + 3 * hidden * mlp
     positions = rows * tokens / devices
     model = 2 * positions * (layers * per_layer + vocab * hidden)
-    assert 3 * model + 2 * positions * layers * per_layer <= ran["matmuls"] <= 1.02 * (
-        3 * model + 2 * positions * layers * per_layer)
+    # the recompute needs no layer's last projection (its output is the next checkpoint, kept): XLA drops it
+    recompute = 2 * positions * layers * (per_layer - hidden * mlp)
+    assert 3 * model + recompute <= ran["matmuls"] <= 1.02 * (3 * model + recompute + 2 * positions * layers * hidden
+                                                              * mlp)
     whole_batch = rows * tokens * hidden
     assert all(math.prod(dims) < whole_batch for dims in found["placeholders"]["all_gathered"])
 

@@ -204,20 +204,19 @@ def _kernel_flops(line: str) -> tuple[str, float]:
     import base64
 
     body = _MOSAIC_BODY.search(line)
-    name = base64.b64decode(body.group(1)) if body else b""
-    attention = _ATTENTION_KERNEL.search(name)
+    names = b" ".join(_ATTENTION_KERNEL.findall(base64.b64decode(body.group(1)) if body else b""))
     layouts = _LAYOUTS.search(line)
     # queries [rows..., heads, tokens, head size] then keys (a batch of one row loses its rows dim)
     operands = [_dims(dims) for dtype, dims in _TENSOR.findall(layouts.group(1) if layouts else "")
                 if dtype in ("bf16", "f32", "f16") and dims.count(",") >= 2]
-    if attention is None or len(operands) < 2:
+    if not names or len(operands) < 2:
         return "other kernels", 1.0
     query, keys = operands[0], operands[1][-2]
     forward = 2 * 2 * math.prod(query) * keys / 2
-    kind = attention.group(1)
-    if b"dkv" in kind:
+    # a backward kernel's body also names the forward's functions it shares: its own pass decides
+    if b"dkv" in names:
         return "attention dkv", 2 * forward
-    if b"dq" in kind:
+    if b"dq" in names:
         return "attention dq", 1.5 * forward
     return "attention forward", forward
 
