@@ -371,6 +371,30 @@ def test_the_search_for_a_change_that_fits_stops_at_its_time_budget_and_says_wha
     assert "ran out before trying --tpu v5p-16" in said and "\n" not in said
 
 
+@pytest.mark.parametrize("minutes", ["0", "-5", "nan"])
+def test_a_search_budget_that_allows_no_compile_is_refused_in_one_line(minutes, capsys):
+    from xla_shard import cli
+
+    with pytest.raises(SystemExit) as done:
+        cli._parser().parse_args(["compile", "--tpu", "v5p-8", "--longest", "--budget-minutes", minutes])
+    assert done.value.code == 2 and "--budget-minutes" in capsys.readouterr().err
+
+
+def test_longest_with_its_budget_spent_before_any_compile_says_so_not_that_nothing_fits(monkeypatch):
+    """Whether train.seq_len fits is not known until it is compiled: a budget spent before that is said as such
+    (it used to read "train.seq_len 64 does not fit v5p-8")."""
+    import types
+
+    from xla_shard import config
+    from xla_shard.aot import run
+
+    cfg = config.load(None, ["model.name=tiny-llama", "train.global_batch_size=8"])
+    monkeypatch.setattr(run.compiler, "describe", lambda topology, slices=1: types.SimpleNamespace(count=4))
+    monkeypatch.setattr(run, "compile_for", lambda *a: pytest.fail("compiled past the budget"))
+    with pytest.raises(UserError, match=r"--budget-minutes .*ran out before train.seq_len \d+ was compiled"):
+        run.longest(cfg, "v5p-8", budget_s=0.0)
+
+
 def test_a_compile_this_machine_cannot_hold_is_refused_before_the_trace_with_the_remedy():
     """libtpu's compile of an unrolled step takes host memory by the layer (an unrolled 8B: about 21 GiB); the
     kernel would kill it minutes in, without a word. Said first, in one line, with what fits."""

@@ -196,6 +196,28 @@ def logs(completions, trainer_state, log_metric, **kwargs):
     log_metric("seen", len(completions))
     return [float(trainer_state.global_step)] * len(completions)
 
+def takes_the_step(completions, log_metric, **kwargs):
+    log_metric("step", 999)
+    log_metric("loss", 0.0)
+    return [1.0] * len(completions)
+
+def logs_nothing_useful(completions, log_metric, **kwargs):
+    log_metric("ratio", float("inf"))
+    return [1.0] * len(completions)
+
+def leaves(completions, **kwargs):
+    import sys
+    sys.exit(0)
+
+def shouts(completions, **kwargs):
+    raise ValueError("x" * 5_000_000)
+
+def too_big(completions, **kwargs):
+    return [1e39] * len(completions)
+
+def far_too_big(completions, **kwargs):
+    return [10**400] * len(completions)
+
 table = {}
 '''
 
@@ -224,7 +246,7 @@ def test_reward_functions_are_the_users_python_called_as_trl_calls_them(reward_f
     assert rewards.names == ["share_of_a", "long_only", "logs"] and rewards.weights == [1.0, 0.5, 2.0]
     assert scores[:, 0].tolist() == pytest.approx([2 / 3, 1 / 4, 0.0])
     assert scores[[0, 2], 1].isnan().all() and scores[1, 1].item() == 4.0
-    assert scores[:, 2].tolist() == [7.0] * 3 and rewards.logged == {"seen": [3]}
+    assert scores[:, 2].tolist() == [7.0] * 3 and rewards.logged == {"log_metric/seen": [3]}
 
 
 @pytest.mark.parametrize("spec, words", [
@@ -250,6 +272,48 @@ def test_a_reward_function_that_fails_is_one_line_naming_it_and_the_row(reward_f
     with pytest.raises(RewardError) as caught:
         _score(Rewards.from_specs([f"my_rewards:{name}"]), ["abc", "ab", "bbb"])
     assert str(caught.value).startswith(words) and "\n" not in str(caught.value)
+
+
+def test_what_a_reward_function_logs_is_kept_apart_from_the_runs_own_record(reward_file):
+    """log_metric("step", ...) or ("loss", ...) lands under log_metric/, never on the record's own step and loss
+    (a resume would have taken such records for newer than the checkpoint and deleted them); a name that is no
+    name or a value that is no finite number is one line naming the function."""
+    from xla_shard.methods.rewards import RewardError, Rewards
+
+    rewards = Rewards.from_specs(["my_rewards:takes_the_step"])
+    _score(rewards, ["a", "b"])
+    assert rewards.logged == {"log_metric/step": [999.0], "log_metric/loss": [0.0]}
+    with pytest.raises(RewardError, match="reward function logs_nothing_useful logged 'ratio' = inf"):
+        _score(Rewards.from_specs(["my_rewards:logs_nothing_useful"]), ["a"])
+
+
+@pytest.mark.parametrize("name, words", [
+    ("leaves", "reward function leaves called sys.exit(0): a reward function returns rewards, it does not end the "
+               "run"),
+    ("too_big", "reward function too_big returned 1e+39 for the completion of data row 10: return a finite number "
+                "within float32's range"),
+    ("far_too_big", "reward function far_too_big returned 1000"),
+    ("shouts", "reward function shouts raised ValueError: xxx")])
+def test_a_reward_function_cannot_end_the_run_or_overflow_its_rewards_or_flood_the_log(reward_file, name, words):
+    from xla_shard.methods.rewards import RewardError, Rewards
+
+    with pytest.raises(RewardError) as caught:
+        _score(Rewards.from_specs([f"my_rewards:{name}"]), ["abc", "ab"])
+    said = str(caught.value)
+    assert said.startswith(words) and "\n" not in said and len(said) < 1000
+
+
+def test_reward_functions_of_one_name_keep_their_own_metrics_and_columns_cannot_shadow_their_arguments(
+        reward_file, tmp_path):
+    from xla_shard.methods.rewards import RewardError, Rewards
+
+    (tmp_path / "other.py").write_text("def share_of_a(completions, **kwargs):\n    return [0.5] * len(completions)\n")
+    rewards = Rewards.from_specs(["my_rewards:share_of_a", "other:share_of_a"])
+    assert rewards.names == ["share_of_a", "share_of_a_2"]
+    scores = _score(rewards, ["aa", "b"])
+    assert scores[:, 1].tolist() == [0.5, 0.5] and scores[:, 0].tolist() == [1.0, 0.0]
+    with pytest.raises(RewardError, match="the data's column 'completions' has the name of an argument"):
+        rewards.score(["p"], ["a"], [[1]], {"completions": ["x"]}, rows=[0])
 
 
 @pytest.mark.e2e
@@ -289,7 +353,7 @@ def test_grpo_learns_a_toy_task_resumes_exactly_and_exports(model_dirs, tmp_path
     full = steps(got["full"])
     assert steps(got["stopped"]) + steps(got["resumed"]) == full
     assert [r["step"] for r in steps(got["resumed"])] == list(range(7, 17))
-    assert all(name in r for r in full for name in (*TRL_NAMES, "topic_mentions"))  # (what log_metric logged)
+    assert all(name in r for r in full for name in (*TRL_NAMES, "log_metric/topic_mentions"))  # (log_metric's)
     assert not any("recompiles" in r for r in got["full"])  # the sampler and the step compile once
     reward = [r["rewards/low_token_share/mean"] for r in full]
     # (a random policy scores 1/8 throughout; 16 steps of 8 completions are noisy: the last four steps' mean above
@@ -300,7 +364,7 @@ def test_grpo_learns_a_toy_task_resumes_exactly_and_exports(model_dirs, tmp_path
     assert all(f"eval_{name}" in evaluation for name in TRL_NAMES)
     assert evaluation["eval_rewards/low_token_share/mean"] > sum(reward[:4]) / 4 + 0.1  # the trained policy's
     if backend == "xla_spmd":  # one process scores each batch's real completions: 8, 8, then 4 (not the filler)
-        assert evaluation["eval_scored_completions"] == pytest.approx(20 / 3)
+        assert evaluation["eval_log_metric/scored_completions"] == pytest.approx(20 / 3)
     done = run_in_process(capsys, "ckpt", "export", str(tmp_path / "a" / "step-00000016"), "--to",
                           str(tmp_path / "export"))
     assert done.returncode == 0, done.stderr[-2000:]

@@ -106,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     aot.add_argument("--longest", action="store_true", help="the longest sequence (doubling train.seq_len) that "
                                                             "fits the slice, and with which mesh.context: each "
                                                             "answer a compile")
-    aot.add_argument("--budget-minutes", type=float, default=30.0, help="--longest, and the search for a change "
+    aot.add_argument("--budget-minutes", type=_positive, default=30.0, help="--longest, and the search for a change "
                                                                          "that fits: start no compile after this long")
     aot.add_argument("--no-suggest", action="store_true", help=argparse.SUPPRESS)  # a compile of a suggestion
     aot.set_defaults(func=_compile)

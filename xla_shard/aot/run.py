@@ -245,10 +245,11 @@ def longest(cfg: ShardConfig, slice_name: str, slices: int = 1, budget_s: float 
         while smaller and fits(best, smaller[-1]):
             context = smaller.pop()
     except TimeoutError:
+        if best is None:  # nothing compiled: whether train.seq_len fits is not known
+            raise UserError(f"--budget-minutes {budget_s / 60:g}: the time budget ran out before train.seq_len "
+                            f"{cfg.train.seq_len} was compiled; give the search more time") from None
         say(f"  the time budget ({budget_s / 60:.0f} min) ran out: longer sequences and smaller axes than those "
             "above were not compiled")
-        if best is None:
-            return None
     if limit is not None and seq_len > limit:
         say(f"  the model has {limit} positions (max_position_embeddings): no longer sequence was tried")
     return best, context, tried[best, context]
