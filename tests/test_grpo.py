@@ -274,6 +274,33 @@ def test_a_reward_function_that_fails_is_one_line_naming_it_and_the_row(reward_f
     assert str(caught.value).startswith(words) and "\n" not in str(caught.value)
 
 
+def test_end_of_sequence_ids_declared_only_in_generation_config_json_end_a_completion(model_dirs, tmp_path):
+    """transformers reads generation_config.json only in from_pretrained; the model built from its config (as
+    sharded loading builds it) is given it too, so an end-of-turn id declared there ends a completion. One that
+    is not a generation config is one line naming model.name."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from xla_shard import config as cfglib
+    from xla_shard.errors import ConfigError
+    from xla_shard.methods.grpo_rollout import _eos_ids
+    from xla_shard.models import build_model
+
+    directory = shutil.copytree(model_dirs.llama, tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    declared = json.loads((directory / "generation_config.json").read_text())
+    (directory / "generation_config.json").write_text(json.dumps({**declared, "eos_token_id": [
+        tokenizer.eos_token_id, 5]}))
+    section = cfglib.load(None, [f"model.name={directory}"]).model
+    assert _eos_ids(tokenizer, build_model(section, seed=0)) == (tokenizer.eos_token_id, 5)
+    assert _eos_ids(tokenizer, build_model(section, seed=0, empty=True)) == (tokenizer.eos_token_id, 5)
+    (directory / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="model.name.*generation_config.json is not a generation config"):
+        build_model(section, seed=0)
+
+
 def test_what_a_reward_function_logs_is_kept_apart_from_the_runs_own_record(reward_file):
     """log_metric("step", ...) or ("loss", ...) lands under log_metric/, never on the record's own step and loss
     (a resume would have taken such records for newer than the checkpoint and deleted them); a name that is no

@@ -192,6 +192,7 @@ def build_model(section: ModelSection, seed: int, empty: bool = False, source: M
 
     `empty`: parameters on the meta device (no memory, no init), to be sharded and then filled from pretrained
     weights; buffers (rotary tables, position ids) are computed for real, as the model's own code does."""
+    source = source or resolve_source(section)
     config = model_config(section, source, accelerator)
     if experts is not None:
         if experts == experts_kernels.XLA_GMM:
@@ -223,8 +224,40 @@ def build_model(section: ModelSection, seed: int, empty: bool = False, source: M
     except (TypeError, RuntimeError, AttributeError, ZeroDivisionError) as exc:
         raise ConfigError(key, f"transformers cannot build this model ({type(exc).__name__}: "
                                f"{one_line(exc)})") from None
+    generation = generation_config(source)
+    if generation is not None:
+        model.generation_config = generation
     train_without_cache(model)
     return model
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def generation_config(source: ModelSource):
+    """The model directory's generation_config.json (its end-of-turn tokens above all), which transformers reads
+    only in `from_pretrained`: a model built from its config gets one derived from config.json, and EOS ids
+    declared only here would never end a completion. None where the directory has none."""
+    from transformers import GenerationConfig
+
+    if source.directory is None:
+        return None
+    storage = Storage(source.directory)
+    where = f"{source.directory.rstrip('/')}/{GENERATION_CONFIG}"
+    try:
+        refuse_link_out(storage, GENERATION_CONFIG, "model.name")
+        raw = storage.read_bytes(GENERATION_CONFIG)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+    except StorageError as exc:
+        raise ConfigError("model.name", f"{where}: the storage could not be read ({exc})") from None
+    try:
+        fields = parse_json(raw)
+        if not isinstance(fields, dict):
+            raise SchemaError("(top level)", "not a JSON object")
+        return GenerationConfig.from_dict(fields)
+    except (UnicodeDecodeError, SchemaError, TypeError, ValueError) as exc:
+        raise ConfigError("model.name", f"{where} is not a generation config: {one_line(exc)}") from None
 
 
 def max_positions(config: PretrainedConfig) -> int | None:
