@@ -218,6 +218,9 @@ def too_big(completions, **kwargs):
 def far_too_big(completions, **kwargs):
     return [10**400] * len(completions)
 
+def abstains(completions, **kwargs):
+    return [None] * len(completions)
+
 table = {}
 '''
 
@@ -328,6 +331,16 @@ def test_a_reward_function_cannot_end_the_run_or_overflow_its_rewards_or_flood_t
         _score(Rewards.from_specs([f"my_rewards:{name}"]), ["abc", "ab"])
     said = str(caught.value)
     assert said.startswith(words) and "\n" not in said and len(said) < 1000
+
+
+def test_a_step_no_reward_function_scores_is_said(reward_file, capsys):
+    """Every reward None: the completions' advantages are 0 and the step learns nothing from them (TRL warns)."""
+    from xla_shard.methods.rewards import Rewards
+
+    assert _score(Rewards.from_specs(["my_rewards:abstains", "my_rewards:long_only"]), ["ab", "b"]).isnan().all()
+    assert "step 7: every reward function returned None for all 2 completions" in capsys.readouterr().err
+    _score(Rewards.from_specs(["my_rewards:abstains", "my_rewards:long_only"]), ["ab", "abcde"])
+    assert "every reward function returned None" not in capsys.readouterr().err  # long_only scored one
 
 
 def test_reward_functions_of_one_name_keep_their_own_metrics_and_columns_cannot_shadow_their_arguments(

@@ -139,6 +139,9 @@ class Rewards:
                                       f"data row {rows[i]}: return a finite number within float32's range (or "
                                       "None where it does not score one)")
                 scores[i, index] = reward
+        if len(completions) and scores.isnan().all():
+            _warn(f"step {step}: every reward function returned None for all {len(completions)} completions scored "
+                  "here: their advantages are 0, and they teach the step nothing")
         return scores
 
     @staticmethod
@@ -159,6 +162,10 @@ class Rewards:
             raise RewardError(f"reward function {function} logged {_said(repr(name))} = {_said(repr(value))} with "
                               "log_metric: give it a name and a finite number")
         self.logged.setdefault(LOGGED + name, []).append(number)
+
+
+def _warn(message: str) -> None:
+    print(f"WARNING: {message}", file=sys.stderr, flush=True)
 
 
 def _finite(value) -> float | None:
