@@ -45,6 +45,7 @@ class ModelSource:
     name: str
     fields: dict[str, Any]  # the transformers config fields, model_type included
     directory: str | None = None  # the model directory's URL or path, when there is one
+    generation: dict[str, Any] | None = None  # its generation_config.json, when it has one
 
     @property
     def is_preset(self) -> bool:
@@ -73,11 +74,40 @@ def resolve_source(section: ModelSection, retry_deadline_s: float = 120.0) -> Mo
     if not isinstance(fields, dict) or "model_type" not in fields:
         raise ConfigError("model.name", f"{where} has no model_type: not a transformers config")
     _refuse_unbuildable(fields, f"{where}: ")
-    if file == CONFIG:
-        refuse_untrusted(storage, "model.name", shown=directory)
-    elif "auto_map" in fields:
-        raise ConfigError("model.name", f"{where} has 'auto_map': it needs Python code, which xla_shard never runs")
-    return ModelSource(name, fields, directory=None if file != CONFIG else directory)
+    if file != CONFIG:
+        if "auto_map" in fields:
+            raise ConfigError("model.name", f"{where} has 'auto_map': it needs Python code, which xla_shard never "
+                                            "runs")
+        return ModelSource(name, fields)
+    refuse_untrusted(storage, "model.name", shown=directory)
+    return ModelSource(name, fields, directory=directory, generation=_generation_fields(storage, directory))
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def _generation_fields(storage: Storage, directory: str) -> dict[str, Any] | None:
+    """The model directory's generation_config.json (its end-of-turn tokens above all), which transformers reads
+    only in `from_pretrained`: a model built from its config gets one derived from config.json, and EOS ids
+    declared only here would never end a completion. Read once, with config.json; None where there is none."""
+    from transformers import GenerationConfig
+
+    where = f"{directory.rstrip('/')}/{GENERATION_CONFIG}"
+    try:
+        refuse_link_out(storage, GENERATION_CONFIG, "model.name")
+        raw = storage.read_bytes(GENERATION_CONFIG)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+    except StorageError as exc:
+        raise ConfigError("model.name", f"{where}: the storage could not be read ({exc})") from None
+    try:
+        fields = parse_json(raw)
+        if not isinstance(fields, dict):
+            raise SchemaError("(top level)", "not a JSON object")
+        GenerationConfig.from_dict(fields)  # refused here, where config.json is: config check says it too
+    except (UnicodeDecodeError, SchemaError, TypeError, ValueError) as exc:
+        raise ConfigError("model.name", f"{where} is not a generation config: {one_line(exc)}") from None
+    return fields
 
 
 # Layer counts a config.json may claim (names across architectures, in nested text/vision configs too). Building
@@ -224,40 +254,12 @@ def build_model(section: ModelSection, seed: int, empty: bool = False, source: M
     except (TypeError, RuntimeError, AttributeError, ZeroDivisionError) as exc:
         raise ConfigError(key, f"transformers cannot build this model ({type(exc).__name__}: "
                                f"{one_line(exc)})") from None
-    generation = generation_config(source)
-    if generation is not None:
-        model.generation_config = generation
+    if source.generation is not None:
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_dict(source.generation)
     train_without_cache(model)
     return model
-
-
-GENERATION_CONFIG = "generation_config.json"
-
-
-def generation_config(source: ModelSource):
-    """The model directory's generation_config.json (its end-of-turn tokens above all), which transformers reads
-    only in `from_pretrained`: a model built from its config gets one derived from config.json, and EOS ids
-    declared only here would never end a completion. None where the directory has none."""
-    from transformers import GenerationConfig
-
-    if source.directory is None:
-        return None
-    storage = Storage(source.directory)
-    where = f"{source.directory.rstrip('/')}/{GENERATION_CONFIG}"
-    try:
-        refuse_link_out(storage, GENERATION_CONFIG, "model.name")
-        raw = storage.read_bytes(GENERATION_CONFIG)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        return None
-    except StorageError as exc:
-        raise ConfigError("model.name", f"{where}: the storage could not be read ({exc})") from None
-    try:
-        fields = parse_json(raw)
-        if not isinstance(fields, dict):
-            raise SchemaError("(top level)", "not a JSON object")
-        return GenerationConfig.from_dict(fields)
-    except (UnicodeDecodeError, SchemaError, TypeError, ValueError) as exc:
-        raise ConfigError("model.name", f"{where} is not a generation config: {one_line(exc)}") from None
 
 
 def max_positions(config: PretrainedConfig) -> int | None:

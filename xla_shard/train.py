@@ -181,6 +181,7 @@ EvalHook = Callable[["Trainer", int, "dict[str, Any]"], None]
 _MFU_CONVENTION = ("FLOPs by PaLM's count: 6 x non-embedding parameters + 12 x layers x hidden x seq_len a token, "
                    "attention over every pair of positions (MaxText's count takes causal attention at half)")
 
+
 class Trainer:
     """The whole training job for one config.
 

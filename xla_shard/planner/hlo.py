@@ -4,6 +4,7 @@ predictions and the compile report's roofline are held to."""
 
 from __future__ import annotations
 
+import base64
 import math
 import re
 from collections import defaultdict
@@ -21,7 +22,7 @@ _ALL_TO_ALL = re.compile(r"= (\([^)]*\)|\S+) all-to-all\(.*?replica_groups=(\{\{
 
 def _tensor_bytes(dtype: str, dims: str) -> int:
     """Bytes of an HLO shape `dtype[dims]` (dims as written: `4,256`, or empty for a scalar)."""
-    return math.prod(int(d) for d in dims.split(",") if d) * _BYTES.get(dtype, 4)
+    return math.prod(_dims(dims)) * _BYTES.get(dtype, 4)
 
 
 def collectives(hlo_text: str) -> dict[tuple[str, int, int], dict[str, int]]:
@@ -201,8 +202,6 @@ def _window_list(window, key: str, raw: bool = False) -> list:
 
 
 def _kernel_flops(line: str) -> tuple[str, float]:
-    import base64
-
     body = _MOSAIC_BODY.search(line)
     names = b" ".join(_ATTENTION_KERNEL.findall(base64.b64decode(body.group(1)) if body else b""))
     layouts = _LAYOUTS.search(line)
