@@ -10,7 +10,7 @@ from model_dirs import moe_dir
 from tpu_compiles import USERS_XLA, compile_json, traces
 
 from xla_shard.aot import target
-from xla_shard.errors import UserError
+from xla_shard.errors import ConfigError, UserError
 
 pytestmark = pytest.mark.xla
 ISOLATED = "XLA_SHARD_TPU_COMPILER"
@@ -393,6 +393,11 @@ def test_longest_with_its_budget_spent_before_any_compile_says_so_not_that_nothi
     monkeypatch.setattr(run, "compile_for", lambda *a: pytest.fail("compiled past the budget"))
     with pytest.raises(UserError, match=r"--budget-minutes .*ran out before train.seq_len \d+ was compiled"):
         run.longest(cfg, "v5p-8", budget_s=0.0)
+    # a start past the model's positions is the config's error, not "does not fit"
+    tiny = config.load(None, ["model.name=tiny-llama", "train.global_batch_size=8", "train.seq_len=4096"])
+    with pytest.raises(ConfigError, match=r"4096 is longer than the model's \d+ positions") as refused:
+        run.longest(tiny, "v5p-8")
+    assert refused.value.key == "train.seq_len"
 
 
 def test_a_compile_this_machine_cannot_hold_is_refused_before_the_trace_with_the_remedy():

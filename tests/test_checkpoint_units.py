@@ -2,6 +2,7 @@
 
 import errno
 import itertools
+import json
 import math
 
 import pytest
@@ -151,3 +152,77 @@ def test_a_checkpoint_written_before_a_resume_key_existed_was_written_with_its_d
     with pytest.raises(ConfigError) as raised:
         checkpointer._check_identity(types.SimpleNamespace(data={"config": saved}, url="other"), None)
     assert raised.value.key == "data.kind" and "'chat'" in str(raised.value)
+
+
+def test_a_resume_names_its_files_any_way_that_reaches_them(tmp_path, monkeypatch):
+    """data.path, data.tokenizer, model.name: the same file by a relative path, an absolute one or a link is the
+    same run; another file is another run, named by key."""
+    import types
+
+    from xla_shard import config
+    from xla_shard.checkpoint.manager import changed_identity
+
+    data = tmp_path / "corpus.txt"
+    data.write_text("some text\n")
+    (tmp_path / "link.txt").symlink_to(data)
+    (tmp_path / "other.txt").write_text("other text\n")
+    monkeypatch.chdir(tmp_path)
+
+    def written_with(path):
+        cfg = config.load(None, ["data.kind=text", f"data.path={path}"])
+        return types.SimpleNamespace(data={"config": cfg.model_dump(mode="json", by_alias=True)}, url="ckpt/step-1")
+
+    for first, now in (("corpus.txt", data), (data, "corpus.txt"), ("link.txt", "./corpus.txt")):
+        assert changed_identity(written_with(first), config.load(None, ["data.kind=text", f"data.path={now}"])
+                                .run_identity()) is None
+    changed = changed_identity(written_with("corpus.txt"), config.load(None, ["data.kind=text",
+                                                                               "data.path=other.txt"]).run_identity())
+    assert changed is not None and changed[0] == "data.path"
+
+
+@pytest.fixture
+def transformers_imported():
+    """A save reads the model's transformers config: transformers' first import (seconds) is not the subject."""
+    import transformers.modeling_utils  # noqa: F401
+
+
+@pytest.mark.usefixtures("transformers_imported")
+def test_a_save_records_its_slowest_writer_and_the_estimate_reads_that_rate(tmp_path):
+    """An emergency save of a host's state, against the window its capacity gives: the rate is the one this
+    run's newest checkpoint measured (its manifest records its slowest writer), else the one given, else an
+    assumed one that says so."""
+    from conftest import in_process_checkpointer
+
+    from xla_shard import config
+    from xla_shard.checkpoint import window
+
+    said = []
+    model = torch.nn.Linear(256, 256)
+    checkpointer = in_process_checkpointer(tmp_path / "ckpt", "checkpoint.preemption_grace_s=0.000001",
+                                           log=said.append)
+    checkpointer.save(1, model, None)
+    written = json.loads((tmp_path / "ckpt" / layout.step_dir(1) / layout.MANIFEST).read_text())["write"]
+    assert written["writers"] == 1 and written["seconds"] > 0
+    shard = next((tmp_path / "ckpt" / layout.step_dir(1) / "shards").glob("*.safetensors"))
+    assert written["bytes"] == shard.stat().st_size
+    assert any("longer than checkpoint.preemption_grace_s" in line for line in said), said  # the run says it
+    cfg = config.load(None, [f"checkpoint.dir={tmp_path / 'ckpt'}", "model.name=llama-7b"])
+    measured = window.rate_for(cfg, None)
+    assert measured.source.startswith("measured by the save of") and measured.mib_s == pytest.approx(
+        written["bytes"] / written["seconds"] / 2**20)
+    assert window.rate_for(cfg, 500.0).mib_s == 500.0
+    unmeasured = config.load(None, [f"checkpoint.dir={tmp_path / 'none'}"])
+    assert window.rate_for(unmeasured, None).source.startswith("assumed")
+
+    # an 8B's full checkpoint with AdamW's moments: 12 bytes a parameter, ~96 GB over its writers
+    assert window.state_bytes(8_000_000_000, None, "adamw") == 96_000_000_000
+    assert window.state_bytes(8_000_000_000, 40_000_000, "adamw", frozen_saved=False) == 480_000_000  # LoRA
+    rate = window.Rate(100.0, "given")
+    spot = config.load(None, ["deploy.provisioning=spot"])
+    fits, line = window.say(spot, "tpu-vm", 8_000_000_000, None, 4, 8, 2.0, rate)
+    assert not fits and "against 30 s" in line and "loses the steps since the last checkpoint" in line
+    fits, line = window.say(spot, "gke", 100_000_000, None, 4, 64, 0.0, rate)  # 18.75 MB a writer: 0.2 s
+    assert fits and "against 15 s" in line
+    on_demand = config.load(None, ["deploy.provisioning=on-demand", "checkpoint.preemption_grace_s=600"])
+    fits, line = window.say(on_demand, "gke", 8_000_000_000, None, 4, 16, 0.0, rate)  # 6 GB a writer: 57 s
+    assert fits and "against 600 s" in line

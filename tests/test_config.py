@@ -222,6 +222,10 @@ def test_cli_config_check_prints_every_default(cli, tmp_path):
     (["train.warmup_steps=3"], ["train", "recompile_warmup_steps", "lr_warmup_steps"]),
     (["output_dir=gs://"], ["output_dir", "names no bucket"]),  # else a local folder called `gs:`
     (["checkpoint.dir=gs:///run"], ["checkpoint.dir", "names no bucket"]),
+    (["output_dir=gs:/bucket/run"], ["output_dir", "two slashes: gs://bucket/run"]),  # one slash: a folder too
+    # a union's value: the key as written, and what each member takes (not `train.loss_chunks.literal['auto']`)
+    (["train.loss_chunks=2.5"], ["config key 'train.loss_chunks':", "'auto' or a valid integer", "got 2.5"]),
+    (["checkpoint.dir=s3:bucket"], ["checkpoint.dir", "two slashes: s3://bucket"]),
 ])
 def test_cli_bad_config_is_one_line_exit_2(capsys, sets, words):
     args = ["config", "check", str(FIXTURES / "transformers_fsdp_config.json")]

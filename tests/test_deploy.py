@@ -332,7 +332,9 @@ def test_the_examples_placeholders_are_flagged_in_a_dry_run_and_refused_for_real
     rendered = run_in_process(capsys, "gcp", "render", path, "--target", target, "--out", str(tmp_path / "out"))
     assert rendered.returncode == 0, rendered.stderr
     assert "deploy.project=my-project" in rendered.stderr and "checkpoint.dir=gs://my-bucket/" in rendered.stderr
-    rendering = render(config.load(path), target)
+    cfg = config.load(path)
+    assert f"preemption ({cfg.deploy.provisioning} {target}): an emergency save writes" in rendered.stderr
+    rendering = render(cfg, target)
     dry = _run_deploy(rendering, tmp_path, DRY_RUN="1", REPO=str(REPO))
     assert dry.returncode == 0 and "WARNING: deploy.project=my-project, checkpoint.dir=gs://my-bucket/" in dry.stderr
     real = _run_deploy(rendering, tmp_path, REPO=str(REPO))

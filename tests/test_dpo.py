@@ -290,3 +290,17 @@ def test_a_reference_that_is_no_model_or_reads_other_tokens_is_refused_before_an
         assert info.value.key == "dpo.reference" and words in str(info.value), str(info.value)
     assert "id 40" in str(info.value)
     preflight(_cfg(model_dirs.llama_chat, PLAIN, 64, f"dpo.reference={model_dirs.llama_chat}"))  # the same: fine
+
+
+def test_a_reference_is_held_to_the_checks_the_policy_passes(model_dirs, tmp_path):
+    """The policy's tokens, but fewer positions than train.seq_len (it used to fail at step 1, IndexError)."""
+    from xla_shard.train import preflight
+
+    short = tmp_path / "short"
+    shutil.copytree(model_dirs.llama_chat, short)
+    model_config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**model_config, "max_position_embeddings": 16}))
+    with pytest.raises(ConfigError) as info:
+        preflight(_cfg(model_dirs.llama_chat, PLAIN, 64, f"dpo.reference={short}"))
+    assert info.value.key == "dpo.reference"
+    assert "under train.seq_len: 64 is longer than the model's 16 positions" in str(info.value)

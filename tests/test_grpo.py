@@ -1,6 +1,7 @@
 """GRPO's arithmetic (`xla_shard.methods.grpo`) held to TRL's GRPOTrainer: the advantages of a group's rewards,
 and the loss and gradients of every loss type on fixed completions."""
 
+import json
 import statistics
 from dataclasses import replace
 
@@ -9,6 +10,7 @@ import torch
 from conftest import FIXTURES, backend_params, run_in_process, run_trainings, run_worker, runnable, runs_args
 from transformers import AutoModelForCausalLM
 
+from xla_shard.errors import ConfigError
 from xla_shard.methods import grpo, method_for
 
 
@@ -257,7 +259,6 @@ def test_reward_functions_are_the_users_python_called_as_trl_calls_them(reward_f
     ("my_rewards:missing", "my_rewards has no missing"), ("my_rewards:table", "is a dict, not a function"),
     ("elsewhere/r.py:f", "no file elsewhere/r.py")])
 def test_a_reward_function_that_cannot_be_found_is_one_line_naming_the_key(reward_file, spec, words):
-    from xla_shard.errors import ConfigError
     from xla_shard.methods.rewards import Rewards
 
     with pytest.raises(ConfigError, match="grpo.reward_funcs") as caught:
@@ -287,7 +288,6 @@ def test_end_of_sequence_ids_declared_only_in_generation_config_json_end_a_compl
     from transformers import AutoTokenizer
 
     from xla_shard import config as cfglib
-    from xla_shard.errors import ConfigError
     from xla_shard.methods.grpo_rollout import _eos_ids
     from xla_shard.models import build_model
 
@@ -491,7 +491,6 @@ def test_xla_spmd_generates_on_weights_laid_out_once_a_generation(model_dirs, tm
     (["method=grpo", "data.kind=prompt", "fsdp.scan_layers=true"], "set fsdp.scan_layers: false")])
 def test_a_grpo_config_that_cannot_train_is_one_line_naming_its_key(sets, words):
     from xla_shard import config
-    from xla_shard.errors import ConfigError
 
     base = [f"data.path={PROMPTS}", "train.seq_len=48", "train.global_batch_size=8"]
     if "method=grpo" in sets:
@@ -526,6 +525,24 @@ def test_prompts_are_tokenized_as_trl_and_left_padded_longer_ones_dropped(model_
         fill = length - len(ids)
         assert row["row"] == index and row["input_ids"] == [0] * fill + ids
         assert row["attention_mask"] == [0] * fill + [1] * len(ids)
+
+
+@pytest.mark.parametrize("prompt, words", [(None, "not missing"), (7, "not int"), ({"role": "user"}, "not dict")])
+def test_a_prompt_that_is_neither_text_nor_messages_is_said_as_that(model_dirs, tmp_path, prompt, words):
+    """Not as "holds messages ... the tokenizer has no chat template" (the tokenizer here has none)."""
+    from transformers import AutoTokenizer
+
+    from xla_shard.data import prompts
+    from xla_shard.data.files import read_rows
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "a text"}) + "\n" + json.dumps({"prompt": prompt}) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs.llama)
+    with pytest.raises(ConfigError) as refused:
+        prompts.examples(read_rows(str(path), None, "data.path"), tokenizer, prompts.PromptFields("prompt"), 32, 0,
+                         None, str(path), "grpo.max_completion_length")
+    assert refused.value.key == "data.prompt_field"
+    assert "row 1: 'prompt' must be text or a list of messages, " + words in str(refused.value)
 
 
 @pytest.mark.parametrize("held_out", [f"data.eval_path={EVAL_PROMPTS}", "data.eval_fraction=0.25"])
@@ -631,7 +648,6 @@ def test_auto_splits_generation_over_the_fewest_devices_that_fit(tmp_path, kind,
     from xla_shard import config, planner
     from xla_shard.backends.torch_fsdp import TorchFsdpBackend
     from xla_shard.backends.xla_spmd import XlaSpmdBackend
-    from xla_shard.errors import ConfigError
     from xla_shard.planner import settle
 
     sets = [f"model.name={_llama_70b_widths(tmp_path / 'llama70b')}", f"data.path={PROMPTS}", "method=grpo",

@@ -155,6 +155,18 @@ def test_torch_xla_backends_refuse_the_router_loss_naming_it(moe_dirs):
     assert "histc" in str(raised.value) and "backend torch_fsdp, which adds it" in str(raised.value)
 
 
+def test_a_router_loss_under_the_sequence_axis_is_refused_when_the_model_is_built(moe_dirs):
+    """Summed over each device's piece of a sequence it would not be the row's: refused by the build that
+    `config check` runs too, not first by the wrap that `train` runs."""
+    from xla_shard import backends
+
+    cfg = config.load(None, [f"model.name={moe_dirs['mixtral']}", "backend=torch_fsdp", "mesh.context=2",
+                             "train.seq_len=64", 'model.overrides={"output_router_logits": true}'])
+    with torch.device("meta"), pytest.raises(ConfigError, match="router loss") as raised:
+        build_for(cfg, capabilities=backends.create(cfg).capabilities)
+    assert raised.value.key == "mesh.context"
+
+
 @pytest.mark.xla
 @pytest.mark.e2e
 def test_grouped_matmul_experts_compute_what_transformers_batched_mm_does(moe_dirs, tmp_path):

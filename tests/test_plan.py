@@ -71,3 +71,8 @@ def test_a_mesh_that_does_not_fit_the_devices_is_refused():
     cfg = config.load(None, ["mesh.fsdp=2"])  # FULL_SHARD over 4 devices, but 2 asked for
     with pytest.raises(ValueError, match=re.escape("1 x 2 = 2 does not match the 4 devices")):
         plan.resolve(cfg.fsdp, cfg.mesh, 4)
+    # as a MaxText user writes it (ici_fsdp x ici_context = devices): the message says how the keys combine
+    cfg = config.load(None, ["mesh.fsdp=2", "mesh.context=2"])
+    with pytest.raises(ValueError, match=re.escape("lie inside mesh.fsdp's, which counts them: fsdp 4 with "
+                                                   "context 2")):
+        plan.resolve(cfg.fsdp, cfg.mesh, 4)

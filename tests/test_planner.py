@@ -200,6 +200,13 @@ def test_rows_the_cost_model_cannot_tell_apart_are_ranked_by_memory_and_compute_
     memory = [float(row[5]) for row in rows if row[1].strip() == "1"]
     assert len(memory) > 1 and memory == sorted(memory)
     assert f"the pick for xla_spmd, {ranked.best.triple}" in done.stdout
+    # a spot slice's preemption: each host's share of the 8B's checkpoint (fp32 and AdamW's moments) at the
+    # assumed rate does not fit the 30 s a spot VM gets
+    hosts = devices // 4 if chip == "v5p" else 1  # a v5p host holds 4 chips; a v6e-8 is one host
+    share = ranked.work.params * 12 / hosts / 2**30
+    assert (f"preemption (spot): an emergency save writes {share:.2f} GiB per writer ({hosts} writer(s))"
+            in done.stdout)
+    assert "against 30 s (a spot VM gets 30 s of notice): it does not fit" in done.stdout
 
 
 def test_dpo_plans_both_completions_the_reference_forward_and_the_reference_model_it_holds(model_dirs):

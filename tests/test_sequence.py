@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import FIXTURES, run_trainings, run_worker
 from model_dirs import CHAT_TEMPLATE, llama_dir
-from xla_shard import config, sequence
+from xla_shard import backends, config, sequence
 from xla_shard.attention import segment_mask, segments
 from xla_shard.backends.torch_fsdp import TorchFsdpBackend
 from xla_shard.backends.torchtpu import TorchTpuBackend
@@ -97,6 +99,30 @@ def test_backends_without_a_sequence_axis_refuse_it_naming_the_key(backend):
     assert "\n" not in str(refused.value)
     XlaSpmdBackend.capabilities.check(cfg)  # run it
     TorchFsdpBackend.capabilities.check(cfg)
+
+
+@pytest.fixture
+def jax_imported():
+    """jax's first import (3 s) outside the test's call: not its subject."""
+    return pytest.importorskip("jax")
+
+
+@pytest.mark.xla
+@pytest.mark.usefixtures("jax_imported")
+@pytest.mark.parametrize("sets, key", [(["mesh.context=2"], "mesh.context"), (["fsdp.scan_layers=true"],
+                                                                             "fsdp.scan_layers")])
+def test_a_jax_kernel_without_jax_and_flax_is_refused_before_anything_is_built(monkeypatch, sets, key):
+    """torch_xla calls them through torchax (which imports flax) and only asserts "Jax is required" at the first
+    step, inside `xla-shard compile` too: [aot] holds what [scan] holds for them."""
+    import tomllib
+    monkeypatch.setitem(sys.modules, "torchax", None)  # as without flax: torchax does not import
+    cfg = config.load(None, ["model.name=tiny-llama", "backend=xla_spmd", "train.seq_len=64", *sets])
+    with pytest.raises(ConfigError, match="needs jax and flax") as refused:
+        backends.create(cfg)
+    assert refused.value.key == key
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert set(extras["scan"]) <= set(extras["aot"])
 
 
 @pytest.mark.parametrize("sets, words", [
@@ -262,6 +288,11 @@ def test_the_longest_sequence_search_tries_the_axis_sizes_the_batch_allows():
     cfg = config.load(None, ["model.name=tiny-llama", "train.global_batch_size=8", "train.grad_accum_steps=2",
                              "fsdp.sharding_strategy=HYBRID_SHARD", "mesh.replica=2"])
     assert context_sizes(cfg, 8) == [2, 4]  # inside the 4 devices a parameter spans, 4-row micro-batches
+    # what the config itself refuses is not tried: GRPO generates whole sequences
+    grpo = config.load(None, ["model.name=tiny-llama", "method=grpo", "train.global_batch_size=8",
+                              "train.seq_len=512", "data.kind=prompt", f"data.path={FIXTURES / 'prompts.jsonl'}",
+                              f"grpo.reward_funcs=[{FIXTURES / 'rewards.py'}:short]"])
+    assert context_sizes(grpo, 8) == [1]
 
 
 def test_the_cost_model_prices_the_sequence_axis():

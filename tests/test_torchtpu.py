@@ -151,6 +151,19 @@ def test_a_pod_host_that_cannot_tell_its_rank_is_one_line(monkeypatch):
     assert raised.value.key == "launch" and "TPU_WORKER_ID" in str(raised.value)
 
 
+@pytest.mark.parametrize("hosts", [f"{'h' * 100_000},b", "a,$(reboot)"])
+def test_worker_hostnames_that_are_no_hosts_are_one_short_line(monkeypatch, hosts):
+    for key in ("JOB_COMPLETION_INDEX", "MASTER_ADDR", "NNODES", "NODE_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", hosts)
+    monkeypatch.setenv("TPU_WORKER_ID", "0")
+    monkeypatch.setattr(torchtpu, "_set_tpu_launch_env", lambda: None)
+    with pytest.raises(ConfigError) as raised:
+        backends.launch_from_environment(config.load(None, ["backend=torch_tpu"]))
+    assert raised.value.key == "launch" and "TPU_WORKER_HOSTNAMES holds" in str(raised.value)
+    assert len(str(raised.value)) < 400
+
+
 @pytest.mark.skipif(not on_tpu() or not fsdp2_devices.TPU.installed(), reason="needs a Cloud TPU VM with TorchTPU")
 def test_torchtpus_own_launch_environment_is_what_we_derive():
     """On a TPU VM, TorchTPU's `set_tpu_launch_env` given a JobSet pod's variables sets what `pod_launch`

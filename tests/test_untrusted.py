@@ -132,23 +132,28 @@ def _not_a_file(path: Path, kind: str, tmp_path: Path) -> str:
     if kind == "directory":
         path.mkdir()
         return "directory"
+    if kind == "loop":
+        path.symlink_to(path.name)  # a link to itself: every open fails (ELOOP), as a missing file's does
+        return "too many levels of symbolic links"
     outside = tmp_path / "elsewhere"
     outside.write_bytes(b"{}")
     path.symlink_to(outside)
     return "outside"
 
 
-@pytest.mark.parametrize("kind", ["fifo", "device", "directory", "link out"])
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory", "link out", "loop"])
 @pytest.mark.parametrize("which", ["manifest.json", "shards/00000-of-00001.safetensors"])
 def test_a_checkpoint_file_that_is_not_a_file_inside_it_is_never_read(tmp_path, capsys, checkpoint, which, kind):
-    """FIFOs, devices, directories and links out in place of a manifest or a shard: one line each, no read
-    that blocks or never ends (the sizes' claims included: a FIFO's or a device's says nothing)."""
+    """FIFOs, devices, directories, links out and links to themselves in place of a manifest or a shard: one
+    line each (a shard said once, not again for each tensor in it), no read that blocks or never ends (the
+    sizes' claims included: a FIFO's or a device's says nothing)."""
     step, _ = checkpoint
     words = _not_a_file(step / which, kind, tmp_path)
     refused(capsys, ["ckpt", "export", str(step), "--to", str(tmp_path / "out")], which, words)
     code = main(["ckpt", "verify", str(step)])
     err = capsys.readouterr().err
     assert code == 2 and which in err and words in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
 
 

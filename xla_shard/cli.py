@@ -73,6 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     render.add_argument("--target", required=True, choices=TARGETS)
     render.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     render.add_argument("--out", metavar="DIR", help="write the files here (default: print deploy.sh)")
+    render.add_argument("--write-mib-s", type=_positive, default=None, help="a checkpoint writer's rate, for the "
+                        "emergency save's time (default: measured by this run's newest checkpoint, else assumed)")
     render.set_defaults(func=_gcp_render, torch_xla=False)
 
     plan = commands.add_parser("plan", help="rank the sharding triples for a model and a cluster by the cost model")
@@ -90,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="rank for this backend (default: the config's; auto: torch_fsdp on GPUs, xla_spmd on TPUs)")
     plan.add_argument("--show", action="append", default=[], metavar="P/G/OS",
                       help="also print the fsdp: YAML of this row (as written in the table, e.g. 8(1)/64/64)")
+    plan.add_argument("--write-mib-s", type=_positive, default=None, help="a checkpoint writer's rate, for the "
+                      "emergency save's time (default: measured by this run's newest checkpoint, else assumed)")
     plan.add_argument("--top", type=_count, default=10, help="rows to print")
     plan.add_argument("--json", action="store_true", help="every candidate, as JSON")
     plan.set_defaults(func=_plan, torch_xla=False)
@@ -188,7 +192,33 @@ def _plan(args) -> int:
         print(f"with train.grad_accum_steps={accumulate['grad_accum_steps']} (micro-batches of "
               f"{accumulate['rows']} rows, the same step), {accumulate['triple']} fits: "
               f"{accumulate['gib_per_device']:.1f} GiB per device, {accumulate['step_ms']:.0f} ms predicted")
+    print(_preemption(cfg, args, hardware, backend, view))
     return 0
+
+
+def _preemption(cfg, args, hardware, backend, view) -> str:
+    """The emergency save of the plan's pick against the window a preempted machine of this kind gets."""
+    from xla_shard import backends
+    from xla_shard.checkpoint import window
+
+    work = view.plan.work
+    hosts = (args.hosts or max(1, args.devices // hardware.domain_max)) if hardware.domain_max else \
+        _tpu_hosts(args.accelerator, args.devices)
+    writers = hosts if backends.capabilities(backend).launcher == "in_process" else args.devices
+    step_s = view.best.step_s if view.best is not None else 0.0
+    _, said = window.say(cfg, "gpu-vm" if hardware.domain_max else "tpu-vm", work.params, work.trained_params,
+                         work.frozen_bytes, writers, step_s, window.rate_for(cfg, args.write_mib_s))
+    return f"preemption ({cfg.deploy.provisioning}): {said}"
+
+
+def _tpu_hosts(accelerator: str, devices: int) -> int:
+    """A TPU slice's hosts: its name's, or `devices` chips at the generation's chips per host."""
+    from xla_shard.deploy import tpu
+
+    if "-" in accelerator:
+        return tpu.vm_hosts(accelerator)
+    generation = next(g for g in tpu.GENERATIONS.values() if accelerator.startswith(g.prefix))
+    return max(1, devices // generation.chips_per_host)
 
 
 def _ranking(cfg, args, hardware, backend):
@@ -276,7 +306,7 @@ def _compile(args) -> int:
 def _gcp_render(args) -> int:
     from pathlib import Path
 
-    from xla_shard.deploy.render import render
+    from xla_shard.deploy.render import preemption_note, render
     from xla_shard.deploy.scripts import placeholders
     from xla_shard.errors import file_in_the_way
 
@@ -299,6 +329,7 @@ def _gcp_render(args) -> int:
                 (out / name).chmod(0o755)
         xpk = f" or {out / 'xpk.sh'}" if "xpk.sh" in rendering.files else ""
         print(f"wrote {', '.join(rendering.files)} to {out}; run {out / 'deploy.sh'}{xpk} (DRY_RUN=1 to preview)")
+    print(f"xla-shard: {preemption_note(cfg, args.target, args.write_mib_s)}", file=sys.stderr)
     found = placeholders(cfg)  # after the rendering is written: an error above stays the one line printed
     if found:
         print(f"xla-shard: WARNING: {', '.join(found)} still hold the example's placeholders: deploy.sh will "
@@ -408,7 +439,7 @@ def _settle_auto(cfg):
     if cfg.backend is not BackendName.AUTO:
         return cfg, ""
     name, why = backends.auto_choice(cfg, can_launch=True)
-    return cfglib.revalidated(cfg, backend=name), why
+    return cfglib.revalidated(cfg, {"backend": name}), why
 
 
 def _train(args) -> int:

@@ -255,10 +255,7 @@ def build_for(cfg, accelerator: str | None = None, capabilities=None, empty: boo
     empty = empty or weights is not None
     model = build_model(cfg.model, cfg.train.seed, empty=empty, source=source, accelerator=accelerator,
                         experts=experts.choose(capabilities.experts, accelerator) if capabilities else None)
-    if capabilities and capabilities.router_aux_loss and getattr(model.config, "output_router_logits", False):
-        capabilities.refuse("model.overrides.output_router_logits", f"is true for {source.name}, and "
-                                                                    f"{capabilities.router_aux_loss}: set it to false, "
-                                                                    "or train on backend torch_fsdp, which adds it")
+    _check_router_loss(cfg, model, source, capabilities)
     adapter = adapter or adapter_for(cfg)
     adapters = adapter.inject(model, cfg.model.task, cfg.train.seed)
     if adapters and not empty:
@@ -266,6 +263,21 @@ def build_for(cfg, accelerator: str | None = None, capabilities=None, empty: boo
     if weights is not None:
         weights.match(model, cfg.train.seed, adapters, adapter)
     return model, weights, source
+
+
+def _check_router_loss(cfg, model: nn.Module, source: ModelSource, capabilities) -> None:
+    """An MoE router's load-balancing loss, which transformers adds to the loss: where the backend cannot add it,
+    or where each device would sum it over its piece of a sequence (the sequence axis), not over the row."""
+    if not getattr(model.config, "output_router_logits", False):
+        return
+    if capabilities and capabilities.router_aux_loss:
+        capabilities.refuse("model.overrides.output_router_logits", f"is true for {source.name}, and "
+                                                                    f"{capabilities.router_aux_loss}: set it to false, "
+                                                                    "or train on backend torch_fsdp, which adds it")
+    if cfg.mesh.context > 1:
+        raise ConfigError("mesh.context", f"{cfg.mesh.context}: {source.name}'s router loss would be each device's "
+                                          "over its piece of a sequence, not the row's; set it to 1 or "
+                                          "model.overrides.output_router_logits to false")
 
 
 def load_model(cfg, backend) -> nn.Module:

@@ -60,13 +60,8 @@ def preflight(cfg: ShardConfig, capabilities=None, method: Method | None = None)
     method = method or method_for(cfg)
     with torch.device("meta"):
         model, _, source = build_for(cfg, capabilities=capabilities, adapter=method.adapter)
-    check_sequence_length(model.config, cfg.train.seq_len)
+    check_model(cfg, model)
     check_output_dir(cfg.output_dir)
-    wrap_targets(model, cfg.fsdp)
-    if cfg.fsdp.scan_layers:
-        check_scannable(model, cfg.fsdp)
-    if cfg.fsdp.activation_checkpointing:
-        checkpoint_targets(model, cfg.fsdp)
     if cfg.fsdp.state_dict_type == "FULL_STATE_DICT":
         check_final_export(cfg, source.directory)
     if cfg.train.tensorboard:
@@ -79,6 +74,17 @@ def preflight(cfg: ShardConfig, capabilities=None, method: Method | None = None)
     datalib.build(cfg, model.config, source.directory, method.generations)
 
 
+def check_model(cfg: ShardConfig, model: nn.Module) -> None:
+    """What the run asks of every model it loads (the policy, a reference): its positions cover train.seq_len,
+    and the wrap, scan and checkpointing keys find their layers in it."""
+    check_sequence_length(model.config, cfg.train.seq_len)
+    wrap_targets(model, cfg.fsdp)
+    if cfg.fsdp.scan_layers:
+        check_scannable(model, cfg.fsdp)
+    if cfg.fsdp.activation_checkpointing:
+        checkpoint_targets(model, cfg.fsdp)
+
+
 def reference_model(cfg: ShardConfig, objective: Objective, policy_config, **build) -> tuple[nn.Module, Any]:
     """The model at the objective's `reference_directory` (DPO's reference), built as the policy is (`build`:
     `build_for`'s arguments) but frozen and without the policy's adapter, and its pretrained weights. One line
@@ -89,6 +95,10 @@ def reference_model(cfg: ShardConfig, objective: Objective, policy_config, **bui
         model, weights, _ = build_for(cfg.model_copy(update={"model": model_section}), **build)
     except ConfigError as exc:
         raise ConfigError(key, f"{directory}: {exc.message}") from None
+    try:
+        check_model(cfg, model)
+    except ConfigError as exc:  # the policy passed it: the reference's own
+        raise ConfigError(key, f"{directory}, under {exc.key}: {exc.message}") from None
     if model.config.vocab_size != policy_config.vocab_size:
         raise ConfigError(key, f"{directory} has {model.config.vocab_size} token embeddings, the policy "
                                f"{policy_config.vocab_size}: the reference must read the same tokens")
@@ -233,7 +243,7 @@ class Trainer:
         self._log(f"{backend.name} on {backend.num_devices} {backend.device_kind} device(s): {backend.plan}")
         model, weights, source = build_for(cfg, backend.accelerator, backend.capabilities,
                                            empty=backend.placeholders, adapter=self.adapter)
-        check_sequence_length(model.config, cfg.train.seq_len)
+        check_model(cfg, model)
         check_output_dir(cfg.output_dir)
         # A forward without backward is a third of a training step's FLOPs.
         self.flops_per_token = (train_flops_per_token(model, cfg.train.seq_len)

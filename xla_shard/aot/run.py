@@ -13,6 +13,7 @@ from dataclasses import replace
 from xla_shard import hostmem
 from xla_shard.aot import compiler, generation, target, trace
 from xla_shard.aot.report import Refused, Report
+from xla_shard.config.load import revalidated
 from xla_shard.config.schema import ShardConfig, ShardingStrategy
 from xla_shard.errors import ConfigError, UserError
 
@@ -188,8 +189,9 @@ def refusal(report: Report | Refused, fix: str | None, untried: list[str] = ()) 
 
 
 def _with(cfg: ShardConfig, seq_len: int, context: int) -> ShardConfig:
-    train = cfg.train.model_copy(update={"seq_len": seq_len})
-    return cfg.model_copy(update={"train": train, "mesh": cfg.mesh.model_copy(update={"context": context})})
+    """`cfg` at another length and axis, validated again: a ConfigError where the config refuses them (a GRPO
+    run generates whole sequences; a router loss is summed over whole ones)."""
+    return revalidated(cfg, {"train.seq_len": seq_len, "mesh.context": context})
 
 
 def context_sizes(cfg: ShardConfig, devices: int) -> list[int]:
@@ -201,10 +203,20 @@ def context_sizes(cfg: ShardConfig, devices: int) -> list[int]:
     micro = cfg.train.global_batch_size // cfg.train.grad_accum_steps
     sizes, c = [], 1
     while c <= params:
-        if params % c == 0 and micro % (devices // c) == 0:
+        if params % c == 0 and micro % (devices // c) == 0 and _allows(cfg, c):
             sizes.append(c)
         c *= 2
     return sizes
+
+
+def _allows(cfg: ShardConfig, context: int) -> bool:
+    if context == cfg.mesh.context:
+        return True  # the user's own: its refusal is theirs to read, at the first compile
+    try:
+        _with(cfg, cfg.train.seq_len, context)
+    except ConfigError:
+        return False
+    return True
 
 
 def longest(cfg: ShardConfig, slice_name: str, slices: int = 1, budget_s: float = 1800.0,
@@ -217,8 +229,9 @@ def longest(cfg: ShardConfig, slice_name: str, slices: int = 1, budget_s: float 
     left untried is said."""
     import time
 
-    from xla_shard.models import max_positions, model_config
+    from xla_shard.models import check_sequence_length, max_positions, model_config
 
+    check_sequence_length(model_config(cfg.model), cfg.train.seq_len)  # where the search starts: the user's own
     started = time.monotonic()
     devices = compiler.describe(target.parse(slice_name, slices=slices).topology, slices).count
     sizes = context_sizes(cfg, devices)
@@ -228,7 +241,14 @@ def longest(cfg: ShardConfig, slice_name: str, slices: int = 1, budget_s: float 
     def fits(seq_len: int, context: int) -> bool:
         if time.monotonic() - started > budget_s:
             raise TimeoutError
-        report = compile_for(_with(cfg, seq_len, context), slice_name, slices)
+        try:
+            candidate = _with(cfg, seq_len, context)
+        except ConfigError as refused:
+            if seq_len == cfg.train.seq_len:
+                raise
+            say(f"  {seq_len} tokens, mesh.context {context}: the config refuses it ({refused})")
+            return False
+        report = compile_for(candidate, slice_name, slices)
         tried[seq_len, context] = report.needed / 2**30 if report.fits else None
         say(f"  {seq_len} tokens, mesh.context {context}: {report.needed / 2**30:.2f} GiB per device of "
             f"{report.available / 2**30:.0f}" + ("" if report.fits else " (does not fit)"))

@@ -24,6 +24,7 @@ import torch
 
 from xla_shard.aot import compiler, generation, memory
 from xla_shard.aot.generation import GenerationTrace
+from xla_shard.config.load import validate
 from xla_shard.config.schema import ShardConfig
 from xla_shard.errors import UserError
 
@@ -82,7 +83,7 @@ def step_config(cfg: ShardConfig, devices: int, workdir: str) -> ShardConfig:
     data.setdefault("train", {}).update(tensorboard=False, steps=max(2, cfg.train.steps or 2), epochs=None,
                                         eval_every=None)
     # The slice's device count, past the 64 a CPU run may ask for: these devices hold placeholders, not data.
-    return ShardConfig.model_validate(data).model_copy(update={"cpu_devices": devices})
+    return validate(data).model_copy(update={"cpu_devices": devices})
 
 
 @contextlib.contextmanager

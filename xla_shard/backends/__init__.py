@@ -73,7 +73,7 @@ def auto_choice(cfg: ShardConfig, can_launch: bool) -> tuple[str, str]:
                                "train` starts them)")
             continue
         try:
-            BACKENDS[name](revalidated(cfg, backend=name)).check()
+            BACKENDS[name](revalidated(cfg, {"backend": name})).check()
         except ConfigError as refusal:
             passed_over.append(f"{name} does not train this config ({refusal.key}: {refusal.message})")
             continue

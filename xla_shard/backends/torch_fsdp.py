@@ -182,11 +182,7 @@ class TorchFsdpBackend(Backend):
     def wrap(self, model: nn.Module) -> nn.Module:
         fsdp = self.cfg.fsdp
         prepare(self, model)
-        if self.plan.context > 1:
-            if getattr(model.config, "output_router_logits", False):
-                self.capabilities.refuse("mesh.context", f"{self.plan.context}: {type(model).__name__}'s router loss "
-                                         "would be each process's over its piece of the sequence, not the row's; "
-                                         "set it to 1 or the model's output_router_logits to false")
+        if self.plan.context > 1:  # an MoE router loss is refused under it when the model is built
             split_sequences(self, model, sequence.TORCH_CONTEXT)
         if fsdp.activation_checkpointing:
             # Non-reentrant checkpointing: kwargs and tensors nested in tuples get exact gradients.

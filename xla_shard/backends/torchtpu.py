@@ -69,6 +69,10 @@ def pod_launch(environ: Mapping[str, str] | None = None) -> dict[str, str] | Non
                 except ValueError as exc:  # what it cannot derive, said as TorchTPU says it
                     raise ConfigError("launch", one_line(exc), backend="torch_tpu") from None
     hosts = [h for h in environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
+    bad = next((h for h in hosts if not _HOST.fullmatch(h)), None)
+    if bad is not None:  # shown cut: it reaches every rendezvous message otherwise
+        raise ConfigError("launch", f"TPU_WORKER_HOSTNAMES holds {bad[:60]!r}{' ...' if len(bad) > 60 else ''} "
+                                    f"({len(bad)} characters), not {_HOST_IS}", backend="torch_tpu")
     index = environ.get("JOB_COMPLETION_INDEX")
     if len(hosts) < 2 and index is None and "NNODES" not in environ:
         return None
@@ -112,12 +116,13 @@ def tpu_vm_workers(read: Callable[[str], str] | None = None) -> dict[str, str]:
         parts = endpoint.split(":")
         if len(parts) < 3 or not _HOST.fullmatch(parts[2]):
             raise _bad_metadata(f"worker-network-endpoints holds {endpoint[:60]!r}, not hostname:uid:address with "
-                                "an address of at most 253 letters, digits, '.', '-' or ':'")
+                                f"an address of {_HOST_IS}")
         addresses.append(parts[2])
     return {"TPU_WORKER_HOSTNAMES": ",".join(addresses), "TPU_WORKER_ID": str(worker)}
 
 
 _HOST = re.compile(r"[A-Za-z0-9][-A-Za-z0-9.:]{0,252}")  # a hostname, IPv4 or IPv6 address
+_HOST_IS = "at most 253 letters, digits, '.', '-' or ':'"
 
 
 def _bad_metadata(problem: str) -> ConfigError:

@@ -19,6 +19,7 @@ from torch import nn
 
 from xla_shard import lm_head
 from xla_shard.backends.base import Backend, Compiled, apply_activation_checkpointing
+from xla_shard.errors import ConfigError
 from xla_shard.io.device import on_tpu
 from xla_shard.wrap import checkpoint_targets, wrap_targets
 
@@ -52,6 +53,19 @@ def import_torchax_quietly() -> None:
         return
     with absl_quiet(), contextlib.suppress(ImportError):
         import torchax  # noqa: F401
+
+
+def check_jax_interop(key: str, feature: str, remedy: str) -> None:
+    """Features that call jax kernels from torch_xla (scan's backward, the splash attention of the sequence axis)
+    go through the torchax copy in torch_xla's wheel, which imports flax: torch_xla only asserts "Jax is required"
+    at the first step, so say it before anything is built."""
+    try:
+        with absl_quiet():
+            import jax  # noqa: F401
+            import torchax  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(key, f"{feature} needs jax and flax ({exc.name} is not installed): "
+                               f"pip install 'xla_shard[scan]' (or [aot] for xla-shard compile), or {remedy}") from None
 
 
 def usable_cores() -> int:

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from xla_shard.backends.xla_common import absl_quiet
 from xla_shard.config.schema import FsdpSection
 from xla_shard.errors import ConfigError
 from xla_shard.wrap import layer_classes, refuse_dropout, scanned_stacks
@@ -37,16 +36,6 @@ def recompute_all(joint, inputs, **kwargs):
 
     with config.patch(activation_memory_budget=0.0):
         return min_cut_rematerialization_partition(joint, inputs, **kwargs)
-
-
-def check_available() -> None:
-    try:
-        with absl_quiet():
-            import jax  # noqa: F401
-            import torchax  # noqa: F401
-    except ImportError as exc:
-        raise ConfigError(KEY, f"torch_xla's scan needs jax and flax under SPMD ({exc.name} is not installed): "
-                               "pip install 'xla_shard[scan]', or set it to false") from None
 
 
 def scan_stack(model: nn.Module, fsdp: FsdpSection, checkpoint: bool) -> int:

@@ -373,7 +373,10 @@ class XlaSpmdBackend(xla_common.XlaBackend):
     def check(self) -> None:
         super().check()
         if self.cfg.fsdp.scan_layers:
-            xla_scan.check_available()
+            xla_common.check_jax_interop(xla_scan.KEY, "torch_xla's scan under SPMD", "set it to false")
+        if self.cfg.mesh.context > 1:
+            xla_common.check_jax_interop("mesh.context", "the sequence axis (splash attention's TPU kernel)",
+                                         "set it to 1")
 
     def start(self) -> None:
         self.configure()

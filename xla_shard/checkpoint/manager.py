@@ -20,6 +20,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import threading
 import time
 import uuid
@@ -27,7 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from xla_shard.checkpoint import layout, schema
+from xla_shard.checkpoint import layout, schema, window
 from xla_shard.checkpoint.contract import ShardedState
 from xla_shard.checkpoint.manifest import (
     UNRECORDED_RUN,
@@ -202,6 +203,7 @@ class Checkpointer:
         self.saving_step: int | None = None
         self.last_saved: int | None = None  # newest step this process saved (committed or in flight)
         self.last_committed: int | None = None
+        self.last_write: dict[str, Any] | None = None  # the newest commit's `window.write_record`
 
     # ---- save ---------------------------------------------------------------------------------------
     def save(self, step: int, model, optimizer, block: bool = False, extra: Extra | None = None) -> None:
@@ -265,13 +267,15 @@ class Checkpointer:
                                   f"{self.runs.run_of(step)}); a committed checkpoint is never rewritten in place. "
                                   "Another run is writing to this checkpoint.dir")
         rank, world = self.state.writer
+        started = time.monotonic()
         parts, index = layout.encode_shard(entries)
         shard = layout.shard_file(rank, world)
         with ThreadPoolExecutor(1) as pool:  # checksum while uploading: both release the GIL
             checksums = pool.submit(layout.add_checksums, parts, index)
             self.storage.write(f"{directory}/{shard}", parts)
             checksums.result()
-        index.update(file=shard, writer=rank, writers=world, rng=rng)
+        # the writer's time for its share: what an emergency save takes (`checkpoint.window`)
+        index.update(file=shard, writer=rank, writers=world, rng=rng, write_s=time.monotonic() - started)
         self.storage.write(f"{directory}/{layout.index_file(rank, world)}", json.dumps(index).encode())
         if self.state.is_main:
             self._commit(step, world)
@@ -292,6 +296,9 @@ class Checkpointer:
                     "files": files, "rng": rng, "tensors": tensors}
         if self._extra is not None:
             manifest["extra"] = self._extra
+        written = window.write_record(indexes)
+        if written is not None:
+            manifest["write"] = written
         manifest.update(self.record.to_manifest())
         raw = json.dumps(manifest, indent=1).encode()
         try:  # what is committed must read back: the reader's own rules, on the very bytes (the tensors' tiling
@@ -300,8 +307,25 @@ class Checkpointer:
         except SchemaError as exc:
             raise CheckpointError(f"step {step}: the manifest would not read back ({exc}); not committing") from None
         self.storage.write(f"{directory}/{layout.MANIFEST}", raw)
+        first = self.last_committed is None
         self.last_committed = step
+        self.last_write = written
         self.log(f"checkpoint step {step} committed: {self.storage.url_of(directory)}")
+        if first and written is not None:
+            self._say_window(written)
+
+    def _say_window(self, written: dict[str, Any]) -> None:
+        """After the run's first save: how long a stop's save takes, against the grace the trainer gives it."""
+        grace = self.section.preemption_grace_s
+        took = (f"a save takes {written['seconds']:.1f} s for its slowest writer ({written['bytes'] / 2**20:.0f} MiB "
+                f"of {written['writers']} writer(s))")
+        if written["seconds"] > grace:
+            self.log(f"WARNING: {took}, longer than checkpoint.preemption_grace_s={grace:g}: a preemption would lose "
+                     f"the steps since the last checkpoint (checkpoint.every_steps={self.section.every_steps})")
+        else:
+            self.log(f"{took}: a stop's save (after the step in flight) fits checkpoint.preemption_grace_s="
+                     f"{grace:g}; a spot VM gets {window.SPOT_WINDOW_S:g} s (xla-shard gcp render says it for the "
+                     "target)")
 
     def _gather_indexes(self, directory: str, world: int) -> list[dict]:
         deadline = time.monotonic() + self.section.commit_timeout_s
@@ -484,10 +508,19 @@ def changed_identity(manifest: Manifest, identity: dict[str, Any]) -> tuple[str,
             was = defaults[key]
         else:
             was = _dotted(saved, key)
+        if key in ShardConfig.PLACE_KEYS:
+            was, value = _local_place(was), _local_place(value)
         if was != value:
             return key, (f"is {value!r} but the checkpoint {manifest.url} was written with {was!r}; resuming would "
                          "not continue that run (use another checkpoint.dir to start a new one)")
     return None
+
+
+def _local_place(value: Any) -> Any:
+    """A local path that exists as the real path it names (a relative one from here); anything else as it is."""
+    if isinstance(value, str) and "://" not in value and os.path.exists(value):
+        return os.path.realpath(value)
+    return value
 
 
 def nothing_to_train(cfg: ShardConfig) -> str | None:

@@ -181,9 +181,14 @@ def check_manifest(data: Any, verified: bool = True) -> dict:
     created = data.get("created", 0)
     if isinstance(created, bool) or not isinstance(created, (int, float)) or not 0 <= created < 1e11:
         raise SchemaError("created", f"expected a time in seconds, got {_kind(created)}")
-    for key in ("run", "hf_config", "plan", "extra", "base", "reference"):
+    for key in ("run", "hf_config", "plan", "extra", "base", "reference", "write"):
         if data.get(key) is not None:
             _mapping(data[key], key)
+    if data.get("write") is not None:  # a save's slowest writer (`checkpoint.window`)
+        for key in ("seconds", "bytes"):
+            value = data["write"].get(key, MISSING)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e18:
+                raise SchemaError(f"write.{key}", f"expected a number, got {_kind(value)}")
     if not isinstance(data.get("lr_warmup_rule", ""), str):
         raise SchemaError("lr_warmup_rule", f"expected a string, got {_kind(data['lr_warmup_rule'])}")
     for key in ("base", "reference"):  # identities of model directories (`hf_dir.identity`)

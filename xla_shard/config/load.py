@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import typing
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,12 @@ def load_with_notes(path: str | Path | None, overrides: Iterable[str] = ()) -> t
 
 
 def _first_error(exc: ValidationError) -> ConfigError:
-    err = exc.errors()[0]
+    errors = exc.errors()
+    err = errors[0]
+    branches = _union_branches(err, errors)
+    if len(branches) > 1:  # one value against a union (`"auto" | int`): the key, and what each member says
+        said = " or ".join(b["msg"].removeprefix("Input should be ") for b in branches)
+        return ConfigError(".".join(str(part) for part in err["loc"][:-1]), f"should be {said} (got {err['input']!r})")
     loc = [str(part) for part in err["loc"]]
     key = ".".join(loc) or None
     if err["type"] == "extra_forbidden":
@@ -87,6 +93,28 @@ def _first_error(exc: ValidationError) -> ConfigError:
     if err["type"] not in ("value_error", "assertion_error") and "input" in err:
         message += f" (got {err['input']!r})"
     return ConfigError(key, message)
+
+
+def _union_branches(err: dict, errors: list[dict]) -> list[dict]:
+    """The errors pydantic gives for each member of a union field that refused one value: their locations end in
+    the member's tag (`literal['auto']`, `int`) rather than in a key of ours."""
+    loc = err["loc"]
+    if len(loc) < 2 or not isinstance(loc[-1], str) or not _is_leaf(loc[:-1]):
+        return [err]
+    return [e for e in errors if e["loc"][:-1] == loc[:-1]]
+
+
+def _is_leaf(loc: tuple) -> bool:
+    """Whether `loc` names a key of ours that holds a value, not a section."""
+    model: type[BaseModel] | None = ShardConfig
+    for part in loc:
+        field = model.model_fields.get(part) if model is not None else None
+        if field is None:
+            return False
+        # a section's model, also where the key may be null (`lora: LoraSection | None`)
+        model = next((t for t in (field.annotation, *typing.get_args(field.annotation))
+                      if isinstance(t, type) and issubclass(t, BaseModel)), None)
+    return model is None
 
 
 # Names the Trainer's TrainingArguments, TRL's SFTConfig and peft's LoraConfig use for a key of ours. A recipe
@@ -134,10 +162,17 @@ def _did_you_mean(loc: list[str]) -> str:
     return f"; did you mean '{'.'.join(loc[:-1] + close)}'?"
 
 
-def revalidated(cfg: ShardConfig, **changes: Any) -> ShardConfig:
-    """`cfg` with its top-level keys `changes` set, validated again as a whole (a model_copy would skip the
-    validators that read them together)."""
-    return validate({**yaml.safe_load(dump(cfg)), **changes})
+def revalidated(cfg: ShardConfig, changes: dict[str, Any]) -> ShardConfig:
+    """`cfg` with `changes` ({dotted key: value}) set, validated again as a whole (a model_copy would skip the
+    validators that read keys together): a ConfigError where the changed config is refused."""
+    raw = yaml.safe_load(dump(cfg))
+    for key, value in changes.items():
+        *sections, name = key.split(".")
+        place = raw
+        for section in sections:
+            place = place.setdefault(section, {})
+        place[name] = value
+    return validate(raw)
 
 
 def dump(cfg: ShardConfig) -> str:
@@ -152,7 +187,7 @@ def dump(cfg: ShardConfig) -> str:
         if getattr(getattr(cfg, other_section), other) is not None and \
                 name not in getattr(cfg, section).model_fields_set:
             del data[section][name]
-    return yaml.safe_dump(data, sort_keys=False)
+    return yaml.dump(data, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper), sort_keys=False)
 
 
 def _method_section_after_data(cfg: ShardConfig, data: dict[str, Any]) -> dict[str, Any]:

@@ -192,10 +192,13 @@ class MeshSection(Section):
             raise ValueError(f"mesh.replica={self.replica} does not divide the {num_devices} devices")
         fsdp = num_devices // self.replica if self.fsdp == -1 else self.fsdp
         if self.replica * fsdp != num_devices:
-            raise ValueError(
-                f"mesh replica x fsdp = {self.replica} x {fsdp} = {self.replica * fsdp} "
-                f"does not match the {num_devices} devices"
-            )
+            inside = ""
+            if self.context > 1:  # MaxText's ici_fsdp x ici_context = devices is not this schema's form
+                inside = (f" (mesh.context's {self.context} devices lie inside mesh.fsdp's, which counts them: "
+                          f"fsdp {num_devices // self.replica} with context {self.context} splits each sequence "
+                          f"over {self.context} of them)")
+            raise ValueError(f"mesh replica x fsdp = {self.replica} x {fsdp} = {self.replica * fsdp} "
+                             f"does not match the {num_devices} devices{inside}")
         return self.replica, fsdp
 
 
@@ -483,6 +486,9 @@ def _place(value: str) -> str:
     scheme, sep, rest = value.partition("://")
     if sep and (not rest.strip("/") or (scheme in _BUCKET_SCHEMES and rest.startswith("/"))):
         raise ValueError(f"{value!r} names no {'bucket' if scheme in _BUCKET_SCHEMES else 'path'} after {scheme}://")
+    scheme, colon, rest = value.partition(":")
+    if not sep and colon and scheme.lower() in _BUCKET_SCHEMES:  # gs:/bucket, gs:bucket: a local folder "gs:"
+        raise ValueError(f"{value!r} is not a URL ({scheme}:// takes two slashes: {scheme}://{rest.lstrip('/')})")
     return value
 
 
@@ -665,6 +671,10 @@ class _ShardConfig(Section):
                                               "train.optimizer", "train.seed", "train.global_batch_size",
                                               "train.seq_len", "data.path", "data.kind", "data.tokenizer",
                                               "data.packing", "data.eval_fraction")
+
+    # Of those, the keys that may name a local file or directory: the same place named by a relative path, an
+    # absolute one or through a link is the same run.
+    PLACE_KEYS: ClassVar[tuple[str, ...]] = ("model.name", "data.path", "data.tokenizer")
 
     # Keys whose being set, not only their value, a validator reads where another key is given (not null)
     # (`TrainSection._steps_or_epochs`, `_consistent`): a dumped config writes them there only where they were

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xla_shard.data.completions import Renderer, check_messages
+from xla_shard.data.completions import Renderer, check_messages, kind_of
 from xla_shard.data.tokenize import require_columns
 from xla_shard.errors import ConfigError
 
@@ -70,6 +70,9 @@ class _PromptEncoder(Renderer):
             if not prompt:
                 raise ConfigError("data.prompt_field", f"{self.path}: row {index}: {self.fields.prompt!r} is empty")
             return self.tokenizer(text=prompt[:self.max_chars])["input_ids"]
+        if not isinstance(prompt, list):
+            raise ConfigError("data.prompt_field", f"{self.path}: row {index}: {self.fields.prompt!r} must be text or "
+                                                   f"a list of messages, not {kind_of(prompt)}")
         if not self.tokenizer.chat_template:
             raise ConfigError("data.kind", f"row {index} of {self.path} holds messages, which are rendered with the "
                                            "tokenizer's chat template, and the tokenizer has none")

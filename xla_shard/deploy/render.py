@@ -194,3 +194,29 @@ def _duration(text: str) -> str:
     number, unit = int(match.group(1)), match.group(2)
     seconds = {"s": f"{number}s", "sec": f"{number}s", "min": f"{number * 60}s"}
     return {**seconds, "h": f"{number}h", "d": f"{number}d"}[unit]
+
+
+def preemption_note(cfg: ShardConfig, target: str, write_mib_s: float | None = None) -> str:
+    """What a preemption of the rendered job costs: its emergency save (each writer's share of the checkpoint at
+    the measured rate) against the window the target's capacity gives (`checkpoint.window`)."""
+    from xla_shard import backends, planner
+    from xla_shard.checkpoint import window
+
+    d = cfg.deploy
+    name = backends.resolve_name(cfg, on="cuda" if target == "gpu-vm" else "tpu")
+    capabilities = backends.capabilities(name)
+    if "tpu" in capabilities.platforms and target != "gpu-vm":
+        chips = tpu.parse_type(d.accelerator_type)[1]
+        hosts = tpu.parse_gke(d.accelerator_type).hosts if target == "gke" else tpu.vm_hosts(d.accelerator_type)
+        devices, hosts = chips * d.num_slices, hosts * d.num_slices
+    else:
+        per_node = GPU_MACHINES.get(d.gpu_machine_type, 1)
+        devices, hosts = per_node * d.gpu_nodes, d.gpu_nodes
+    try:
+        work = planner.workload(cfg, devices, capabilities)
+    except UserError as exc:  # a model this machine cannot read (a gs:// directory without credentials)
+        return f"preemption: not estimated ({exc})"
+    writers = hosts if capabilities.launcher == "in_process" else devices
+    _, said = window.say(cfg, target, work.params, work.trained_params, work.frozen_bytes, writers, 0.0,
+                         window.rate_for(cfg, write_mib_s))
+    return f"preemption ({d.provisioning} {target}): {said}"

@@ -82,11 +82,16 @@ def parse(accelerator_type: str, zone: str, allow_unlisted_zone: bool = False) -
                                                      "served by the Cloud TPU API that the tpu-vm and queued-resource "
                                                      "targets use; they run on GKE: use --target gke")
     generation, chips = parse_type(accelerator_type)
-    # Single-host slices: up to one host's chips (v5e/v6e single hosts go up to 8 chips).
-    single_host = 8 if not generation.size_counts_cores else generation.chips_per_host
-    hosts = 1 if chips <= single_host else chips // generation.chips_per_host
     check_zone(generation, zone, allow_unlisted_zone)
-    return Slice(accelerator_type, generation, chips, hosts)
+    return Slice(accelerator_type, generation, chips, vm_hosts(accelerator_type))
+
+
+def vm_hosts(accelerator_type: str) -> int:
+    """The hosts of a slice as the Cloud TPU API serves it: single-host slices hold up to one host's chips
+    (v5e and v6e single hosts go up to 8 chips)."""
+    generation, chips = parse_type(accelerator_type)
+    single_host = 8 if not generation.size_counts_cores else generation.chips_per_host
+    return 1 if chips <= single_host else chips // generation.chips_per_host
 
 
 def check_zone(generation: Generation, zone: str, allow_unlisted_zone: bool = False) -> None:

@@ -45,6 +45,10 @@ class NotAFileError(StorageError):
     larger than what it reads: never opened as a stream that has no end or blocks for ever."""
 
 
+# What a path that names no file to read says, whatever is stored: it is not there to be read (as a missing file
+# is), not a storage fault to report as one.
+_NO_FILE_THERE = (errno.ELOOP, errno.ENOTDIR)
+
 SMALL_FILE_BYTES = 256 << 20  # what `read_bytes` reads whole unless told otherwise: configs, indexes, tokenizers
 
 _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
@@ -167,10 +171,17 @@ class Storage:
             return retrying(fn)
         except (FileNotFoundError, IsADirectoryError, NotAFileError):
             raise
+        except OSError as exc:
+            if exc.errno in _NO_FILE_THERE:  # the path itself: a link that loops, a file where a folder should be
+                raise NotAFileError(redact(one_line(f"{what}: {os.strerror(exc.errno).lower()}"))) from None
+            raise self._failed(what, exc) from exc
         except Exception as exc:
-            kind = "gave up after retrying for" if is_transient(exc) else "failed, not retried (not transient), within"
-            raise StorageError(redact(one_line(f"{what}: {kind} {self.retry_deadline_s:g}s: {type(exc).__name__}: "
-                                               f"{exc}"))) from exc
+            raise self._failed(what, exc) from exc
+
+    def _failed(self, what: str, exc: Exception) -> StorageError:
+        kind = "gave up after retrying for" if is_transient(exc) else "failed, not retried (not transient), within"
+        return StorageError(redact(one_line(f"{what}: {kind} {self.retry_deadline_s:g}s: {type(exc).__name__}: "
+                                            f"{exc}")))
 
     # ---- operations -------------------------------------------------------------------------------
     def write(self, rel: str, parts: bytes | list[bytes | memoryview] | Callable[[], Iterable[bytes]]) -> None:
@@ -288,6 +299,8 @@ class Storage:
         path = self.path(rel)
 
         def check():
+            if self.local:  # a link that leads nowhere (or to itself) is there: reading it says what it is
+                return os.path.lexists(path)
             self.fs.invalidate_cache(os.path.dirname(path))
             return self.fs.exists(path)
 

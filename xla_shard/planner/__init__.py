@@ -43,6 +43,7 @@ class Plan:
     accelerator: Accelerator
     ranked: list[Estimate]  # fitting ones first, fastest first (to STEP_RESOLUTION), then least memory
     baseline: Estimate  # FULL_SHARD (ZeRO-3)
+    work: Workload  # the step they were ranked for
 
     @property
     def best(self) -> Estimate | None:
@@ -68,7 +69,7 @@ def plan(work: Workload, devices: int, acc: Accelerator, hosts: int | None = Non
     groups = tie_groups(estimates)
     ranked = sorted(estimates, key=lambda e: (groups[id(e)], e.memory["total"]))
     baseline = next(e for e in estimates if e.triple == Triple(devices, devices, devices))
-    return Plan(devices, domain, acc, ranked, baseline)
+    return Plan(devices, domain, acc, ranked, baseline, work)
 
 
 def embedding_params(model) -> int:
