@@ -398,8 +398,15 @@ def test_auto_resume_falls_back_past_a_checkpoint_that_fails_verification(cli, t
         shutil.copytree(ckpt / "step-00000005", ckpt / f"step-000000{step}")
         (ckpt / f"step-000000{step}" / "manifest.json").unlink()
         make(ckpt / f"step-000000{step}" / "manifest.json")
+    # ... and a shards folder that is a link to itself (every open fails: ELOOP)
+    shutil.copytree(ckpt / "step-00000005", ckpt / "step-00000012")
+    shutil.rmtree(ckpt / "step-00000012" / "shards")
+    (ckpt / "step-00000012" / "shards").symlink_to("shards")
+    manifest = json.loads((ckpt / "step-00000012" / "manifest.json").read_text())
+    (ckpt / "step-00000012" / "manifest.json").write_text(json.dumps({**manifest, "step": 12}))
     done = train(cli, tmp_path / "run", f"checkpoint.dir={ckpt}", "checkpoint.every_steps=100", steps=STEPS)
     log = done.stderr
+    assert "step-00000012/shards/" in log and "too many levels of symbolic links" in log
     assert "step-00000010/manifest.json is a FIFO" in log
     assert "step-00000011/manifest.json is a link to /dev/zero" in log
     assert "step-00000007/manifest.json says step 4" in log and f"{shard.name} is corrupt" in log
@@ -408,7 +415,7 @@ def test_auto_resume_falls_back_past_a_checkpoint_that_fails_verification(cli, t
     assert "resumed from" in log and f"{ckpt / 'step-00000005'} at step 5" in log
     assert losses(tmp_path / "run") == {STEPS: expected[STEPS]}
     aside = sorted(p.name.rsplit("-", 1)[0] for p in ckpt.glob("corrupt-*"))
-    assert aside == [f"corrupt-{layout.step_dir(s)}" for s in (6, 7, 8, 9, 10, 11)]  # set aside, not deleted
+    assert aside == [f"corrupt-{layout.step_dir(s)}" for s in (6, 7, 8, 9, 10, 11, 12)]  # set aside, not deleted
     assert (ckpt / "step-00000006" / "manifest.json").exists()  # the new, good step 6
 
 

@@ -226,3 +226,25 @@ def test_a_save_records_its_slowest_writer_and_the_estimate_reads_that_rate(tmp_
     on_demand = config.load(None, ["deploy.provisioning=on-demand", "checkpoint.preemption_grace_s=600"])
     fits, line = window.say(on_demand, "gke", 8_000_000_000, None, 4, 16, 0.0, rate)  # 6 GB a writer: 57 s
     assert fits and "against 600 s" in line
+
+
+@pytest.mark.usefixtures("transformers_imported")
+def test_a_processs_own_tensors_come_back_to_it_and_stay_out_of_the_model(tmp_path):
+    """`save(own=)`: what one process made (a generation's examples), in its shard under its writer's index; a
+    restore gives them back to the same writer, and neither the model's match nor an export sees them."""
+    from conftest import in_process_checkpointer
+
+    model = torch.nn.Linear(4, 4)
+    own = {"generation": torch.tensor(3), "0/input_ids": torch.arange(12).view(2, 6),
+           "0/old_logps": torch.randn(2, 3)}
+    saver = in_process_checkpointer(tmp_path / "ckpt")
+    saver.save(2, model, None, own=own)
+    manifest = json.loads((tmp_path / "ckpt" / layout.step_dir(2) / layout.MANIFEST).read_text())
+    assert {name for name in manifest["tensors"] if name.startswith("own/")} == {f"own/00000/{n}" for n in own}
+    back: dict = {}
+    restored = torch.nn.Linear(4, 4)
+    assert in_process_checkpointer(tmp_path / "ckpt").restore(restored, None, own=back) == 2
+    assert set(back) == set(own) and all(torch.equal(back[n], own[n]) for n in own)
+    assert torch.equal(restored.weight, model.weight)
+    plain = torch.nn.Linear(4, 4)  # a restore that asks for none reads the model alone
+    assert in_process_checkpointer(tmp_path / "ckpt").restore(plain, None) == 2

@@ -10,6 +10,7 @@ import torch
 from conftest import FIXTURES, backend_params, run_in_process, run_trainings, run_worker, runnable, runs_args
 from transformers import AutoModelForCausalLM
 
+from xla_shard import config
 from xla_shard.errors import ConfigError
 from xla_shard.methods import grpo, method_for
 
@@ -373,13 +374,16 @@ def test_grpo_learns_a_toy_task_resumes_exactly_and_exports(model_dirs, tmp_path
     KL 0), its second has moved (clipping counted, KL above 0); on XLA the second generation compiles nothing
     the first did not (the warm-up counts generations); its checkpoint exports as the adapter peft loads."""
     sets, nproc = runnable(RUN_BACKENDS)[backend]
+    iterations = ["grpo.num_iterations=2", "grpo.beta=0.04", "model.lora.r=4", "model.lora.alpha=8", "train.lr=5e-2",
+                  "train.steps=6", "train.recompile_warmup_steps=2"]
     got = run_trainings(tmp_path, [*_grpo_common(model_dirs.llama_chat), *sets], {
         "full": [f"checkpoint.dir={tmp_path / 'a'}", f"data.eval_path={EVAL_PROMPTS}", "train.eval_every=16"],
         "stopped": [f"checkpoint.dir={tmp_path / 'b'}", "sigterm_after=6"],
         "resumed": [f"checkpoint.dir={tmp_path / 'b'}"],
-        "iterations": ["grpo.num_iterations=2", "grpo.beta=0.04", "model.lora.r=4", "model.lora.alpha=8",
-                       "train.lr=5e-2", "train.steps=6", "train.recompile_warmup_steps=2",
-                       f"checkpoint.dir={tmp_path / 'c'}"]}, nproc=nproc)
+        "iterations": [*iterations, f"checkpoint.dir={tmp_path / 'c'}"],
+        # stopped after step 3, inside the generation steps 3 and 4 train on: the resume trains on it as stored
+        "iterations_stopped": [*iterations, f"checkpoint.dir={tmp_path / 'd'}", "sigterm_after=3"],
+        "iterations_resumed": [*iterations, f"checkpoint.dir={tmp_path / 'd'}"]}, nproc=nproc)
     records = [r for r in got["iterations"] if "loss" in r]
     assert records[0]["kl"] == 0 and records[0]["clip_ratio/region_mean"] == 0
     assert records[1]["kl"] > 0 and records[1]["clip_ratio/region_mean"] > 0
@@ -392,6 +396,7 @@ def test_grpo_learns_a_toy_task_resumes_exactly_and_exports(model_dirs, tmp_path
 
     full = steps(got["full"])
     assert steps(got["stopped"]) + steps(got["resumed"]) == full
+    assert steps(got["iterations_stopped"]) + steps(got["iterations_resumed"]) == steps(got["iterations"])
     assert [r["step"] for r in steps(got["resumed"])] == list(range(7, 17))
     assert all(name in r for r in full for name in (*TRL_NAMES, "log_metric/topic_mentions"))  # (log_metric's)
     assert not any("recompiles" in r for r in got["full"])  # the sampler and the step compile once
@@ -590,6 +595,29 @@ def test_a_step_holds_groups_of_one_prompt_and_a_generation_trains_num_iteration
     assert steps[0] == steps[1] and steps[2] == steps[3] and steps[1] != steps[2]
     assert sorted({*steps[0], *steps[2], *steps[4]}) == list(range(6))  # an epoch: every prompt once
     assert source.rows_per_epoch == 6 * 3 * 2 and source.rows(0, range(3, 5))["row"].tolist() == steps[0][3:5]
+
+
+def test_a_checkpoint_inside_a_generation_keeps_its_examples_for_the_resume(model_dirs):
+    """num_iterations 2: the checkpoint after a generation's first step holds what it made (each process its
+    own), the one after its last nothing; a resume inside it trains on what was kept, or says that it draws it
+    again where the checkpoint does not hold it."""
+    from xla_shard.methods.grpo_rollout import GrpoRollout
+
+    cfg = config.load(None, [*_grpo_common(model_dirs.llama_chat), "grpo.num_iterations=2"])
+    rollout = GrpoRollout(cfg, method_for(cfg).adapter)
+    made = [{"input_ids": torch.arange(8).view(2, 4), "advantages": torch.tensor([0.5, -0.5])},
+            {"input_ids": torch.arange(8, 16).view(2, 4), "advantages": torch.tensor([1.0, -1.0])}]
+    rollout._generated = (3, made)  # generation 3: steps 6 and 7
+    assert rollout.state(8) == {}  # step 8 starts generation 4
+    kept = rollout.state(7)
+    assert int(kept["generation"]) == 3 and torch.equal(kept["1/input_ids"], made[1]["input_ids"])
+    resumed = GrpoRollout(cfg, method_for(cfg).adapter)
+    assert "not drawn again" in resumed.resume(7, kept)
+    generation, batches = resumed._generated
+    assert generation == 3 and len(batches) == 2
+    assert all(torch.equal(batches[i][key], made[i][key]) for i in range(2) for key in made[i])
+    assert resumed.resume(8, {}) == ""  # at a generation's start there is nothing to keep
+    assert "drawn again from the resumed weights" in GrpoRollout(cfg, method_for(cfg).adapter).resume(7, {})
 
 
 def test_the_plan_holds_generations_kv_cache_beside_the_step(model_dirs):

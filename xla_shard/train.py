@@ -280,7 +280,11 @@ class Trainer:
         if cfg.checkpoint.dir:
             self.checkpointer = Checkpointer(cfg.checkpoint, backend.state, log=self._log,
                                              trained_only=self.adapter.freezes_base, record=self.record)
-            self.start_step = self.checkpointer.restore(self.model, self.optimizer)
+            own: dict = {}
+            self.start_step = self.checkpointer.restore(self.model, self.optimizer, own=own)
+            resumed = self.method.rollout.resume(self.start_step, own)
+            if resumed:
+                self._log(resumed)
             self.warmup_rule = self._resumed_warmup_rule()
             self.record.lr_warmup_rule = self.warmup_rule
             key = "train.epochs" if cfg.train.epochs else "train.steps"
@@ -525,7 +529,7 @@ class Trainer:
                         with self.clock.paused():
                             self._evaluate(done, logger)
                     if done % cfg.checkpoint.every_steps == 0 or done == self.total_steps:
-                        ckpt.save(done, self.model, self.optimizer)
+                        self._save(done)
                     stop = self._agreed_stop(preemption)
                     if stop:
                         self._stop_for_preemption(done, stop, preemption)
@@ -601,12 +605,16 @@ class Trainer:
             return None
         return signal.SIGTERM if terminated else signal.SIGINT
 
+    def _save(self, done: int) -> None:
+        """The checkpoint after `done` steps, with what this process's rollout made that later steps still use."""
+        self.checkpointer.save(done, self.model, self.optimizer, own=self.method.rollout.state(done))
+
     def _stop_for_preemption(self, done: int, stop: signal.Signals, preemption: PreemptionGuard) -> None:
         ckpt, said = self.checkpointer, stop.name
         if not self.cfg.checkpoint.dir:
             self._log(f"{said}: stopping after step {done} (no checkpoint.dir: nothing saved)")
             return
-        ckpt.save(done, self.model, self.optimizer)  # a no-op if this step's save is already done or in flight
+        self._save(done)  # a no-op if this step's save is already done or in flight
         if ckpt.wait(timeout=preemption.remaining_s()):
             self._log(f"{said}: stopped after step {done}; checkpoint committed, rerun the same command to resume")
         else:

@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xla_shard.checkpoint import layout, schema, window
 from xla_shard.checkpoint.contract import ShardedState
@@ -46,6 +46,9 @@ from xla_shard.config.schema import ShardConfig
 from xla_shard.errors import ConfigError, UserError
 from xla_shard.io.storage import Storage, StorageError
 from xla_shard.io.untrusted_json import MAX_JSON_DEPTH, SchemaError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def versions() -> dict[str, str]:
@@ -204,21 +207,29 @@ class Checkpointer:
         self.last_saved: int | None = None  # newest step this process saved (committed or in flight)
         self.last_committed: int | None = None
         self.last_write: dict[str, Any] | None = None  # the newest commit's `window.write_record`
+        self._own: dict | None = None  # what `restore(own=)` fills
 
     # ---- save ---------------------------------------------------------------------------------------
-    def save(self, step: int, model, optimizer, block: bool = False, extra: Extra | None = None) -> None:
+    def save(self, step: int, model, optimizer, block: bool = False, extra: Extra | None = None,
+             own: dict[str, torch.Tensor] | None = None) -> None:
         """Snapshot now, upload and commit (in the background with `checkpoint.async`). A step already saved
         by this process is not saved again: its directory is committed and is never rewritten.
 
         `extra`: more state of your loop, by name: objects with `state_dict()` / `load_state_dict()` (torch's
         Stateful: an LR scheduler, a data loader) or plain dicts; the main process's is stored, as JSON, in the
-        manifest, and `restore(..., extra=)` puts it back."""
+        manifest, and `restore(..., extra=)` puts it back. `own`: host tensors of this process alone (what it
+        generated), stored in its shard under `own/<writer>/`; `restore(..., own=)` gives them back to the same
+        process where the run has as many writers."""
         if step == self.last_saved:
             return
         self.wait()  # at most one save in flight; an earlier failure surfaces here
         self._extra = _snapshot(extra) if extra else None
         self._hf_config = hf_config(model)
         entries = [layout.Entry(t.name, t.shape, t.dtype, t.chunks()) for t in self._tensors(model, optimizer)]
+        prefix = _own_prefix(self.state.writer[0])
+        entries += [layout.Entry(prefix + name, tuple(value.shape), value.dtype,
+                                 [((0,) * value.dim(), value.detach().cpu().contiguous())])
+                    for name, value in (own or {}).items()]
         rng = self.state.rng_state()
         self.saving_step = self.last_saved = step
         if self.section.async_save and not block:
@@ -359,12 +370,14 @@ class Checkpointer:
                 self.runs.forget(step)
 
     # ---- restore --------------------------------------------------------------------------------------
-    def restore(self, model, optimizer, extra: Extra | None = None) -> int:
+    def restore(self, model, optimizer, extra: Extra | None = None, own: dict | None = None) -> int:
         """Load what `checkpoint.resume` asks for into `model` and `optimizer` (and this process's RNGs, and
-        each object of `extra` that `save` stored under its name); return the step to continue from, 0 for a
-        fresh start (`extra` then stays as it is)."""
+        each object of `extra` that `save` stored under its name; `own`, a dict, is filled with the tensors this
+        process saved as its own, where the checkpoint's writers are this run's); return the step to continue
+        from, 0 for a fresh start (`extra` and `own` then stay as they are)."""
         resume = self.section.resume
         extra = _restorable(extra)
+        self._own = own
         if resume == "never":
             self._claim(0, "checkpoint.resume=never starts a new run")
             return 0
@@ -457,14 +470,23 @@ class Checkpointer:
         manifest = read_manifest(storage)
         self._check_identity(manifest, hf_config(model))
         stored = {name: (tuple(meta["shape"]), layout.TORCH_DTYPES[meta["dtype"]])
-                  for name, meta in manifest.tensors.items()}
+                  for name, meta in manifest.tensors.items() if not name.startswith(_OWN)}
         targets = self._tensors(model, optimizer, stored)
         _match(manifest, stored, targets)
         _check_extra(manifest, extra)
-        fill(ChunkReader(storage, manifest), targets)
+        reader = ChunkReader(storage, manifest)
+        fill(reader, targets)
         _load_extra(manifest, extra)
         self.restored = RunRecord.from_manifest(manifest.data)
         rank, world = self.state.writer
+        if self._own is not None and manifest.data["writers"] == world:
+            prefix = _own_prefix(rank)
+            names = [name for name in manifest.tensors if name.startswith(prefix)]
+            boxes = [(name, ((0,) * len(manifest.tensors[name]["shape"]), tuple(manifest.tensors[name]["shape"])))
+                     for name in names]
+            self._own.clear()
+            if names:
+                self._own.update({name[len(prefix):]: value for name, value in zip(names, reader.read(boxes))})
         if manifest.data["writers"] == world and str(rank) in manifest.data["rng"]:
             try:
                 self.state.set_rng_state(manifest.data["rng"][str(rank)])
@@ -576,13 +598,14 @@ class NoCheckpoints:
         self.record = record if record is not None else RunRecord()  # kept, never written
         self.restored = RunRecord()  # what a resume restored: nothing, there is none
 
-    def save(self, step: int, model, optimizer, block: bool = False, extra: Extra | None = None) -> None:
+    def save(self, step: int, model, optimizer, block: bool = False, extra: Extra | None = None,
+             own: dict | None = None) -> None:
         pass
 
     def wait(self, timeout: float | None = None) -> bool:
         return True
 
-    def restore(self, model, optimizer, extra: Extra | None = None) -> int:
+    def restore(self, model, optimizer, extra: Extra | None = None, own: dict | None = None) -> int:
         _restorable(extra)  # a mistake is said whether or not there is a checkpoint to restore from
         return 0
 
@@ -603,6 +626,13 @@ def _dotted(data: dict, key: str) -> Any:
     for part in key.split("."):
         data = data.get(part) if isinstance(data, dict) else None
     return data
+
+
+_OWN = "own/"  # a process's own tensors (`save(own=)`), under its writer's index
+
+
+def _own_prefix(writer: int) -> str:
+    return f"{_OWN}{writer:05d}/"
 
 
 def _match(manifest: Manifest, stored: dict, targets) -> None:

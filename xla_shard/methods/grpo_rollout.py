@@ -12,8 +12,9 @@ policy, with `beta` > 0 the reference's, both computed there without gradients. 
 
 A row's draws are keyed by (train.seed, the generation, the row's place in the global batch): the same
 completions on any backend and any number of processes, and a resumed run draws what the uninterrupted one drew at
-the same step (where a resume lands inside a generation's `num_iterations` steps, that generation is drawn again
-from the resumed policy: the same noise, newer weights).
+the same step. A checkpoint taken inside a generation's `num_iterations` steps holds each process's examples of
+that generation (`state`), so a resume there trains on them as the uninterrupted run did; where it cannot (another
+number of processes) that generation is drawn again from the resumed policy, and the run's log says so.
 """
 
 from __future__ import annotations
@@ -64,6 +65,32 @@ class GrpoRollout(Rollout):
         made = self.generate(model, backend, source, micro_batches, rows, (self.seed, generation), step)
         self._generated = (generation, made)
         return made
+
+    def state(self, next_step: int) -> dict[str, torch.Tensor]:
+        if self._generated is None or next_step // self.steps_per_round != self._generated[0]:
+            return {}  # the next step starts a generation of its own
+        generation, made = self._generated
+        kept = {"generation": torch.tensor(generation)}
+        for index, batch in enumerate(made):
+            kept.update({f"{index}/{key}": value for key, value in batch.items()})
+        return kept
+
+    def resume(self, step: int, state: dict[str, torch.Tensor]) -> str:
+        generation = step // self.steps_per_round
+        if step % self.steps_per_round == 0:
+            return ""
+        if "generation" not in state or int(state["generation"]) != generation:
+            return (f"grpo: resumed at step {step}, inside generation {generation}, whose examples the checkpoint "
+                    "does not hold for this process (written by another number of processes): drawn again from the "
+                    "resumed weights, so steps up to the next generation differ from the uninterrupted run")
+        made: dict[int, Batch] = {}
+        for key, value in state.items():
+            if key != "generation":
+                index, name = key.split("/", 1)
+                made.setdefault(int(index), {})[name] = value
+        self._generated = (generation, [made[index] for index in sorted(made)])
+        return (f"grpo: resumed at step {step} inside generation {generation}: its examples as the checkpoint holds "
+                f"them, not drawn again")
 
     def generate(self, model, backend, source, micro_batches, rows, stream: tuple[int, ...],
                  step: int) -> list[Batch]:

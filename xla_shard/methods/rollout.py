@@ -8,6 +8,7 @@ engine) or another online method is another `Rollout`; neither the objective nor
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from xla_shard.data import Batch
@@ -38,6 +39,17 @@ class Rollout:
         """What `step` trains on, from the rows read for it (host tensors; `rows`: each micro-batch's rows of the
         global batch). Every process calls it."""
         return micro_batches
+
+    def state(self, next_step: int) -> dict[str, torch.Tensor]:
+        """This process's examples that steps from `next_step` on still train on (one generation serves several
+        steps), for the checkpoint taken before `next_step`: a resume there trains on them rather than on examples
+        made again from newer weights. Empty: nothing to keep."""
+        return {}
+
+    def resume(self, step: int, state: dict[str, torch.Tensor]) -> str:
+        """Take back what `state` kept, for a run resumed at `step`; what the run's log says of it (empty:
+        nothing)."""
+        return ""
 
     def generation(self, model: nn.Module, source) -> Generation | None:
         """What one of this rollout's generations runs for a global batch, for `xla-shard compile` to trace and
