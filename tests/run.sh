@@ -53,7 +53,7 @@ if [[ " $TIERS " == *" old "* ]]; then
   venv .venv-tpu-compiler "${TPU_COMPILER[@]}"
   .venv/bin/ruff check
   tier 3 .venv/bin/python -m "not e2e"
-  tier 44 .venv/bin/python -m "e2e and not serial and not fsdp2" -n 2 --dist loadfile --no-loadscope-reorder
+  tier 60 .venv/bin/python -m "e2e and not serial and not fsdp2" -n 2 --dist loadfile --no-loadscope-reorder
   tier 6 .venv/bin/python -m "e2e and serial and not fsdp2"
 fi
 if [[ " $TIERS " == *" newest "* ]]; then
