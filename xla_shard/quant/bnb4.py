@@ -12,6 +12,7 @@ scales in 8 bits (bitsandbytes' dynamic code, blocks of `NESTED_BLOCKSIZE`) arou
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -62,20 +63,28 @@ def _blocks(flat: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Ten
     return scaled, absmax
 
 
+def _nearest(scaled: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The index into `table` of the code nearest each value: bucketed against the sorted codes' midpoints."""
+    order = torch.argsort(table)  # FP4's codes are not sorted; NF4's and the dynamic code's order is the identity
+    return order[torch.bucketize(scaled, (table[order[:-1]] + table[order[1:]]) / 2, out_int32=True)]
+
+
+def _times_scales(values: torch.Tensor, scales: torch.Tensor, blocksize: int) -> torch.Tensor:
+    """Each of the flat `values` times its block's scale (a last, shorter block has its own)."""
+    n = values.numel()
+    padded = torch.nn.functional.pad(values, (0, -n % blocksize))
+    return (padded.view(-1, blocksize) * scales.view(-1, 1)).reshape(-1)[:n]
+
+
 def quantize_blockwise(values: torch.Tensor, blocksize: int = NESTED_BLOCKSIZE) -> tuple[torch.Tensor, torch.Tensor]:
     """8-bit indices into `dynamic_code()` and each block's absolute maximum."""
     scaled, absmax = _blocks(values.reshape(-1).float(), blocksize)
-    table = dynamic_code().to(values.device)
-    indices = torch.bucketize(scaled, (table[:-1] + table[1:]) / 2, out_int32=True).to(torch.uint8)
-    return indices, absmax
+    return _nearest(scaled, dynamic_code().to(values.device)).to(torch.uint8), absmax
 
 
 def dequantize_blockwise(indices: torch.Tensor, absmax: torch.Tensor,
                          blocksize: int = NESTED_BLOCKSIZE) -> torch.Tensor:
-    values = dynamic_code().to(indices.device)[indices.reshape(-1).long()]
-    n = values.numel()
-    padded = torch.nn.functional.pad(values, (0, -n % blocksize))
-    return (padded.view(-1, blocksize) * absmax.view(-1, 1)).reshape(-1)[:n]
+    return _times_scales(dynamic_code().to(indices.device)[indices.reshape(-1).long()], absmax, blocksize)
 
 
 @dataclass
@@ -102,13 +111,10 @@ def quantize(weight: torch.Tensor, kind: str = "nf4", nested: bool = False, bloc
     """`weight` (fp32, bf16 or fp16: its values as they are, widened to fp32) in 4 bits."""
     if kind not in KINDS:
         raise ValueError(f"4-bit kind {kind!r}: use one of {', '.join(KINDS)}")
-    table = code(kind).to(weight.device)
-    order = torch.argsort(table)
     scaled, absmax = _blocks(weight.reshape(-1).float(), blocksize)
     if scaled.numel() % 2:
         scaled = torch.nn.functional.pad(scaled, (0, 1))
-    indices = torch.bucketize(scaled, (table[order[:-1]] + table[order[1:]]) / 2, out_int32=True)
-    indices = order[indices].to(torch.uint8)  # FP4's codes are not sorted; NF4's order is the identity
+    indices = _nearest(scaled, code(kind).to(weight.device)).to(torch.uint8)
     packed = (indices[::2] << 4) | indices[1::2]
     if not nested:
         return Quantized(packed, absmax, tuple(weight.shape), kind)
@@ -125,9 +131,5 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 def dequantize(quantized: Quantized, dtype: torch.dtype = torch.float32, blocksize: int = BLOCKSIZE) -> torch.Tensor:
     """The weight back, in `dtype`: each code times its block's scale in fp32, then cast (as bitsandbytes)."""
     values = code(quantized.kind).to(quantized.packed.device)[unpack(quantized.packed.reshape(-1))]
-    n = 1
-    for size in quantized.shape:
-        n *= size
-    values = torch.nn.functional.pad(values[:n], (0, -n % blocksize))
-    out = (values.view(-1, blocksize) * quantized.scales().view(-1, 1)).reshape(-1)[:n]
+    out = _times_scales(values[:math.prod(quantized.shape)], quantized.scales(), blocksize)
     return out.reshape(quantized.shape).to(dtype)
