@@ -297,8 +297,11 @@ def test_a_moe_lora_exports_an_adapter_peft_loads_and_merges_as_peft_merges(moe_
     for name, value in peft_merged.items():
         torch.testing.assert_close(stored[name], value, rtol=1e-6, atol=1e-6, msg=name)
     experts = "model.layers.0.mlp.experts.gate_up_proj"
-    # peft has no conversion for Qwen2-MoE's fused experts: all-linear adapts its attention and shared expert
-    assert torch.equal(stored[experts], before[experts]) == (family == "qwen2_moe")
+    # all-linear adapts fused experts in the families peft converts (Qwen2-MoE's from peft 0.22; before it, only
+    # its attention and shared expert): where they are adapted, the merge moves them
+    adapted = any(".mlp.experts." in name and ".lora_" in name for name, _ in model.named_parameters())
+    assert adapted or family == "qwen2_moe"
+    assert torch.equal(stored[experts], before[experts]) != adapted
 
 
 @pytest.mark.parametrize("setting, key", [("model.lora.use_dora=true", "model.lora.use_dora"),
