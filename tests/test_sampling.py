@@ -55,6 +55,25 @@ def test_the_noise_is_the_rows_key_and_position_alone():
     assert abs(uniform.mean() - 0.5) < 0.005 and abs(uniform.var() - 1 / 12) < 0.002
 
 
+@pytest.fixture(scope="module")
+def torch_xla():
+    """torch_xla imported (~6 s) as the test's setup, not its call."""
+    return pytest.importorskip("torch_xla")
+
+
+@pytest.mark.xla
+def test_on_xla_the_noise_is_shifts_and_draws_what_the_host_draws(torch_xla):
+    """The noise's program on torch_xla holds no integer division (torch_xla lowers `>>` to one, which the TPU
+    compiler expands for int64 into hundreds of ops: 5-15x a token program's compile) and draws the host's
+    bits (their logarithms within float32's rounding)."""
+    xla = torch_xla
+    keys, position = sampling.row_keys([4], range(6)), torch.tensor([3])
+    noise = sampling.gumbel_noise(keys.to(xla.device()), position.to(xla.device()), 50)
+    hlo = xla._XLAC._get_xla_tensors_hlo([noise])
+    assert "shift-right" in hlo and " divide(s64" not in hlo and " divide(u64" not in hlo
+    torch.testing.assert_close(noise.cpu(), sampling.gumbel_noise(keys, position, 50), rtol=1e-6, atol=1e-6)
+
+
 def test_greedy_sampling_is_generates_with_eos_ending_a_row(model_dirs):
     """top_k 1 is greedy decoding: the tokens are transformers' `generate(do_sample=False)` on left-padded
     prompts; a row that draws the end-of-sequence token keeps it and holds the pad token, masked out, after it,

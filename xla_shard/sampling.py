@@ -82,11 +82,17 @@ _LOW32 = 0xFFFFFFFF
 _MULTIPLIER = 0x45D9F3B  # below 2**27: a 32-bit value times it stays inside int64, on every device
 
 
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x >> bits as a shift: torch_xla lowers the operator `>>` to a division, which the TPU compiler expands for
+    int64 into hundreds of ops per element (a token's program compiled 5-15x slower for it)."""
+    return torch.bitwise_right_shift(x, bits)
+
+
 def _mix(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer hash (two multiply-xorshift rounds) of int64 tensors holding 32-bit values."""
-    x = ((x >> 16) ^ x) * _MULTIPLIER & _LOW32
-    x = ((x >> 16) ^ x) * _MULTIPLIER & _LOW32
-    return (x >> 16) ^ x
+    x = (_shr(x, 16) ^ x) * _MULTIPLIER & _LOW32
+    x = (_shr(x, 16) ^ x) * _MULTIPLIER & _LOW32
+    return _shr(x, 16) ^ x
 
 
 def gumbel_noise(keys: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -94,11 +100,11 @@ def gumbel_noise(keys: torch.Tensor, position: torch.Tensor, vocab: int) -> torc
     (a device tensor, so every token runs one program: [1], or [rows], a position each), [rows, vocab] fp32 on
     the keys' device: argmax(scores + noise) samples softmax(scores). Integer arithmetic alone up to the uniform:
     the same bits on every device."""
-    low, high = keys & _LOW32, (keys >> 32) & _LOW32
+    low, high = keys & _LOW32, _shr(keys, 32) & _LOW32
     row = _mix(_mix(low ^ _mix(high)) ^ (position.to(torch.int64) & _LOW32))[:, None]
     index = _mix(torch.arange(vocab, device=keys.device, dtype=torch.int64) + 0x9E3779B9 & _LOW32)
     bits = _mix(_mix(row ^ index) ^ high[:, None])
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) * 2.0 ** -24
+    uniform = (_shr(bits, 8).to(torch.float32) + 0.5) * 2.0 ** -24
     return -torch.log(-torch.log(uniform))
 
 

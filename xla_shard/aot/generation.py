@@ -81,10 +81,10 @@ def _program(decoding) -> bytes:
     return torch_xla._XLAC._get_xla_tensors_hlo_proto(list(decoding.carried().values()))
 
 
-# How long one generation program may take to compile. libtpu 0.0.20 (torch_xla 2.9's jax pin) did not finish a
-# token's program under bf16 autocast in 10 minutes (its memory growing past 18 GiB) where it compiled the fp32
-# one in 23 s, and 0.0.42 (XLA_SHARD_TPU_COMPILER) the bf16 one in 34 s: each program is compiled in a process
-# of its own, stopped after this long.
+# How long one generation program may take to compile: each is compiled in a process of its own, stopped after
+# this long. The sampler's int64 hash once held divisions (torch_xla's `>>`), which the TPU compiler expands into
+# hundreds of 32-bit ops each: libtpu 0.0.20 then took 66-106 s per program, and did not finish a bf16 token's in
+# 10 minutes. With shifts (`sampling._shr`) it compiles each in 3-8 s (Dec 7, a tiny Llama's GRPO on a v5p-8).
 COMPILE_S = 900.0
 
 
