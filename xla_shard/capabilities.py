@@ -45,6 +45,8 @@ class Capabilities:
                            "openxla backend does not run its FSDP wrappers")
     # LoRA adapters beside frozen weights (model.lora).
     lora: str | None = None
+    # A 4-bit frozen base under the adapters (model.quantization).
+    quantization: str | None = "its 4-bit base is not verified yet; use backend torch_fsdp"
     # How MoE experts run (transformers' experts_implementation); None: transformers' choice (grouped_mm).
     experts: str | None = None
     # MoE router load-balancing loss (config output_router_logits), which transformers adds to the loss.
@@ -90,6 +92,8 @@ class Capabilities:
             self.refuse("fsdp.scan_layers", f"{self.scan_layers}; use backend xla_spmd or set it to false")
         if cfg.model.lora is not None and self.lora:
             self.refuse("model.lora", f"{self.lora}; use backend xla_spmd or torch_fsdp")
+        if cfg.model.quantization is not None and self.quantization:
+            self.refuse("model.quantization", self.quantization)
         if cfg.train.compile and self.compile:
             self.refuse("train.compile", f"{self.compile}; set it to false")
         if cfg.mesh.context > 1 and self.context:
@@ -108,6 +112,7 @@ class Capabilities:
         """Whether this backend trains the config's model as configured, whatever the sharding: its LoRA
         adapters, its scanned layers, its compiled blocks, its sequence axis."""
         return not ((cfg.model.lora is not None and self.lora) or (cfg.fsdp.scan_layers and self.scan_layers)
+                    or (cfg.model.quantization is not None and self.quantization)
                     or (cfg.train.compile and self.compile) or (cfg.mesh.context > 1 and self.context))
 
     def runs(self, triple: Triple, devices: int) -> bool:

@@ -31,6 +31,7 @@ from xla_shard.hostmem import mib, peak_growth
 from xla_shard.io.storage import Storage
 from xla_shard.methods import Adapter, adapter_for
 from xla_shard.models import ModelSource, build_model, resolve_source
+from xla_shard.quant import model as quant
 
 _SHOWN = 4  # keys named in one error or log line
 READ_BATCH_BYTES = 256 << 20  # read (and fetched concurrently) at once, per process
@@ -72,6 +73,7 @@ class PretrainedWeights:
         self.fresh: dict[str, torch.Tensor] = {}
         self.skipped: list[str] = []
         self.fused: dict[str, fused.Fused] = {}  # MoE experts: fused parameters read from per-expert tensors
+        self.quantized: dict[str, quant.Source] = {}  # 4-bit parameters: quantized from a stored weight as read
 
     def identity(self) -> dict[str, Any]:
         """What these weights are, for a LoRA run's manifest (see `hf_dir.identity`)."""
@@ -112,6 +114,7 @@ class PretrainedWeights:
         shapes = {**{n: tuple(p.shape) for n, p in params.items()},
                   **{n: tuple(b.shape) for n, b in _persistent_buffers(model)}}
         wanted = {key: shapes[names[0]] for key, names in aliases.items()}
+        four_bit = self._four_bit(model, aliases)
         rename = fused.renamer(model, list(wanted))
         tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
         ignored = _ignored_unexpected(model)
@@ -132,6 +135,8 @@ class PretrainedWeights:
                                                 "tensors as stored, or experts stacked")
             elif key in wanted:
                 self.names.update((name, stored) for name in aliases[key])
+            elif key in four_bit:
+                self._plan_four_bit(key, stored, four_bit[key], aliases)
             elif key in tied or ignored(key):
                 self.skipped.append(key)
             else:
@@ -153,8 +158,8 @@ class PretrainedWeights:
             raise ConfigError("model.name", f"{where} does not fit {type(model).__name__}: {'; '.join(parts)}"
                                             f"{self._saved_as(model)}")
         for key, stored in self.names.items():
-            if stored.startswith(fused.PREFIX):
-                continue  # its pieces' shapes were checked by fused.plan
+            if stored.startswith((fused.PREFIX, quant.PREFIX)):
+                continue  # its pieces' shapes were checked by fused.plan, a 4-bit weight's by _plan_four_bit
             have = tuple(self.manifest.tensors[stored]["shape"])
             if have != shapes[key]:
                 hint = " (set model.num_labels to match it)" if key in head or "classifier" in key else ""
@@ -174,6 +179,26 @@ class PretrainedWeights:
             self.fused[fused.PREFIX + key] = planned
             self.names.update((name, fused.PREFIX + key) for name in aliases[key])
 
+    @staticmethod
+    def _four_bit(model: nn.Module, aliases: dict[str, list[str]]) -> dict[str, nn.Module]:
+        """The stored weight name of each 4-bit layer (`quant.Linear4bit`), and the layer."""
+        found = {}
+        for key, names in aliases.items():
+            if key.endswith(".weight_packed"):
+                found[key.removesuffix("_packed")] = model.get_submodule(names[0].rpartition(".")[0])
+        return found
+
+    def _plan_four_bit(self, key: str, stored: str, layer: nn.Module, aliases: dict[str, list[str]]) -> None:
+        """A 4-bit layer's parameters read from its stored weight `key`, quantized as they are read."""
+        have = tuple(self.manifest.tensors[stored]["shape"])
+        if have != (layer.out_features, layer.in_features):
+            raise ConfigError("model.name", f"{self.storage.url}: {key} is {list(have)} there, "
+                                            f"{[layer.out_features, layer.in_features]} in the model")
+        for part in quant.PARTS:
+            name = f"{key.removesuffix('weight')}{part}"
+            self.quantized[quant.PREFIX + name] = quant.Source(stored, part, layer.kind, layer.nested)
+            self.names.update((alias, quant.PREFIX + name) for alias in aliases[name])
+
     def _saved_as(self, model: nn.Module) -> str:
         saved = self.source.fields.get("architectures") or []
         if not saved or type(model).__name__ in saved:
@@ -187,8 +212,9 @@ class PretrainedWeights:
         """Fill the wrapped model: each process reads the boxes of each tensor it holds, nothing else.
         `frozen_only`: only the parameters not trained (a resumed LoRA run: its checkpoint holds the rest)."""
         targets = [t for t in backend.state.tensors(model) if t.frozen or not frozen_only]
-        used = {s for s in self.names.values() if not s.startswith(fused.PREFIX)}
+        used = {s for s in self.names.values() if not s.startswith((fused.PREFIX, quant.PREFIX))}
         used |= {s for f in self.fused.values() for sources in f.sources for s in sources.values()}
+        used |= {source.stored for source in self.quantized.values()}
         report = LoadReport(0, 0, sum(_stored_bytes(self.manifest.tensors[s]) for s in used), 0,
                             fresh=sorted(self.fresh), skipped=sorted(self.skipped))
         reader = self._reader()
@@ -222,7 +248,8 @@ class PretrainedWeights:
 
     def _reader(self):
         reader = ChunkReader(self.storage, self.manifest, bridge_gaps=False)
-        return fused.FusedReader(reader, self.fused) if self.fused else reader
+        reader = fused.FusedReader(reader, self.fused) if self.fused else reader
+        return quant.QuantReader(reader, self.quantized, self.manifest) if self.quantized else reader
 
     @torch.no_grad()
     def _load_buffers(self, backend, model: nn.Module, reader: ChunkReader, converted: dict[str, set[str]]) -> None:
@@ -257,9 +284,13 @@ def build_for(cfg, accelerator: str | None = None, capabilities=None, empty: boo
                         experts=experts.choose(capabilities.experts, accelerator) if capabilities else None)
     _check_router_loss(cfg, model, source, capabilities)
     adapter = adapter or adapter_for(cfg)
+    settings = cfg.model.quantization
+    keep = quant.kept(model, settings.llm_int8_skip_modules) if settings else []
     adapters = adapter.inject(model, cfg.model.task, cfg.train.seed)
     if adapters and not empty:
         adapter.materialize(model, adapters)
+    if settings:
+        quant.replace_linears(model, settings, keep, adapter.stored_name)
     if weights is not None:
         weights.match(model, cfg.train.seed, adapters, adapter)
     return model, weights, source

@@ -99,6 +99,10 @@ class SequencePieces(lm_head.Partials):
         return sequence.restore(sequence.gathered(scores, 1), self.shards)
 
 
+# FSDP2 holds integer parameters (QLoRA's 4-bit base) from pytorch/pytorch#178075: torch 2.13 has it, 2.9 not.
+_INTEGER_PARAMS = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
+
+
 class TorchFsdpBackend(Backend):
     capabilities = Capabilities(
         "torch_fsdp", launcher="torchrun", platforms=("cuda", "cpu"), unit="torchrun processes",
@@ -107,7 +111,11 @@ class TorchFsdpBackend(Backend):
         nonuniform_triple="FSDP2 keeps gradients and optimizer state in the parameters' DTensor layout and cannot "
                           "shard them wider: pytorch/pytorch#148257",
         group_after_forward=None, compile=None, varying_shapes=True,  # fully_shard(reshard_after_forward=k)
-        context=None)  # keys and values all-gathered over a process group (`xla_shard.sequence`)
+        context=None,  # keys and values all-gathered over a process group (`xla_shard.sequence`)
+        # FSDP2 shards the 4-bit layers' uint8 parameters by block and never casts them
+        quantization=None if _INTEGER_PARAMS else (f"FSDP2 in torch {torch.__version__} cannot hold the 4-bit "
+                                                   "layers' uint8 parameters (pytorch/pytorch#178075); use torch "
+                                                   "2.13 or newer"))
     wrapper_prefixes = ("module",)  # DistributedDataParallel (NO_SHARD); fully_shard keeps names as they are
     state_type = Fsdp2State
 

@@ -229,6 +229,32 @@ class LoraSection(Section):
         return value
 
 
+class QuantizationSection(Section):
+    """QLoRA: the frozen base's linear layers held in 4 bits, in bitsandbytes' format and arithmetic, under the
+    names of transformers' BitsAndBytesConfig (its 4-bit keys). Which layers stay whole is transformers' choice
+    (the output head, tied weights), or llm_int8_skip_modules."""
+
+    quant_method: Literal["bitsandbytes"] = "bitsandbytes"
+    load_in_4bit: bool = True
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = "fp4"  # BitsAndBytesConfig's default; QLoRA's is nf4
+    # The blocks' scales quantized again, in 8 bits (their values as bitsandbytes gives them back; held here as
+    # fp32, half a bit a weight more than bitsandbytes stores).
+    bnb_4bit_use_double_quant: bool = False
+    # What the 4-bit layers' matmuls run in (their inputs cast to it, their outputs back), as transformers has
+    # bitsandbytes run them.
+    bnb_4bit_compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    bnb_4bit_quant_storage: Literal["uint8"] = "uint8"
+    llm_int8_skip_modules: list[str] | None = None
+
+    @field_validator("load_in_4bit")
+    @classmethod
+    def _four_bits(cls, value: bool) -> bool:
+        if not value:
+            raise ValueError("model.quantization.load_in_4bit is false: xla_shard quantizes to 4 bits only (8-bit "
+                             "bitsandbytes is not supported); set it to true, or remove model.quantization")
+        return value
+
+
 class ModelSection(Section):
     # A preset name (see `xla_shard.config.presets`), a transformers config.json, or a model directory
     # (`save_pretrained` output: config.json + safetensors) on a local disk or any fsspec URL (gs://, hf://).
@@ -248,6 +274,20 @@ class ModelSection(Section):
     attn_implementation: Literal["auto", "eager", "sdpa", "sdpa_packed", "flash_attention_2", "xla_pallas"] = "auto"
     # Train LoRA adapters (peft) instead of every weight; null: full fine-tuning.
     lora: LoraSection | None = None
+    # The frozen base in 4 bits under the adapters (QLoRA); null: the base in model.lora.base_dtype.
+    quantization: QuantizationSection | None = None
+
+    @model_validator(mode="after")
+    def _quantized_base_needs_adapters(self) -> ModelSection:
+        if self.quantization is None:
+            return self
+        if self.lora is None:
+            raise ValueError("model.quantization holds the base in 4 bits, which does not train: set model.lora "
+                             "(QLoRA), or remove model.quantization")
+        if self.lora.use_dora:
+            raise ValueError("model.lora.use_dora with model.quantization: DoRA over a 4-bit base is not supported "
+                             "yet; drop one of them")
+        return self
 
     @model_validator(mode="after")
     def _labels_need_a_classifier(self) -> ModelSection:

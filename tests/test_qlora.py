@@ -1,0 +1,164 @@
+"""QLoRA (`model.quantization`): LoRA over a base held in bitsandbytes' 4-bit format, computed as bitsandbytes
+computes it (its CPU build, the real thing) and trained as peft trains it over a bitsandbytes base."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from conftest import FIXTURES, run_cli
+from transformers import AutoModelForCausalLM
+
+from xla_shard import config
+from xla_shard.errors import ConfigError
+from xla_shard.pretrained import build_for
+from xla_shard.quant.linear4bit import Linear4bit
+
+bnb = pytest.importorskip("bitsandbytes")
+
+QLORA = ["model.lora.r=4", "model.lora.alpha=8", "model.quantization.bnb_4bit_quant_type=nf4"]
+
+
+@pytest.fixture(autouse=True)
+def _no_dynamo():
+    """bitsandbytes compiles some CPU paths with torch.compile: minutes on this machine for nothing tested."""
+    with torch._dynamo.config.patch(disable=True):
+        yield
+
+
+def _bitsandbytes_layer(weight, bias, kind, nested, compute):
+    layer = bnb.nn.Linear4bit(weight.shape[1], weight.shape[0], bias=True, compute_dtype=compute, quant_type=kind,
+                              compress_statistics=nested)
+    layer.weight = bnb.nn.Params4bit(weight.clone(), requires_grad=False, quant_type=kind,
+                                     compress_statistics=nested).to("cpu")
+    layer.bias = torch.nn.Parameter(bias.clone(), requires_grad=False)
+    return layer
+
+
+def _scales(state) -> torch.Tensor:
+    if not state.nested:
+        return state.absmax
+    return bnb.functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
+
+
+@pytest.mark.parametrize("kind", ["nf4", "fp4"])
+@pytest.mark.parametrize("nested", [False, True], ids=["single", "double"])
+@pytest.mark.parametrize("given, compute", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                            (torch.float32, torch.bfloat16)],
+                         ids=["fp32", "bf16-in-fp32", "fp32-in-bf16"])
+def test_a_4bit_layer_computes_and_backpropagates_as_bitsandbytes_linear4bit(kind, nested, given, compute):
+    """From bitsandbytes' own quantized state: the output and the input's gradient are its Linear4bit's (as
+    transformers builds it, given bnb_4bit_compute_dtype), bit for bit, whatever the input's dtype."""
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(48, 128, generator=generator), torch.randn(48, generator=generator)
+    theirs = _bitsandbytes_layer(weight, bias, kind, nested, compute).train()
+    ours = Linear4bit(128, 48, True, kind, nested, torch.float32, compute)
+    with torch.no_grad():
+        ours.weight_packed.copy_(theirs.weight.data.view(ours.weight_packed.shape))
+        ours.weight_scales.copy_(_scales(theirs.weight.quant_state).float().view(torch.uint8).view(-1, 4))
+        ours.bias.copy_(bias)
+    if not nested:  # the same bytes from the weight (double quantization's: tests/test_quant.py)
+        ours_again = Linear4bit(128, 48, True, kind, nested, torch.float32)
+        ours_again.set_weight(weight)
+        assert torch.equal(ours_again.weight_packed, ours.weight_packed)
+        assert torch.equal(ours_again.weight_scales, ours.weight_scales)
+    x = torch.randn(3, 5, 128, generator=generator).to(given)
+    out = {}
+    for name, layer in (("ours", ours), ("theirs", theirs)):
+        leaf = x.clone().requires_grad_()
+        y = layer(leaf)
+        (y.float() * torch.linspace(-1, 1, 48)).sum().backward()
+        out[name] = (y, leaf.grad)
+    assert out["ours"][0].dtype == given
+    assert torch.equal(out["ours"][0], out["theirs"][0]) and torch.equal(out["ours"][1], out["theirs"][1])
+
+
+def test_the_layers_transformers_keeps_whole_stay_whole_and_the_rest_hold_4_bits(model_dirs):
+    """The output head stays as it is; every other linear layer's base is a 4-bit layer whose uint8 parameters
+    are [blocks, ...] (FSDP shards them on block boundaries); the adapters train, nothing else."""
+    cfg = config.load(None, [f"model.name={model_dirs.llama}", *QLORA, "model.init=random"])
+    model, _, _ = build_for(cfg)
+    four_bit = {n: m for n, m in model.named_modules() if isinstance(m, Linear4bit)}
+    assert four_bit and all(n.endswith(".base_layer") for n in four_bit)
+    assert isinstance(model.lm_head, torch.nn.Linear)
+    plain = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear and ".lora_" not in n]
+    assert plain == ["lm_head"]
+    for layer in four_bit.values():
+        blocks = layer.in_features * layer.out_features // 64
+        assert layer.weight_packed.shape == (blocks, 32) and layer.weight_scales.shape == (blocks, 4)
+        assert layer.weight_packed.dtype == layer.weight_scales.dtype == torch.uint8
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        n for n, _ in model.named_parameters() if ".lora_" in n}
+    # transformers' rule: a list of its own replaces the default skips, so the output head is quantized too
+    skip = config.load(None, [f"model.name={model_dirs.llama}", *QLORA, "model.init=random",
+                              "model.quantization.llm_int8_skip_modules=[v_proj]"])
+    skipped = dict(build_for(skip)[0].named_modules())
+    assert not any(isinstance(m, Linear4bit) for n, m in skipped.items() if "v_proj" in n)
+    assert isinstance(skipped["lm_head"], Linear4bit) and isinstance(skipped[next(iter(four_bit))], Linear4bit)
+
+
+@pytest.mark.parametrize("sets, key, words", [
+    ([], "model.quantization", "set model.lora"),
+    (["model.lora.r=4", "model.lora.use_dora=true"], "model.lora.use_dora", "DoRA over a 4-bit base"),
+    (["model.lora.r=4", "model.quantization.load_in_4bit=false"], "model.quantization.load_in_4bit", "4 bits only"),
+    (["model.lora.r=4", "model.quantization.load_in_8bit=true"], "model.quantization.load_in_8bit", ""),
+])
+def test_a_quantized_base_without_adapters_or_with_what_it_lacks_is_refused(sets, key, words):
+    with pytest.raises(ConfigError) as raised:
+        config.load(None, ["model.quantization.bnb_4bit_quant_type=nf4", *sets])
+    assert key in str(raised.value) and words in str(raised.value)
+
+
+def test_backends_that_do_not_run_a_4bit_base_refuse_it_naming_the_backend():
+    """The XLA backends (not verified yet), and FSDP2 on a torch that cannot hold integer parameters."""
+    from xla_shard import backends
+
+    refusing = {"torch_fsdp": "torch 2.13"} if torch.torch_version.TorchVersion(torch.__version__) < (2, 13) else {}
+    if importlib.util.find_spec("torch_xla"):
+        refusing["xla_spmd"] = "not verified"
+    for backend, words in refusing.items():
+        with pytest.raises(ConfigError) as raised:
+            backends.capabilities(backend).check(config.load(None, [f"backend={backend}", *QLORA]))
+        assert (raised.value.key, raised.value.backend) == ("model.quantization", backend)
+        assert words in str(raised.value)
+    assert backends.capabilities("torch_fsdp").trains(config.load(None, QLORA)) == ("torch_fsdp" not in refusing)
+
+
+@pytest.mark.fsdp2  # FSDP2 alone, on a torch that holds integer parameters: the newest tier's
+@pytest.mark.torch_version
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.parametrize("nested", [False, True], ids=["single", "double"])
+def test_qlora_on_torch_fsdp_follows_peft_over_a_bitsandbytes_base(model_dirs, tmp_path, nested):
+    """Two processes (FSDP2 over gloo, the 4-bit base sharded by block and read quantized shard by shard) train
+    3 SGD steps with the losses of peft over transformers' bitsandbytes base, from the same adapters."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import BitsAndBytesConfig
+
+    from conftest import sgd_losses
+    from xla_shard.data import build
+
+    args = [f"model.name={model_dirs.llama}", f"data.path={FIXTURES / 'corpus.jsonl'}", "train.seq_len=32",
+            "train.optimizer=sgd", "train.lr=1.0", "backend=torch_fsdp", *QLORA,
+            f"model.quantization.bnb_4bit_use_double_quant={str(nested).lower()}"]
+    out = tmp_path / "run"
+    done = run_cli("train", *[a for s in [*args, f"output_dir={out}", "train.steps=3"] for a in ("--set", s)],
+                   "--nproc-per-node", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    cfg = config.load(None, args)
+    _, weights, _ = build_for(cfg)
+    base = AutoModelForCausalLM.from_pretrained(
+        model_dirs.llama, attn_implementation="eager", use_cache=False, dtype=torch.float32,
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                               bnb_4bit_use_double_quant=nested))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    adapters = {f"base_model.model.{k}": v for k, v in weights.fresh.items()}
+    assert not model.load_state_dict(adapters, strict=False).unexpected_keys
+    want = sgd_losses(model, build(cfg, base.config, str(model_dirs.llama)).train, cfg.train.lr, 3)
+    plain = AutoModelForCausalLM.from_pretrained(model_dirs.llama, attn_implementation="eager", use_cache=False)
+    full = sgd_losses(get_peft_model(plain, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")),
+                      build(cfg, plain.config, str(model_dirs.llama)).train, cfg.train.lr, 1)
+    assert got == pytest.approx(want, rel=1e-5), (got, want)  # measured within 1e-7, both ways
+    assert want[-1] < want[0] and abs(want[0] - full[0]) > 1e-4  # the 4-bit base is not the fp32 one

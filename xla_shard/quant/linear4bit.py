@@ -1,0 +1,94 @@
+"""QLoRA's frozen base: linear layers whose weights are held in bitsandbytes' 4-bit format (`bnb4`).
+
+A layer holds its weight as two uint8 parameters, both [blocks, ...] so that FSDP shards them on block
+boundaries and never casts them (mixed precision leaves integer parameters alone):
+- `weight_packed` [blocks, BLOCKSIZE / 2]: two 4-bit codes a byte;
+- `weight_scales` [blocks, 4]: each block's scale, an fp32 as its four bytes. With double quantization the
+  scales are those its 8-bit codes give back (bitsandbytes' values, a half bit a weight more than its storage).
+Its forward is bitsandbytes' `Linear4bit` as transformers builds it (given a compute dtype): the input cast
+to the compute dtype, the weight dequantized in fp32 and cast to it, the output cast back to the input's dtype;
+the input's gradient goes through the dtype the weight was quantized from, as bitsandbytes' backward does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from xla_shard.quant import bnb4
+
+_SCALE_BYTES = 4  # an fp32 scale
+
+
+class _Dequantized(torch.autograd.Function):
+    """linear(x, W, bias) with W given back in fp32: cast to x's dtype forward, through `stored` backward. The
+    weight and bias are frozen: only x has a gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stored):
+        ctx.save_for_backward(weight)
+        ctx.stored = stored
+        return nn.functional.linear(x, weight.to(x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        return grad @ weight.to(ctx.stored).to(grad.dtype), None, None, None
+
+
+class Linear4bit(nn.Module):
+    """A frozen `nn.Linear` in 4 bits. `dtype`: the weight's before quantization (bitsandbytes' quant_state
+    dtype); `compute_dtype`: what the matmul runs in, whatever the input's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, kind: str, nested: bool, dtype: torch.dtype,
+                 compute_dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.kind, self.nested = in_features, out_features, kind, nested
+        self.dtype, self.compute_dtype = dtype, compute_dtype
+        blocks = blocks_of(in_features, out_features)
+        self.weight_packed = nn.Parameter(torch.empty(blocks, bnb4.BLOCKSIZE // 2, dtype=torch.uint8, device=device),
+                                          requires_grad=False)
+        self.weight_scales = nn.Parameter(torch.empty(blocks, _SCALE_BYTES, dtype=torch.uint8, device=device),
+                                          requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)
+
+    def extra_repr(self) -> str:
+        nested = ", double quantization" if self.nested else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}{nested}"
+
+    @torch.no_grad()
+    def set_weight(self, weight: torch.Tensor) -> None:
+        """Quantize `weight` ([out, in]) into this layer's parameters."""
+        packed, scales = quantized_parts(weight, self.kind, self.nested)
+        self.weight_packed.copy_(packed)
+        self.weight_scales.copy_(scales)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight back in fp32, [out, in]."""
+        codes = bnb4.code(self.kind).to(self.weight_packed.device)[bnb4.unpack(self.weight_packed)]
+        scales = self.weight_scales.contiguous().view(torch.float32)  # [blocks, 1]
+        return (codes * scales).reshape(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(self.compute_dtype)
+        return _Dequantized.apply(x.to(self.compute_dtype), self.dequantized(), bias, self.dtype).to(x.dtype)
+
+
+def blocks_of(in_features: int, out_features: int) -> int:
+    return in_features * out_features // bnb4.BLOCKSIZE
+
+
+def quantizable(linear: nn.Linear) -> bool:
+    """Whether the weight splits into whole blocks (what the [blocks, ...] layout needs)."""
+    return linear.in_features * linear.out_features % bnb4.BLOCKSIZE == 0
+
+
+def quantized_parts(weight: torch.Tensor, kind: str, nested: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`weight_packed`, `weight_scales`) of `weight` as `Linear4bit` holds them."""
+    q = bnb4.quantize(weight, kind, nested)
+    blocks = math.prod(weight.shape) // bnb4.BLOCKSIZE
+    scales = q.scales().to(torch.float32).contiguous().view(torch.uint8).view(blocks, _SCALE_BYTES)
+    return q.packed.view(blocks, bnb4.BLOCKSIZE // 2), scales

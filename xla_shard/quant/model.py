@@ -1,0 +1,100 @@
+"""`model.quantization`: which of a model's linear layers become 4-bit (`Linear4bit`), as transformers decides
+for bitsandbytes, and their weights quantized as they are read from the model directory.
+
+transformers quantizes before peft adapts the model; here peft adapts first (its layers then hold the linear as
+`base_layer`), so the layers kept whole are chosen on the model as transformers sees it (`kept`), and matched
+by stored name afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from xla_shard.errors import ConfigError
+from xla_shard.quant import bnb4, linear4bit
+
+PREFIX = "quant4:"  # names of 4-bit parameters among the stored tensors' (never a stored name)
+PARTS = ("weight_packed", "weight_scales")
+
+
+def kept(model: nn.Module, skip_modules: list[str] | None) -> list[str]:
+    """The modules transformers keeps unquantized: the output embeddings, tied weights, the last module and the
+    class's fp32 modules, or with `skip_modules` (llm_int8_skip_modules) those and the fp32 modules."""
+    from transformers.quantizers.base import HfQuantizer
+
+    return HfQuantizer.get_modules_to_not_convert(model, skip_modules, getattr(model, "_keep_in_fp32_modules", None))
+
+
+def replace_linears(model: nn.Module, section, keep: list[str], stored_name: Callable[[str], str]) -> None:
+    """Each frozen `nn.Linear` transformers would quantize becomes a `Linear4bit` (a materialized weight is
+    quantized now; one on the meta device is quantized as it is loaded)."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    compute = getattr(torch, section.bnb_4bit_compute_dtype)
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or any(p.requires_grad for p in module.parameters()):
+            continue
+        stored = stored_name(f"{name}.weight").removesuffix(".weight")
+        if not should_convert_module(stored, keep):
+            continue
+        if not linear4bit.quantizable(module):
+            raise ConfigError("model.quantization", f"{stored}'s weight ({module.out_features} x "
+                                                    f"{module.in_features}) does not split into blocks of "
+                                                    f"{bnb4.BLOCKSIZE}: add it to llm_int8_skip_modules")
+        weight = module.weight
+        layer = linear4bit.Linear4bit(module.in_features, module.out_features, module.bias is not None,
+                                      section.bnb_4bit_quant_type, section.bnb_4bit_use_double_quant, weight.dtype,
+                                      compute, device=weight.device)
+        if weight.device.type != "meta":
+            layer.set_weight(weight.detach())
+            if module.bias is not None:
+                layer.bias.data.copy_(module.bias.detach())
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
+
+
+@dataclass(frozen=True)
+class Source:
+    """A 4-bit parameter (`part` of PARTS) of the stored weight `stored`."""
+
+    stored: str
+    part: str
+    kind: str
+    nested: bool
+
+
+class QuantReader:
+    """A reader that also serves 4-bit parameters (`PREFIX` + name): the stored weight read whole and quantized
+    once, each part then cut to the box asked for."""
+
+    def __init__(self, reader, sources: dict[str, Source], manifest):
+        self.reader, self.sources, self.manifest = reader, sources, manifest
+        self._parts: dict[str, dict[str, torch.Tensor]] = {}
+
+    @property
+    def bytes_read(self) -> int:
+        return self.reader.bytes_read
+
+    def read(self, requests: list) -> list[torch.Tensor]:
+        plain = [(name, box) for name, box in requests if name not in self.sources]
+        values = iter(self.reader.read(plain) if plain else [])
+        out = []
+        for name, (start, size) in requests:
+            if name not in self.sources:
+                out.append(next(values))
+                continue
+            part = self._quantized(self.sources[name])[self.sources[name].part]
+            out.append(part[tuple(slice(s, s + n) for s, n in zip(start, size))].clone())
+        return out
+
+    def _quantized(self, source: Source) -> dict[str, torch.Tensor]:
+        if source.stored not in self._parts:
+            shape = tuple(self.manifest.tensors[source.stored]["shape"])
+            (weight,) = self.reader.read([(source.stored, ((0,) * len(shape), shape))])
+            packed, scales = linear4bit.quantized_parts(weight, source.kind, source.nested)
+            self._parts = {source.stored: {"weight_packed": packed, "weight_scales": scales}}  # one weight at a time
+        return self._parts[source.stored]
