@@ -1,12 +1,11 @@
 """QLoRA (`model.quantization`): LoRA over a base held in bitsandbytes' 4-bit format, computed as bitsandbytes
 computes it (its CPU build, the real thing) and trained as peft trains it over a bitsandbytes base."""
 
-import importlib.util
 import json
 
 import pytest
 import torch
-from conftest import FIXTURES, run_cli
+from conftest import FIXTURES, backend_params, run_cli
 from transformers import AutoModelForCausalLM
 
 from xla_shard import config
@@ -73,6 +72,16 @@ def test_a_4bit_layer_computes_and_backpropagates_as_bitsandbytes_linear4bit(kin
     assert torch.equal(out["ours"][0], out["theirs"][0]) and torch.equal(out["ours"][1], out["theirs"][1])
 
 
+def test_the_scales_bytes_read_back_as_the_very_floats():
+    """`floats` (arithmetic, so XLA traces it) gives back each fp32 from its bytes bit for bit: signs, zeros,
+    subnormals, the largest."""
+    from xla_shard.quant.linear4bit import floats
+
+    values = torch.cat([torch.randn(4096) * 10.0 ** torch.randint(-30, 30, (4096,)),
+                        torch.tensor([0.0, -0.0, 1e-40, -3e-39, 1.0, 3.4e38, 1.17549435e-38])])
+    assert torch.equal(floats(values.view(torch.uint8).view(-1, 4)).view(torch.int32), values.view(torch.int32))
+
+
 def test_the_layers_transformers_keeps_whole_stay_whole_and_the_rest_hold_4_bits(model_dirs):
     """The output head stays as it is; every other linear layer's base is a 4-bit layer whose uint8 parameters
     are [blocks, ...] (FSDP shards them on block boundaries); the adapters train, nothing else."""
@@ -110,42 +119,50 @@ def test_a_quantized_base_without_adapters_or_with_what_it_lacks_is_refused(sets
 
 
 def test_backends_that_do_not_run_a_4bit_base_refuse_it_naming_the_backend():
-    """The XLA backends (not verified yet), and FSDP2 on a torch that cannot hold integer parameters."""
+    """torch_tpu (not verified yet), and torch_fsdp on a torch whose FSDP2 cannot hold integer parameters."""
     from xla_shard import backends
 
-    refusing = {"torch_fsdp": "torch 2.13"} if torch.torch_version.TorchVersion(torch.__version__) < (2, 13) else {}
-    if importlib.util.find_spec("torch_xla"):
-        refusing["xla_spmd"] = "not verified"
+    refusing = {"torch_tpu": "not verified"}
+    if torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
+        refusing["torch_fsdp"] = "torch 2.13"
     for backend, words in refusing.items():
         with pytest.raises(ConfigError) as raised:
             backends.capabilities(backend).check(config.load(None, [f"backend={backend}", *QLORA]))
         assert (raised.value.key, raised.value.backend) == ("model.quantization", backend)
         assert words in str(raised.value)
     assert backends.capabilities("torch_fsdp").trains(config.load(None, QLORA)) == ("torch_fsdp" not in refusing)
+    assert backends.capabilities("xla_spmd").trains(config.load(None, QLORA))
 
 
-@pytest.mark.fsdp2  # FSDP2 alone, on a torch that holds integer parameters: the newest tier's
-@pytest.mark.torch_version
+BACKENDS = {"torch_fsdp": (["backend=torch_fsdp"], 2), "xla_spmd": (["backend=xla_spmd", "cpu_devices=2"], 0)}
+
+
+@pytest.mark.torch_version  # torch_fsdp's runs on the newest torch (its FSDP2 holds integer parameters)
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("nested", [False, True], ids=["single", "double"])
-def test_qlora_on_torch_fsdp_follows_peft_over_a_bitsandbytes_base(model_dirs, tmp_path, nested):
-    """Two processes (FSDP2 over gloo, the 4-bit base sharded by block and read quantized shard by shard) train
-    3 SGD steps with the losses of peft over transformers' bitsandbytes base, from the same adapters."""
+@pytest.mark.parametrize("backend", backend_params(list(BACKENDS)))
+def test_qlora_follows_peft_over_a_bitsandbytes_base(model_dirs, tmp_path, backend, nested):
+    """Two devices (FSDP2 over gloo; SPMD), the 4-bit base sharded by block and read quantized shard by shard,
+    train 3 SGD steps with the losses of peft over transformers' bitsandbytes base, from the same adapters; on
+    XLA the step compiles once (the scales' bytes read back by arithmetic, not through the host)."""
     from peft import LoraConfig, get_peft_model
     from transformers import BitsAndBytesConfig
 
     from conftest import sgd_losses
     from xla_shard.data import build
 
+    sets, nproc = BACKENDS[backend]
     args = [f"model.name={model_dirs.llama}", f"data.path={FIXTURES / 'corpus.jsonl'}", "train.seq_len=32",
-            "train.optimizer=sgd", "train.lr=1.0", "backend=torch_fsdp", *QLORA,
+            "train.optimizer=sgd", "train.lr=1.0", *sets, *QLORA,
             f"model.quantization.bnb_4bit_use_double_quant={str(nested).lower()}"]
     out = tmp_path / "run"
     done = run_cli("train", *[a for s in [*args, f"output_dir={out}", "train.steps=3"] for a in ("--set", s)],
-                   "--nproc-per-node", "2")
+                   *(["--nproc-per-node", str(nproc)] if nproc else []))
     assert done.returncode == 0, done.stderr[-3000:]
-    got = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    got = [r["loss"] for r in records]
+    assert "recompiles" not in records[-1]  # XLA: no graph compiled after the second step
 
     cfg = config.load(None, args)
     _, weights, _ = build_for(cfg)

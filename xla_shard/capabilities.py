@@ -46,7 +46,7 @@ class Capabilities:
     # LoRA adapters beside frozen weights (model.lora).
     lora: str | None = None
     # A 4-bit frozen base under the adapters (model.quantization).
-    quantization: str | None = "its 4-bit base is not verified yet; use backend torch_fsdp"
+    quantization: str | None = "its 4-bit base is not verified yet; use backend xla_spmd or torch_fsdp"
     # How MoE experts run (transformers' experts_implementation); None: transformers' choice (grouped_mm).
     experts: str | None = None
     # MoE router load-balancing loss (config output_router_logits), which transformers adds to the loss.

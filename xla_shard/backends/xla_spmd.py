@@ -366,7 +366,8 @@ class XlaSpmdBackend(xla_common.XlaBackend):
         group_after_forward="XLA's partitioner decides what it keeps from forward for backward",
         scan_layers=None, gathers_per_tensor=True, reduces_every_micro_batch=True, context=None,
         gathers_model_to_generate=True, generation_split=None,
-        experts=xla_common.XlaBackend.EXPERTS, router_aux_loss=xla_common.XlaBackend.ROUTER_AUX_LOSS)
+        experts=xla_common.XlaBackend.EXPERTS, router_aux_loss=xla_common.XlaBackend.ROUTER_AUX_LOSS,
+        quantization=None)  # the 4-bit layers' uint8 parameters sharded by block like any other
     wrapper_prefixes = ("_orig_module",)
     state_type = SpmdState
 

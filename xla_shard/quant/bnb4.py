@@ -124,8 +124,8 @@ def quantize(weight: torch.Tensor, kind: str = "nf4", nested: bool = False, bloc
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """The 4-bit indices of packed bytes, in order, as int64 (for indexing)."""
-    return torch.stack([packed >> 4, packed & 0xF], dim=-1).reshape(*packed.shape[:-1], -1).long()
+    """The 4-bit indices of packed bytes, in order, as int32 for indexing (int64 is emulated on a TPU)."""
+    return torch.stack([packed >> 4, packed & 0xF], dim=-1).reshape(*packed.shape[:-1], -1).int()
 
 
 def dequantize(quantized: Quantized, dtype: torch.dtype = torch.float32, blocksize: int = BLOCKSIZE) -> torch.Tensor:

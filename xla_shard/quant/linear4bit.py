@@ -3,8 +3,10 @@
 A layer holds its weight as two uint8 parameters, both [blocks, ...] so that FSDP shards them on block
 boundaries and never casts them (mixed precision leaves integer parameters alone):
 - `weight_packed` [blocks, BLOCKSIZE / 2]: two 4-bit codes a byte;
-- `weight_scales` [blocks, 4]: each block's scale, an fp32 as its four bytes. With double quantization the
-  scales are those its 8-bit codes give back (bitsandbytes' values, a half bit a weight more than its storage).
+- `weight_scales` [blocks, 4]: each block's scale, an fp32 as its four bytes (little-endian), read back by
+  arithmetic (`floats`): torch_xla does not trace `view(torch.float32)` of bytes, it copies them through the
+  host (a sharded tensor gathered, every layer, every step). With double quantization the scales are those its
+  8-bit codes give back (bitsandbytes' values, a half bit a weight more than its storage).
 Its forward is bitsandbytes' `Linear4bit` as transformers builds it (given a compute dtype): the input cast
 to the compute dtype, the weight dequantized in fp32 and cast to it, the output cast back to the input's dtype;
 the input's gradient goes through the dtype the weight was quantized from, as bitsandbytes' backward does.
@@ -12,6 +14,7 @@ the input's gradient goes through the dtype the weight was quantized from, as bi
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -69,12 +72,27 @@ class Linear4bit(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The weight back in fp32, [out, in]."""
         codes = bnb4.code(self.kind).to(self.weight_packed.device)[bnb4.unpack(self.weight_packed)]
-        scales = self.weight_scales.contiguous().view(torch.float32)  # [blocks, 1]
-        return (codes * scales).reshape(self.out_features, self.in_features)
+        return (codes * floats(self.weight_scales)[:, None]).reshape(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
         return _Dequantized.apply(x.to(self.compute_dtype), self.dequantized(), bias, self.dtype).to(x.dtype)
+
+
+@functools.cache
+def _powers_of_two() -> torch.Tensor:
+    """2 ** (e - 127) for each fp32 exponent field e (e = 0: 2 ** -126, a subnormal's scale), exactly."""
+    return torch.tensor([2.0 ** (max(e, 1) - 127) for e in range(256)], dtype=torch.float32)
+
+
+def floats(data: torch.Tensor) -> torch.Tensor:
+    """The fp32 values whose little-endian bytes are `data` [..., 4] (uint8), exactly, in ops every backend traces:
+    sign, exponent field and fraction taken apart in int32, the power of two looked up."""
+    b0, b1, b2, b3 = data.int().unbind(-1)
+    exponent = b3 % 128 * 2 + b2 // 128
+    fraction = (b2 % 128 * 65536 + b1 * 256 + b0).float() * 2.0 ** -23  # < 2 ** 23: exact in fp32
+    value = torch.where(exponent > 0, fraction + 1.0, fraction) * _powers_of_two().to(data.device)[exponent]
+    return torch.where(b3 >= 128, -value, value)
 
 
 def blocks_of(in_features: int, out_features: int) -> int:
