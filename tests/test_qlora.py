@@ -118,6 +118,45 @@ def test_a_quantized_base_without_adapters_or_with_what_it_lacks_is_refused(sets
     assert key in str(raised.value) and words in str(raised.value)
 
 
+def test_a_resume_under_other_quantization_is_refused_and_an_older_checkpoint_was_unquantized():
+    """The adapters were trained over one base's values: another quantization (or none) would resume them over
+    another; a checkpoint written before model.quantization existed resumes an unquantized run only."""
+    import types
+
+    from xla_shard.checkpoint.manager import changed_identity
+
+    def written_with(*sets, drop=False):
+        saved = config.load(None, list(sets)).model_dump(mode="json", by_alias=True)
+        if drop:
+            del saved["model"]["quantization"]
+        return types.SimpleNamespace(data={"config": saved}, url="ckpt/step-1")
+
+    nf4, lora = config.load(None, QLORA).run_identity(), ["model.lora.r=4", "model.lora.alpha=8"]
+    assert changed_identity(written_with(*QLORA), nf4) is None
+    for before in (written_with(*lora, "model.quantization.bnb_4bit_quant_type=fp4"), written_with(*lora),
+                   written_with(*lora, drop=True)):
+        assert changed_identity(before, nf4)[0] == "model.quantization"
+    assert changed_identity(written_with(*lora, drop=True), config.load(None, lora).run_identity()) is None
+
+
+def test_the_planner_holds_the_4bit_layers_at_four_and_a_half_bits(model_dirs):
+    """The frozen base's bytes per weight: 4 bits and a 64-weight block's fp32 scale for the layers held in 4
+    bits, the base dtype for the rest (embeddings, norms, the output head)."""
+    from xla_shard import backends, planner
+    from xla_shard.aot import target
+
+    sets = [f"model.name={model_dirs.llama}", "model.lora.r=4", "model.init=random"]
+    chip = target.parse("v5p-8").chip
+    plain, four_bit = (planner.workload(config.load(None, [*sets, *extra]), 4, backends.capabilities("xla_spmd"), chip)
+                       for extra in ([], ["model.quantization.bnb_4bit_quant_type=nf4"]))
+    model = AutoModelForCausalLM.from_pretrained(model_dirs.llama)
+    linear = sum(m.weight.numel() for n, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and n != "lm_head")
+    frozen = four_bit.params - four_bit.trained
+    assert plain.frozen_bytes == 4
+    assert four_bit.frozen_bytes * frozen == pytest.approx(linear * 0.5625 + (frozen - linear) * 4)
+
+
 def test_backends_that_do_not_run_a_4bit_base_refuse_it_naming_the_backend():
     """torch_tpu (not verified yet), and torch_fsdp on a torch whose FSDP2 cannot hold integer parameters."""
     from xla_shard import backends
@@ -163,6 +202,16 @@ def test_qlora_follows_peft_over_a_bitsandbytes_base(model_dirs, tmp_path, backe
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     got = [r["loss"] for r in records]
     assert "recompiles" not in records[-1]  # XLA: no graph compiled after the second step
+    if not nested:  # stopped after step 2 and resumed: the base quantized again as it is read, step 3 the same
+        stop = [*args, f"output_dir={tmp_path / 'stop'}", f"checkpoint.dir={tmp_path / 'ckpt'}",
+                "checkpoint.every_steps=2"]
+        for steps in (2, 3):
+            done = run_cli("train", *[a for s in [*stop, f"train.steps={steps}"] for a in ("--set", s)],
+                           *(["--nproc-per-node", str(nproc)] if nproc else []))
+            assert done.returncode == 0, done.stderr[-3000:]
+        assert "resumed the trained parameters; the frozen weights read from" in done.stderr
+        resumed = [json.loads(line) for line in (tmp_path / "stop" / "metrics.jsonl").read_text().splitlines()]
+        assert resumed[-1]["step"] == 3 and resumed[-1]["loss"] == got[2], (resumed, got)
 
     cfg = config.load(None, args)
     _, weights, _ = build_for(cfg)

@@ -708,9 +708,9 @@ class _ShardConfig(Section):
 
     # Keys that must agree for a resumed run to continue the same model, optimizer state and data stream.
     RESUME_KEYS: ClassVar[tuple[str, ...]] = ("model.name", "model.overrides", "model.task", "model.lora",
-                                              "train.optimizer", "train.seed", "train.global_batch_size",
-                                              "train.seq_len", "data.path", "data.kind", "data.tokenizer",
-                                              "data.packing", "data.eval_fraction")
+                                              "model.quantization", "train.optimizer", "train.seed",
+                                              "train.global_batch_size", "train.seq_len", "data.path", "data.kind",
+                                              "data.tokenizer", "data.packing", "data.eval_fraction")
 
     # Of those, the keys that may name a local file or directory: the same place named by a relative path, an
     # absolute one or through a link is the same run.

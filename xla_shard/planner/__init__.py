@@ -14,6 +14,7 @@ from xla_shard.capabilities import Capabilities
 from xla_shard.planner.cost import (Collective, Estimate, Triple, Workload, collectives, estimate, memory, tie_groups,
                                     update_degree)
 from xla_shard.planner.hardware import ACCELERATORS, Accelerator, accelerator, for_device_kind
+from xla_shard.quant import model as quant
 
 __all__ = ["ACCELERATORS", "Accelerator", "Collective", "Estimate", "Plan", "Triple", "Workload", "accelerator",
            "candidates", "collectives", "embedding_params", "estimate", "for_device_kind", "memory", "plan",
@@ -162,6 +163,10 @@ def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerato
     trained, frozen_bytes = adapter.trained_parameters(model, cfg.model.task), adapter.frozen_bytes
     if trained is not None:  # counted on the meta device: nothing allocated
         flops -= 2 * max(0, params - trained)  # backward computes no weight gradient for the frozen base
+        if cfg.model.quantization is not None and params > trained:  # QLoRA: its 4-bit layers, the rest as they are
+            four_bit = quant.quantized_params(model, cfg.model.quantization, adapter.stored_name)
+            frozen_bytes = (four_bit * quant.BYTES_PER_WEIGHT + (params - trained - four_bit) * frozen_bytes) / (
+                params - trained)
     # A forward without backward is a third of a training step's FLOPs (as the trainer counts them for MFU).
     flops *= 1 + objective.forwards_without_grad / 3
     tpu_compiler = capabilities.gathers_per_tensor and hardware is not None and hardware.tpu

@@ -69,7 +69,7 @@ class Workload:
     # LoRA (model.lora): the parameters trained (adapters, modules trained whole); the rest is frozen, held in
     # `frozen_bytes` per parameter, with no gradient, no optimizer state and no reduction. None: all trained.
     trained_params: int | None = None
-    frozen_bytes: int = 4
+    frozen_bytes: float = 4  # QLoRA: its 4-bit layers and the rest, averaged
     vocab: int = 0  # a causal LM's logits per token (0: a classifier's few labels, left out)
     # A frozen reference model (DPO's): the parameters of one held beside the policy, sharded as its parameters
     # are (0: none held, as when it is the policy with its adapters off), and the forwards per micro-batch it

@@ -32,15 +32,9 @@ def kept(model: nn.Module, skip_modules: list[str] | None) -> list[str]:
 def replace_linears(model: nn.Module, section, keep: list[str], stored_name: Callable[[str], str]) -> None:
     """Each frozen `nn.Linear` transformers would quantize becomes a `Linear4bit` (a materialized weight is
     quantized now; one on the meta device is quantized as it is loaded)."""
-    from transformers.quantizers.quantizers_utils import should_convert_module
-
     compute = getattr(torch, section.bnb_4bit_compute_dtype)
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or any(p.requires_grad for p in module.parameters()):
-            continue
+    for name, module in _replaced(model, keep, stored_name):
         stored = stored_name(f"{name}.weight").removesuffix(".weight")
-        if not should_convert_module(stored, keep):
-            continue
         if not linear4bit.quantizable(module):
             raise ConfigError("model.quantization", f"{stored}'s weight ({module.out_features} x "
                                                     f"{module.in_features}) does not split into blocks of "
@@ -55,6 +49,24 @@ def replace_linears(model: nn.Module, section, keep: list[str], stored_name: Cal
                 layer.bias.data.copy_(module.bias.detach())
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
+
+
+BYTES_PER_WEIGHT = 0.5 + 4 / bnb4.BLOCKSIZE  # a 4-bit code, and a block's fp32 scale shared by 64
+
+
+def quantized_params(model: nn.Module, section, stored_name: Callable[[str], str]) -> int:
+    """The weights `replace_linears` would hold in 4 bits (the adapters injected, nothing replaced yet)."""
+    return sum(m.weight.numel() for _, m in _replaced(model, kept(model, section.llm_int8_skip_modules), stored_name))
+
+
+def _replaced(model: nn.Module, keep: list[str], stored_name: Callable[[str], str]):
+    """(name, layer) of each frozen `nn.Linear` transformers would quantize, by its stored name."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    for name, module in list(model.named_modules()):
+        if (isinstance(module, nn.Linear) and not any(p.requires_grad for p in module.parameters())
+                and should_convert_module(stored_name(f"{name}.weight").removesuffix(".weight"), keep)):
+            yield name, module
 
 
 @dataclass(frozen=True)
