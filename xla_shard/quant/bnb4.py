@@ -30,8 +30,9 @@ _FP4 = (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, -0.0, -0.0625, -8.0, -12.0, 
 
 @functools.cache
 def code(kind: str) -> torch.Tensor:
-    """The 16 values a 4-bit index stands for (bitsandbytes' `get_4bit_type`)."""
-    values = torch.tensor(_NF4 if kind == "nf4" else _FP4, dtype=torch.float32)
+    """The 16 values a 4-bit index stands for (bitsandbytes' `get_4bit_type`), on the host whatever device a
+    caller's context sets (cached: a table made under `torch.device("meta")` would stay empty)."""
+    values = torch.tensor(_NF4 if kind == "nf4" else _FP4, dtype=torch.float32, device="cpu")
     return values / values.abs().max()
 
 
@@ -41,11 +42,11 @@ def dynamic_code() -> torch.Tensor:
     bits shrink as the exponent grows, sorted."""
     data: list[float] = [0.0, 1.0]
     for i in range(7):  # 7 exponent bits, 7 bits beside the sign: 2 ** i fractions at exponent i
-        bounds = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32)
+        bounds = torch.linspace(0.1, 1, 2 ** i + 1, dtype=torch.float32, device="cpu")
         means = (bounds[:-1] + bounds[1:]) / 2.0
         scale = 10 ** (i - 6)
         data += (scale * means).tolist() + (-scale * means).tolist()
-    return torch.tensor(sorted(data), dtype=torch.float32)
+    return torch.tensor(sorted(data), dtype=torch.float32, device="cpu")
 
 
 def _blocks(flat: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,6 +57,12 @@ class Linear4bit(nn.Module):
                                           requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
+        # the tables the weight is read back through, held by the layer: a traced loop over layers (torch_xla's
+        # scan) takes no tensor from outside its body. Real even in a model built on the meta device, as the
+        # models' own buffers are (`models.build_model`); each layer's own copy (a shared one is listed once).
+        tables = None if device is None or torch.device(device).type == "meta" else device
+        self.register_buffer("code", bnb4.code(kind).to(tables, copy=True), persistent=False)
+        self.register_buffer("powers_of_two", _powers_of_two().to(tables, copy=True), persistent=False)
 
     def extra_repr(self) -> str:
         nested = ", double quantization" if self.nested else ""
@@ -71,8 +77,9 @@ class Linear4bit(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The weight back in fp32, [out, in]."""
-        codes = bnb4.code(self.kind).to(self.weight_packed.device)[bnb4.unpack(self.weight_packed)]
-        return (codes * floats(self.weight_scales)[:, None]).reshape(self.out_features, self.in_features)
+        codes = self.code[bnb4.unpack(self.weight_packed)]
+        scales = floats(self.weight_scales, self.powers_of_two)
+        return (codes * scales[:, None]).reshape(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
@@ -82,16 +89,18 @@ class Linear4bit(nn.Module):
 @functools.cache
 def _powers_of_two() -> torch.Tensor:
     """2 ** (e - 127) for each fp32 exponent field e (e = 0: 2 ** -126, a subnormal's scale), exactly."""
-    return torch.tensor([2.0 ** (max(e, 1) - 127) for e in range(256)], dtype=torch.float32)
+    return torch.tensor([2.0 ** (max(e, 1) - 127) for e in range(256)], dtype=torch.float32, device="cpu")
 
 
-def floats(data: torch.Tensor) -> torch.Tensor:
+def floats(data: torch.Tensor, powers_of_two: torch.Tensor | None = None) -> torch.Tensor:
     """The fp32 values whose little-endian bytes are `data` [..., 4] (uint8), exactly, in ops every backend traces:
-    sign, exponent field and fraction taken apart in int32, the power of two looked up."""
+    sign, exponent field and fraction taken apart in int32, the power of two looked up (in `powers_of_two`, the
+    caller's copy of `_powers_of_two()` where it has one)."""
     b0, b1, b2, b3 = data.int().unbind(-1)
     exponent = b3 % 128 * 2 + b2 // 128
     fraction = (b2 % 128 * 65536 + b1 * 256 + b0).float() * 2.0 ** -23  # < 2 ** 23: exact in fp32
-    value = torch.where(exponent > 0, fraction + 1.0, fraction) * _powers_of_two().to(data.device)[exponent]
+    powers = _powers_of_two().to(data.device) if powers_of_two is None else powers_of_two
+    value = torch.where(exponent > 0, fraction + 1.0, fraction) * powers[exponent]
     return torch.where(b3 >= 128, -value, value)
 
 
