@@ -184,7 +184,8 @@ BACKENDS = {"torch_fsdp": (["backend=torch_fsdp"], 2), "xla_spmd": (["backend=xl
 def test_qlora_follows_peft_over_a_bitsandbytes_base(model_dirs, tmp_path, backend, nested):
     """Two devices (FSDP2 over gloo; SPMD), the 4-bit base sharded by block and read quantized shard by shard,
     train 3 SGD steps with the losses of peft over transformers' bitsandbytes base, from the same adapters; on
-    XLA the step compiles once (the scales' bytes read back by arithmetic, not through the host)."""
+    XLA the step compiles once (the scales' bytes read back by arithmetic, not through the host), and the layers
+    as one scanned loop give the same losses. A run stopped after step 2 resumes to the same step 3."""
     from peft import LoraConfig, get_peft_model
     from transformers import BitsAndBytesConfig
 
@@ -199,9 +200,16 @@ def test_qlora_follows_peft_over_a_bitsandbytes_base(model_dirs, tmp_path, backe
     done = run_cli("train", *[a for s in [*args, f"output_dir={out}", "train.steps=3"] for a in ("--set", s)],
                    *(["--nproc-per-node", str(nproc)] if nproc else []))
     assert done.returncode == 0, done.stderr[-3000:]
+    log = done.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     got = [r["loss"] for r in records]
     assert "recompiles" not in records[-1]  # XLA: no graph compiled after the second step
+    if backend == "xla_spmd" and nested:  # the layers as one scanned loop: each its own tables, the same losses
+        scan = [*args, f"output_dir={tmp_path / 'scan'}", "train.steps=3", "fsdp.scan_layers=true"]
+        done = run_cli("train", *[a for s in scan for a in ("--set", s)])
+        assert done.returncode == 0, done.stderr[-3000:]
+        scanned = [json.loads(line)["loss"] for line in (tmp_path / "scan" / "metrics.jsonl").read_text().splitlines()]
+        assert scanned == pytest.approx(got, rel=1e-6), (scanned, got)
     if not nested:  # stopped after step 2 and resumed: the base quantized again as it is read, step 3 the same
         stop = [*args, f"output_dir={tmp_path / 'stop'}", f"checkpoint.dir={tmp_path / 'ckpt'}",
                 "checkpoint.every_steps=2"]
@@ -227,4 +235,7 @@ def test_qlora_follows_peft_over_a_bitsandbytes_base(model_dirs, tmp_path, backe
     full = sgd_losses(get_peft_model(plain, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")),
                       build(cfg, plain.config, str(model_dirs.llama)).train, cfg.train.lr, 1)
     assert got == pytest.approx(want, rel=1e-5), (got, want)  # measured within 1e-7, both ways
+    # the log counts the weights a 4-bit layer stands for, not its bytes
+    assert f"of {sum(p.numel() for p in plain.parameters()):,} parameters trained" in log
+    assert "of them in 4 bits: model.quantization" in log
     assert want[-1] < want[0] and abs(want[0] - full[0]) > 1e-4  # the 4-bit base is not the fp32 one

@@ -19,6 +19,7 @@ from xla_shard.methods.peft_export import ADAPTER, lora_config, quiet_moe_conver
 from xla_shard.config.schema import LoraSection
 from xla_shard.errors import ConfigError, one_line
 from xla_shard.methods.adapter import Adapter
+from xla_shard.quant.linear4bit import weight_count
 
 
 def is_adapter(name: str) -> bool:
@@ -195,12 +196,13 @@ def adapters_off(model: nn.Module):
 def describe(model: nn.Module, section: LoraSection) -> str:
     """What is trained, for the log: the adapters' rank and targets, and the share of parameters trained."""
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    total, four_bit = weight_count(model)
     whole = sorted({name.split(".modules_to_save")[0] for name, _ in model.named_parameters()
                     if ".modules_to_save." in name})
     targets = section.target_modules if isinstance(section.target_modules, str) else ", ".join(section.target_modules)
     return (f"rank {section.r} adapters on {targets}" + (f", {', '.join(whole)} trained whole" if whole else "")
-            + f"; {trained:,} of {total:,} parameters trained ({100 * trained / total:.2f}%), the rest frozen")
+            + f"; {trained:,} of {total:,} parameters trained ({100 * trained / total:.2f}%), the rest frozen"
+            + (f" ({four_bit:,} of them in 4 bits: model.quantization)" if four_bit else ""))
 
 
 class Lora(Adapter):

@@ -104,6 +104,17 @@ def floats(data: torch.Tensor, powers_of_two: torch.Tensor | None = None) -> tor
     return torch.where(b3 >= 128, -value, value)
 
 
+def weight_count(model: nn.Module) -> tuple[int, int]:
+    """(the model's weights, those held in 4 bits), a 4-bit layer's counted as the weights it stands for, not
+    its bytes."""
+    total = four_bit = 0
+    for module in model.modules():
+        if isinstance(module, Linear4bit):
+            four_bit += module.in_features * module.out_features
+        total += sum(p.numel() for p in module.parameters(recurse=False) if p.is_floating_point())
+    return total + four_bit, four_bit
+
+
 def blocks_of(in_features: int, out_features: int) -> int:
     return in_features * out_features // bnb4.BLOCKSIZE
 
