@@ -60,7 +60,7 @@ if [[ " $TIERS " == *" newest "* ]]; then
   # uv reads no machine-wide pip configuration (some images constrain torch below the release under test).
   venv .venv-newest -e '.[torchtpu,test]' "torch==$NEWEST_TORCH"
   tier 3 .venv-newest/bin/python -m "not e2e and not xla"
-  tier 12 .venv-newest/bin/python -m "e2e and torch_version and not serial and not xla" -n 2 --dist loadfile --no-loadscope-reorder
+  tier 18 .venv-newest/bin/python -m "e2e and torch_version and not serial and not xla" -n 2 --dist loadfile --no-loadscope-reorder
   tier 6 .venv-newest/bin/python -m "e2e and torch_version and serial and not xla"
 fi
 if [[ " $TIERS " == *" vllm "* ]]; then
