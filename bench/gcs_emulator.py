@@ -90,7 +90,9 @@ class GcsEmulator:
         self.process: subprocess.Popen | None = None
         self.link = _Link(self.port, self.emulator_port)
 
-    def start(self, timeout_s: float = 30.0) -> GcsEmulator:
+    def start(self, timeout_s: float = 90.0) -> GcsEmulator:
+        """`timeout_s`: its first start in a fresh environment compiles its dependencies' bytecode (on Dec 7 this
+        2-core machine passed 30 s doing so, beside a test suite)."""
         exe = Path(sys.executable).parent / "gcp-storage-emulator"
         log = self.workdir / f"gcs-emulator-{self.emulator_port}.log"
         with open(log, "ab") as out:
