@@ -139,6 +139,14 @@ def test_a_resume_under_other_quantization_is_refused_and_an_older_checkpoint_wa
     assert changed_identity(written_with(*lora, drop=True), config.load(None, lora).run_identity()) is None
 
 
+def test_a_model_of_conv1d_layers_is_refused_rather_than_left_whole():
+    """GPT-2's layers are transformers' Conv1D, which transformers quantizes (transposed): left whole here, the
+    run would quietly differ from transformers'."""
+    with pytest.raises(ConfigError) as raised:
+        build_for(config.load(None, ["model=tiny-gpt2", "model.init=random", *QLORA]))
+    assert raised.value.key == "model.quantization" and "Conv1D" in str(raised.value)
+
+
 def test_the_planner_holds_the_4bit_layers_at_four_and_a_half_bits(model_dirs):
     """The frozen base's bytes per weight: 4 bits and a 64-weight block's fp32 scale for the layers held in 4
     bits, the base dtype for the rest (embeddings, norms, the output head)."""

@@ -32,6 +32,13 @@ def kept(model: nn.Module, skip_modules: list[str] | None) -> list[str]:
 def replace_linears(model: nn.Module, section, keep: list[str], stored_name: Callable[[str], str]) -> None:
     """Each frozen `nn.Linear` transformers would quantize becomes a `Linear4bit` (a materialized weight is
     quantized now; one on the meta device is quantized as it is loaded)."""
+    from transformers.pytorch_utils import Conv1D
+
+    conv = next((n for n, m in _replaced(model, keep, stored_name, Conv1D)), None)
+    if conv is not None:  # transformers quantizes them transposed; left whole here, they would be a quiet difference
+        raise ConfigError("model.quantization", f"{type(model).__name__} holds {stored_name(conv + '.weight')[:-7]} "
+                                                "and its like as transformers' Conv1D (GPT-2's layers), which "
+                                                "xla_shard does not hold in 4 bits yet; remove model.quantization")
     compute = getattr(torch, section.bnb_4bit_compute_dtype)
     for name, module in _replaced(model, keep, stored_name):
         stored = stored_name(f"{name}.weight").removesuffix(".weight")
@@ -59,12 +66,12 @@ def quantized_params(model: nn.Module, section, stored_name: Callable[[str], str
     return sum(m.weight.numel() for _, m in _replaced(model, kept(model, section.llm_int8_skip_modules), stored_name))
 
 
-def _replaced(model: nn.Module, keep: list[str], stored_name: Callable[[str], str]):
-    """(name, layer) of each frozen `nn.Linear` transformers would quantize, by its stored name."""
+def _replaced(model: nn.Module, keep: list[str], stored_name: Callable[[str], str], kind: type = nn.Linear):
+    """(name, layer) of each frozen layer of `kind` transformers would quantize, by its stored name."""
     from transformers.quantizers.quantizers_utils import should_convert_module
 
     for name, module in list(model.named_modules()):
-        if (isinstance(module, nn.Linear) and not any(p.requires_grad for p in module.parameters())
+        if (isinstance(module, kind) and not any(p.requires_grad for p in module.parameters())
                 and should_convert_module(stored_name(f"{name}.weight").removesuffix(".weight"), keep)):
             yield name, module
 
