@@ -36,8 +36,9 @@ def replace_linears(model: nn.Module, section, keep: list[str], stored_name: Cal
 
     conv = next((n for n, m in _replaced(model, keep, stored_name, Conv1D)), None)
     if conv is not None:  # transformers quantizes them transposed; left whole here, they would be a quiet difference
-        raise ConfigError("model.quantization", f"{type(model).__name__} holds {stored_name(conv + '.weight')[:-7]} "
-                                                "and its like as transformers' Conv1D (GPT-2's layers), which "
+        layer = stored_name(f"{conv}.weight").removesuffix(".weight")
+        raise ConfigError("model.quantization", f"{type(model).__name__} holds {layer} and its like as "
+                                                "transformers' Conv1D (GPT-2's layers), which "
                                                 "xla_shard does not hold in 4 bits yet; remove model.quantization")
     compute = getattr(torch, section.bnb_4bit_compute_dtype)
     for name, module in _replaced(model, keep, stored_name):
