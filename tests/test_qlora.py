@@ -139,6 +139,39 @@ def test_a_resume_under_other_quantization_is_refused_and_an_older_checkpoint_wa
     assert changed_identity(written_with(*lora, drop=True), config.load(None, lora).run_identity()) is None
 
 
+@pytest.mark.parametrize("nested", [False, True], ids=["single", "double"])
+def test_a_share_of_blocks_is_read_from_its_rows_alone_and_equals_the_whole_weights(nested):
+    """A process holding blocks [first, first + count) reads the weight's rows that hold them (a block's scale is
+    its own), and gets the very bytes the whole weight's quantization has there; double quantization scales the
+    blocks' scales around their mean, so it reads the weight whole."""
+    import types
+
+    from xla_shard.quant.linear4bit import quantized_parts
+    from xla_shard.quant.model import QuantReader, Source
+
+    weight = torch.randn(12, 128, generator=torch.Generator().manual_seed(0))  # 2 blocks a row, 24 in all
+
+    class Rows:
+        def __init__(self):
+            self.bytes_read, self.asked = 0, []
+
+        def read(self, requests):
+            self.asked += [box for _, box in requests]
+            return [weight[tuple(slice(o, o + n) for o, n in zip(*box))] for _, box in requests]
+
+    inner = Rows()
+    manifest = types.SimpleNamespace(tensors={"w": {"shape": [12, 128]}})
+    reader = QuantReader(inner, {f"p/{part}": Source("w", part, "nf4", nested)
+                                 for part in ("weight_packed", "weight_scales")}, manifest)
+    whole = dict(zip(("weight_packed", "weight_scales"), quantized_parts(weight, "nf4", nested)))
+    for first, count in ((0, 12), (5, 9), (23, 1)):
+        got = reader.read([(f"p/{part}", ((first, 0), (count, whole[part].shape[1]))) for part in whole])
+        for part, value in zip(whole, got):
+            assert torch.equal(value, whole[part][first:first + count]), (part, first, count)
+    assert inner.asked == ([((0, 0), (12, 128))] if nested else
+                           [((0, 0), (6, 128)), ((2, 0), (5, 128)), ((11, 0), (1, 128))])
+
+
 def test_a_model_of_conv1d_layers_is_refused_rather_than_left_whole():
     """GPT-2's layers are transformers' Conv1D, which transformers quantizes (transposed): left whole here, the
     run would quietly differ from transformers'."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from xla_shard.checkpoint.contract import region
 from xla_shard.errors import ConfigError
 from xla_shard.quant import bnb4, linear4bit
 
@@ -88,12 +89,13 @@ class Source:
 
 
 class QuantReader:
-    """A reader that also serves 4-bit parameters (`PREFIX` + name): the stored weight read whole and quantized
-    once, each part then cut to the box asked for."""
+    """A reader that also serves 4-bit parameters (`PREFIX` + name) from their stored weights. A box of blocks is
+    quantized from the weight's rows that hold them alone (a block's scale is its own), so each process reads its
+    share; double quantization scales each weight's block scales around their mean: it reads the weight whole."""
 
     def __init__(self, reader, sources: dict[str, Source], manifest):
         self.reader, self.sources, self.manifest = reader, sources, manifest
-        self._parts: dict[str, dict[str, torch.Tensor]] = {}
+        self._parts: dict[tuple, dict[str, torch.Tensor]] = {}
 
     @property
     def bytes_read(self) -> int:
@@ -103,18 +105,27 @@ class QuantReader:
         plain = [(name, box) for name, box in requests if name not in self.sources]
         values = iter(self.reader.read(plain) if plain else [])
         out = []
-        for name, (start, size) in requests:
+        for name, box in requests:
             if name not in self.sources:
                 out.append(next(values))
                 continue
-            part = self._quantized(self.sources[name])[self.sources[name].part]
-            out.append(part[tuple(slice(s, s + n) for s, n in zip(start, size))].clone())
+            source = self.sources[name]
+            first, parts = self._quantized(source, box[0][0], box[1][0])
+            part = parts[source.part]
+            out.append(part[region(box, ((first, 0), tuple(part.shape)))].clone())
         return out
 
-    def _quantized(self, source: Source) -> dict[str, torch.Tensor]:
-        if source.stored not in self._parts:
-            shape = tuple(self.manifest.tensors[source.stored]["shape"])
-            (weight,) = self.reader.read([(source.stored, ((0,) * len(shape), shape))])
+    def _quantized(self, source: Source, first: int, count: int) -> tuple[int, dict[str, torch.Tensor]]:
+        """(the first block quantized, the parts of blocks [first, first + count) and maybe a few around)."""
+        rows, width = self.manifest.tensors[source.stored]["shape"]
+        per_row = width // bnb4.BLOCKSIZE
+        if source.nested or width % bnb4.BLOCKSIZE:
+            low, high = 0, rows  # the weight whole
+        else:
+            low, high = first // per_row, -(-(first + count) // per_row)
+        key = (source.stored, low, high)
+        if key not in self._parts:
+            (weight,) = self.reader.read([(source.stored, ((low, 0), (high - low, width)))])
             packed, scales = linear4bit.quantized_parts(weight, source.kind, source.nested)
-            self._parts = {source.stored: {"weight_packed": packed, "weight_scales": scales}}  # one weight at a time
-        return self._parts[source.stored]
+            self._parts = {key: {"weight_packed": packed, "weight_scales": scales}}  # one weight's rows at a time
+        return low * per_row, self._parts[key]
