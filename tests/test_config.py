@@ -7,7 +7,7 @@ import typing
 
 import pytest
 import yaml
-from conftest import FIXTURES
+from conftest import FIXTURES, run_in_process
 from pydantic_core import PydanticUndefined
 
 from xla_shard import config
@@ -179,9 +179,9 @@ def _one_line_error(done, *words):
         assert word in lines[0], lines[0]
 
 
-def test_cli_config_import_round_trips(cli, tmp_path):
+def test_cli_config_import_round_trips(capsys, tmp_path):
     out = tmp_path / "native.yaml"
-    done = cli("config", "import", str(FIXTURES / "transformers_fsdp_config.json"), "-o", str(out))
+    done = run_in_process(capsys, "config", "import", str(FIXTURES / "transformers_fsdp_config.json"), "-o", str(out))
     assert done.returncode == 0, done.stderr
     assert "imported from transformers fsdp_config" in done.stderr
     assert config.load(out).backend.value == "xla_spmd"
