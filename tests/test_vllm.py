@@ -13,7 +13,7 @@ from model_dirs import llama_dir
 
 from xla_shard import config
 from xla_shard.errors import ConfigError
-from xla_shard.methods.vllm_engine import importance_sampling
+from xla_shard.methods.vllm_engine import SHM, importance_sampling, remove_segments
 
 PROMPTS = FIXTURES / "prompts.jsonl"
 REWARDS = FIXTURES / "rewards.py"
@@ -28,7 +28,6 @@ def _grpo(model_dir, *more: str) -> list[str]:
 
 @pytest.mark.parametrize("sets, key", [
     (["grpo.vllm_mode=server"], "vllm_mode server"),
-    (["grpo.vllm_tensor_parallel_size=2"], "vllm_tensor_parallel_size"),
     (["grpo.vllm_max_model_length=32"], "vllm_max_model_length=32"),
     (["model.lora.r=4", "model.lora.use_dora=true"], "use_dora"),
     (["model.lora.r=4", "model.lora.modules_to_save=[lm_head]"], "modules_to_save"),
@@ -156,3 +155,42 @@ def test_a_model_the_engine_cannot_serve_is_refused_in_one_line_before_training(
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "metrics.jsonl").exists() or "loss" not in (tmp_path / "metrics.jsonl").read_text()
 
+
+@pytest.mark.e2e
+@pytest.mark.vllm
+def test_an_engine_split_over_two_processes_draws_what_an_engine_each_draws(engine_model, tmp_path):
+    """Two training processes over gloo: an engine each (vllm_tensor_parallel_size 1), then one engine split over
+    both (2: each process asks it for the group's rows and takes its own back). A row's draw is seeded by its key,
+    so the first step (the same starting weights) draws the same completions either way, and the split engine's
+    log-probabilities match the trainer's at every step."""
+    common = [*_grpo(engine_model, "train.steps=3", "cpu_devices=2"), "checkpoint.every_steps=100"]
+    dead = [SHM / f"-tp:0-[0-1]-cpushm_{rank}" for rank in (0, 1)]  # what a killed split engine leaves (AVX-512)
+    for path in dead:
+        path.write_bytes(b"\0" * 4096)
+    got = {size: run_trainings(tmp_path / str(size), common, {"run": [f"grpo.vllm_tensor_parallel_size={size}"]},
+                               nproc=2)["run"] for size in (1, 2)}
+    one, split = ([r for r in got[size] if "loss" in r] for size in (1, 2))
+    assert len(split) == 3
+    for key in ("reward", "completions/mean_length"):
+        assert split[0][key] == one[0][key], key
+    assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in split), split
+    assert not [path for path in SHM.glob("*-[[]0-1]-cpushm_*")]  # none left for the next run
+
+
+def test_a_split_engines_segment_is_removed_when_its_run_died_and_kept_while_a_process_maps_it(tmp_path):
+    """vLLM's CPU build creates a split engine's shared memory exclusively and unlinks it only in a teardown a
+    killed (or unfinalized) worker skips. Before a build, this process's segment is removed if no live process
+    maps it; one mapped (a run alive on the machine) stays, as do other processes' and other groups'."""
+    import mmap
+
+    names = ["-tp:0-[0-1]-cpushm_0", "-tp:0-[0-1]-cpushm_1", "-tp:0-[2-3]-cpushm_0", "other_0"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"\0" * 4096)
+    remove_segments("[0-1]-cpushm_0", tmp_path, unmapped_only=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
+    (tmp_path / names[0]).write_bytes(b"\0" * 4096)
+    with open(tmp_path / names[0], "r+b") as file, mmap.mmap(file.fileno(), 4096):
+        remove_segments("[0-1]-cpushm_0", tmp_path, unmapped_only=True)
+        assert (tmp_path / names[0]).exists()
+        remove_segments("[0-1]-cpushm_0", tmp_path)  # after the build: every process of the group maps it
+        assert not (tmp_path / names[0]).exists()

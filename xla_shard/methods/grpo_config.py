@@ -103,9 +103,6 @@ class GrpoSection(MethodSection):
         if self.vllm_mode == "server":
             raise ValueError("grpo.vllm_mode server (an engine in its own process, weights over its update API) is "
                              "not built yet: use vllm_mode colocate, an engine beside each training process")
-        if self.vllm_tensor_parallel_size > 1:
-            raise ValueError(f"grpo.vllm_tensor_parallel_size={self.vllm_tensor_parallel_size}: an engine spanning "
-                             "processes is not built yet; set 1 (an engine per training process)")
         longest = self.vllm_max_model_length
         if longest is not None and longest < cfg.train.seq_len:
             raise ValueError(f"grpo.vllm_max_model_length={longest} is shorter than train.seq_len="

@@ -1,5 +1,6 @@
 """GRPO's completions drawn by vLLM (`grpo.use_vllm`, TRL's colocate mode): an engine in each training process,
-built from model.name's directory, sampling that process's rows.
+built from model.name's directory, sampling that process's rows (`vllm_tensor_parallel_size` > 1: an engine split
+over that many consecutive processes, serving all their rows, each process taking its own back).
 
 - **Weights.** Before each generation the policy's weights are pushed into the engine: in full fine-tuning they
   stream one parameter at a time from the shards (each gathered whole, handed to the engine's in-place reload,
@@ -31,6 +32,7 @@ from xla_shard.sampling import Sampling
 # The engines built in this process, by their options: a later run with the same options takes its engine (its
 # weights are pushed before each generation) rather than a second one, which vLLM's process-wide state refuses.
 _BUILT: dict[str, object] = {}
+SHM = Path("/dev/shm")
 
 
 def installed() -> str | None:
@@ -86,7 +88,13 @@ class VllmEngine:
         self.max_len = section.vllm_max_model_length or cfg.train.seq_len
         self._adapters = tempfile.TemporaryDirectory(prefix="xla_shard_vllm_lora_") if self.lora else None
         self._lora_id = 0
-        self.llm = self._build(cfg, model, backend, device_type, rows)
+        self.group = _tensor_parallel_group(section.vllm_tensor_parallel_size, backend.world)
+        segment = _segment_name(self.group) if self.group is not None and device_type == "cpu" else None
+        if segment:
+            remove_segments(segment, unmapped_only=True)
+        self.llm = self._build(cfg, model, backend, device_type, rows * section.vllm_tensor_parallel_size)
+        if segment:
+            remove_segments(segment)
 
     def _build(self, cfg, model, backend, device_type: str, rows: int):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, as TRL's
@@ -194,8 +202,17 @@ class VllmEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        prompts = [TokensPrompt(prompt_token_ids=row[keep.bool()].tolist())
-                   for row, keep in zip(prompt_ids, prompt_mask)]
+        asked = [(row[keep.bool()].tolist(), seed) for row, keep, seed in zip(prompt_ids, prompt_mask, seeds)]
+        mine = slice(0, len(asked))
+        if self.group is not None:  # the group's engine serves every process of it: each asks for all its rows
+            import torch.distributed as dist
+
+            everyone: list = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(everyone, asked, group=self.group)
+            before = sum(len(part) for part in everyone[:dist.get_rank(self.group)])
+            mine, asked = slice(before, before + len(asked)), [row for part in everyone for row in part]
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in asked]
+        seeds = [seed for _, seed in asked]
         params = [SamplingParams(max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                                  top_p=sampling.top_p, top_k=sampling.top_k or -1, seed=seed, logprobs=0,
                                  stop_token_ids=list(sampling.eos_token_ids), detokenize=False)
@@ -203,7 +220,7 @@ class VllmEngine:
         lora = getattr(self, "_request", None) if self.lora is not None else None
         if self.section.vllm_enable_sleep_mode:
             self.llm.wake_up(tags=["kv_cache"])
-        outputs = self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, lora_request=lora, use_tqdm=False)[mine]
         if self.section.vllm_enable_sleep_mode:
             self.llm.sleep(level=2)
         rows, width = len(outputs), sampling.max_new_tokens
@@ -223,6 +240,47 @@ class VllmEngine:
         """The mean difference of log-probabilities past which a step stops (`vllm_logp_difference_limit`)."""
         limit = self.section.vllm_logp_difference_limit
         return limit if limit is not None else (1e-3 if self.dtype == "float32" else 0.1)
+
+
+def _tensor_parallel_group(size: int, world: int):
+    """The torch.distributed group of the processes one engine spans (consecutive ranks, as vLLM's
+    external_launcher lays its tensor-parallel groups over the world), or None for an engine a process."""
+    if size == 1:
+        return None
+    if world % size:
+        raise ConfigError("grpo.vllm_tensor_parallel_size", f"{size} does not divide the run's {world} training "
+                                                            "processes: each engine spans that many of them")
+    import torch.distributed as dist
+
+    group, _ = dist.new_subgroups_by_enumeration([list(range(start, start + size))
+                                                  for start in range(0, world, size)])
+    return group
+
+
+def _segment_name(group) -> str:
+    """How the shared-memory segment this process creates for a split engine on a CPU ends: vLLM's CPU build
+    names it by the group's ranks and the process's place in it (`...-tp:0-[0-1]-cpushm_0`)."""
+    import torch.distributed as dist
+
+    return f"[{'-'.join(str(rank) for rank in dist.get_process_group_ranks(group))}]-cpushm_{dist.get_rank(group)}"
+
+
+def remove_segments(ending: str, shm: Path = SHM, unmapped_only: bool = False) -> None:
+    """Remove this process's segment(s) of a split CPU engine. vLLM creates each exclusively (O_EXCL) and
+    unlinks it only in its process's C++ teardown, which a worker that ends without finalizing (or is killed)
+    skips: the next engine of that group on the machine could not start. Before the build, a segment no live
+    process maps is a dead run's (`unmapped_only`); after it, every process of the group has mapped every segment,
+    and the names are no longer needed."""
+    found = [path for path in shm.glob("*cpushm_*") if path.name.endswith(ending)]
+    if unmapped_only and found:
+        mapped = set()
+        for maps in Path("/proc").glob("[0-9]*/maps"):
+            with contextlib.suppress(OSError):
+                mapped.update(line.split(maxsplit=5)[-1] for line in maps.read_text().splitlines() if str(shm) in line)
+        found = [path for path in found if str(path) not in mapped]
+    for path in found:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 def _first_token(llm) -> None:
