@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import FIXTURES, run_cli
+from conftest import FIXTURES, run_cli, run_in_process
 from transformers import AutoModelForCausalLM
 
 from xla_shard import config
@@ -224,11 +224,12 @@ BACKENDS = {"torch_fsdp": (["backend=torch_fsdp"], 2), "xla_spmd": (["backend=xl
     ("torch_fsdp", False),  # double quantization differs from single in the scales' values alone: once is enough
     pytest.param("xla_spmd", False, marks=pytest.mark.xla), pytest.param("xla_spmd", True, marks=pytest.mark.xla)],
     ids=["torch_fsdp-single", "xla_spmd-single", "xla_spmd-double"])
-def test_qlora_follows_peft_over_a_bitsandbytes_base(model_dirs, tmp_path, backend, nested):
+def test_qlora_follows_peft_over_a_bitsandbytes_base(model_dirs, tmp_path, capsys, backend, nested):
     """Two devices (FSDP2 over gloo; SPMD), the 4-bit base sharded by block and read quantized shard by shard,
     train 3 SGD steps with the losses of peft over transformers' bitsandbytes base, from the same adapters; on
     XLA the step compiles once (the scales' bytes read back by arithmetic, not through the host), and the layers
-    as one scanned loop give the same losses. A run stopped after step 2 resumes to the same step 3."""
+    as one scanned loop give the same losses. A run stopped after step 2 resumes to the same step 3, and its
+    exports are the model peft trained: the adapter onto the bitsandbytes base, the merge in full precision."""
     from peft import LoraConfig, get_peft_model
     from transformers import BitsAndBytesConfig
 
@@ -282,3 +283,35 @@ def test_qlora_follows_peft_over_a_bitsandbytes_base(model_dirs, tmp_path, backe
     assert f"of {sum(p.numel() for p in plain.parameters()):,} parameters trained" in log
     assert "of them in 4 bits: model.quantization" in log
     assert want[-1] < want[0] and abs(want[0] - full[0]) > 1e-4  # the 4-bit base is not the fp32 one
+    if not nested:
+        _exports_are_the_model_peft_trained(model, model_dirs.llama, tmp_path / "ckpt", tmp_path / "export", capsys)
+
+
+def _exports_are_the_model_peft_trained(trained, base_dir, ckpt, out, capsys):
+    """The run's last checkpoint (step 3) exported: as an adapter, which peft loads onto transformers'
+    bitsandbytes base to give the logits of `trained` (peft's own QLoRA after the same steps); with --merge, a
+    full-precision model directory (the base dequantized as the run held it, the adapters added, as peft's
+    merge_and_unload computes it before quantizing again) whose logits are the same, and not those of a merge
+    into the full-precision base."""
+    from peft import PeftModel
+    from transformers import BitsAndBytesConfig
+
+    (step,) = [path for path in sorted(ckpt.glob("step-*")) if path.name.endswith("3")]
+    for kind, extra in (("adapter", []), ("merged", ["--merge"])):
+        done = run_in_process(capsys, "ckpt", "export", str(step), "--to", str(out / kind), *extra)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert ("weights the run held in 4 bits" in done.stdout) == (kind == "merged"), done.stdout
+    four_bit = AutoModelForCausalLM.from_pretrained(
+        base_dir, attn_implementation="eager", dtype=torch.float32,
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"))
+    loaded = PeftModel.from_pretrained(four_bit, out / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged", attn_implementation="eager").eval()
+    whole = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, attn_implementation="eager"),
+                                      out / "adapter").eval()
+    assert not any("4bit" in type(m).__name__ for m in merged.modules())  # written in full precision
+    ids = torch.randint(3, min(300, merged.config.vocab_size), (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = trained.eval()(input_ids=ids).logits
+        torch.testing.assert_close(loaded(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+        assert (whole(input_ids=ids).logits - want).abs().max() > 1e-3  # the 4-bit base, not the full one

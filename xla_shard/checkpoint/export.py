@@ -105,6 +105,9 @@ def export(url: str, to: str, max_shard_bytes: int = 2 * 10**9, overwrite: bool 
                                                        merged.transform)
             meta_model.check_whole(manifest.url, hf, names)
             pieces = per_expert.whole(names, _shapes(source, names), lambda name: name[len("model/"):])
+            if adapter.four_bit:
+                layout_note = (f"the {len(adapter.four_bit)} weights the run held in 4 bits (model.quantization) "
+                               "are written as it held them, dequantized, with the adapters added: in full precision")
             config, single = ("config.json", json.dumps(hf, indent=2).encode()), WEIGHTS
         else:
             code = "transformers (how save_pretrained names the tensors)"

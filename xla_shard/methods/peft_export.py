@@ -10,7 +10,9 @@ directory, with `alpha / r * B @ A` added where an adapter sits (under DoRA, eac
 its trained magnitude) and the trained copy of a module trained whole in place of the stored one, in the stored
 dtype. On transformers 5's fused MoE experts peft adapts the stacked parameter (`experts.gate_up_proj`), one
 rank-r pair per expert side by side; the base directory stores one tensor per expert, and each gets its expert's
-piece of the change.
+piece of the change. A QLoRA run's (`model.quantization`) base is what the run held: each weight it held in 4
+bits is quantized and dequantized before the change is added, as peft's `merge_and_unload` dequantizes its
+bitsandbytes base, and written in full precision (not quantized again).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from torch import nn
 from xla_shard.checkpoint import fused, hf_dir, meta_model, schema
 from xla_shard.checkpoint.manifest import CheckpointError
 from xla_shard.checkpoint.reader import ChunkReader
-from xla_shard.config.schema import LoraSection
+from xla_shard.config.schema import LoraSection, QuantizationSection
 from xla_shard.errors import one_line
 from xla_shard.io.storage import Storage
 
@@ -74,6 +76,8 @@ class Recorded:
 
     section: LoraSection
     model: nn.Module
+    quantization: QuantizationSection | None = None
+    four_bit: frozenset[str] = frozenset()  # `model/<stored name>` of each weight the run held in 4 bits
 
 
 def recorded_adapter(manifest, names: list[str]) -> Recorded | None:
@@ -108,18 +112,36 @@ def recorded_adapter(manifest, names: list[str]) -> Recorded | None:
                               "it is a full fine-tune's checkpoint with an altered manifest")
     if not any(".lora_A." in n for n in adapters):
         raise CheckpointError(f"{where} says LoRA, but the checkpoint holds no lora_A/lora_B adapters")
-    adapted = _adapted_model(manifest, section, names)
+    quantization = _recorded_quantization(manifest, model)
+    adapted, four_bit = _adapted_model(manifest, section, names, quantization)
     expected = {f"model/{n}": list(p.shape) for n, p in adapted.named_parameters() if ".lora_" in n or WHOLE in n}
     _check_layout(manifest, section, {n: manifest.tensors[n]["shape"] for n in names}, expected)
-    return Recorded(section, adapted)
+    return Recorded(section, adapted, quantization, four_bit)
 
 
-def _adapted_model(manifest, section: LoraSection, names: list[str]) -> nn.Module:
+def _recorded_quantization(manifest, model: dict) -> QuantizationSection | None:
+    raw = model.get("quantization")
+    if raw is None:
+        return None
+    try:
+        return QuantizationSection.model_validate(raw)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = ".".join(str(p) for p in error["loc"])
+        raise CheckpointError(f"{manifest.url}: the manifest's config.model.quantization{'.' + field if field else ''}"
+                              f": {error['msg']} (the manifest was altered or is not xla_shard's)") from None
+
+
+def _adapted_model(manifest, section: LoraSection, names: list[str], quantization: QuantizationSection | None
+                   ) -> tuple[nn.Module, frozenset[str]]:
     """The manifest's model on the meta device, adapted by peft as the run's `section` and the modules the
-    checkpoint trained whole say."""
+    checkpoint trained whole say, and the weights the run held in 4 bits (chosen as the run chose them)."""
     from peft import inject_adapter_in_model
 
+    from xla_shard.quant import model as quant
+
     model = meta_model.build(manifest.url, manifest.data["hf_config"], names)
+    keep = quant.kept(model, quantization.llm_int8_skip_modules) if quantization else []
     try:
         with quiet_moe_conversion():
             inject_adapter_in_model(lora_config(section, _trained_whole(names)), model, adapter_name=ADAPTER,
@@ -127,7 +149,9 @@ def _adapted_model(manifest, section: LoraSection, names: list[str]) -> nn.Modul
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise CheckpointError(f"{manifest.url}: peft does not adapt the manifest's model as its config.model.lora "
                               f"says: {one_line(exc)[:200]}") from None
-    return model
+    four_bit = frozenset(f"model/{name}" for name in quant.four_bit_weights(model, keep, stored_name)) \
+        if quantization else frozenset()
+    return model, four_bit
 
 
 def _check_layout(manifest, section: LoraSection, held: dict[str, list[int]], expected: dict[str, list[int]]) -> None:
@@ -277,6 +301,7 @@ class Merge:
                       for n in self.names}
         self.checkpoint, self.checkpoint_manifest = checkpoint, manifest
         self.adapted = _adapted_weights(recorded.model, recorded.section.use_dora)
+        self.quantization, self.four_bit = recorded.quantization, recorded.four_bit
         self.whole = {n.replace(WHOLE, "."): n for n in names if WHOLE in n}  # held name -> trained copy
         self.places = _places(recorded.model, self.manifest, [*self.adapted, *self.whole])
         absent = sorted((set(self.adapted) | set(self.whole)) - {p.weight for p in self.places.values()})
@@ -291,6 +316,12 @@ class Merge:
         return tensor
 
     def transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name in self.four_bit:  # the base as the run held it
+            from xla_shard.quant import bnb4
+
+            q = self.quantization
+            tensor = bnb4.dequantize(bnb4.quantize(tensor.float(), q.bnb_4bit_quant_type, q.bnb_4bit_use_double_quant)
+                                     ).reshape(tensor.shape).to(tensor.dtype)
         place = self.places.get(name)
         if place is None:
             return tensor

@@ -68,6 +68,12 @@ def quantized_params(model: nn.Module, section, stored_name: Callable[[str], str
     return sum(m.weight.numel() for _, m in _replaced(model, kept(model, section.llm_int8_skip_modules), stored_name))
 
 
+def four_bit_weights(model: nn.Module, keep: list[str], stored_name: Callable[[str], str]) -> list[str]:
+    """The stored names of the weights `replace_linears` holds in 4 bits (the adapters injected, nothing replaced
+    yet; `keep` chosen before the adapters were)."""
+    return [stored_name(f"{name}.weight") for name, _ in _replaced(model, keep, stored_name)]
+
+
 def _replaced(model: nn.Module, keep: list[str], stored_name: Callable[[str], str], kind: type = nn.Linear):
     """(name, layer) of each frozen layer of `kind` transformers would quantize, by its stored name."""
     from transformers.quantizers.quantizers_utils import should_convert_module
