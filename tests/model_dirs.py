@@ -208,3 +208,20 @@ def family_dir(path: Path, family: str, seed: int = 3) -> Path:
     family_model(family, seed).save_pretrained(path)
     bpe_tokenizer().save_pretrained(path)
     return path
+
+
+def four_bit_dir(path: Path, source: Path, nested: bool, skip: list[str] | None = None) -> Path:
+    """`source` loaded in 4 bits by transformers + bitsandbytes (nf4; `nested`: double quantization) and saved
+    as such (packed weights, their absmax and quant_state beside them), with its tokenizer."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    with torch._dynamo.config.patch(disable=True):  # bitsandbytes' CPU paths compile with torch.compile
+        settings = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=nested,
+                                      llm_int8_skip_modules=skip)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, quantization_config=settings)
+        model.save_pretrained(path)
+    for file in source.glob("tokenizer*"):
+        shutil.copy(file, path)
+    return path

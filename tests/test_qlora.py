@@ -172,6 +172,63 @@ def test_a_share_of_blocks_is_read_from_its_rows_alone_and_equals_the_whole_weig
                            [((0, 0), (6, 128)), ((2, 0), (5, 128)), ((11, 0), (1, 128))])
 
 
+@pytest.fixture(scope="module")
+def four_bit_dirs(model_dirs, tmp_path_factory):
+    """The test Llama saved 4-bit by transformers + bitsandbytes, nf4 single and double."""
+    from model_dirs import four_bit_dir
+
+    root = tmp_path_factory.mktemp("four_bit")
+    return {nested: four_bit_dir(root / f"nested{int(nested)}", model_dirs.llama, nested) for nested in (False, True)}
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["single", "double"])
+def test_a_directory_saved_in_4_bits_reads_as_bitsandbytes_stored_it(model_dirs, four_bit_dirs, nested):
+    """Every 4-bit parameter read from transformers' 4-bit save, for any share of blocks, is bitsandbytes'
+    quantization of the full-precision weight: its packed bytes, and each block's scale as its state gives it
+    back (double quantization: the 8-bit codes through the nested absmax, plus the offset)."""
+    from safetensors.torch import load_file
+
+    from xla_shard.checkpoint import hf_dir
+    from xla_shard.checkpoint.reader import ChunkReader
+    from xla_shard.io.storage import Storage
+    from xla_shard.quant.model import PARTS, QuantReader, Source, stored_four_bit
+
+    storage = Storage(str(four_bit_dirs[nested]))
+    manifest = hf_dir.read_manifest(storage)
+    full = {f"model/{k}": v for f in model_dirs.llama.glob("*.safetensors") for k, v in load_file(f).items()}
+    stored = stored_four_bit(manifest.tensors)
+    assert sorted(stored) == sorted(n for n in full if "_proj." in n)  # the output head kept whole
+    for name in stored:
+        packed, state = bnb.functional.quantize_4bit(full[name], quant_type="nf4", compress_statistics=nested)
+        scales = _scales(state) if nested else state.absmax
+        whole = {"weight_packed": packed.view(-1, 32), "weight_scales": scales.float().view(torch.uint8).view(-1, 4)}
+        reader = QuantReader(ChunkReader(storage, manifest), {p: Source(name, p, "nf4", nested, True) for p in PARTS},
+                             manifest)
+        blocks = whole["weight_scales"].shape[0]
+        for first, count in ((0, blocks), (3, blocks // 2)):
+            got = reader.read([(p, ((first, 0), (count, whole[p].shape[1]))) for p in PARTS])
+            for part, value in zip(PARTS, got):
+                assert torch.equal(value, whole[part][first:first + count]), (name, part, first, count)
+
+
+def test_a_directory_saved_in_4_bits_is_refused_unless_the_run_reads_it_as_it_is(model_dirs, four_bit_dirs, tmp_path):
+    """Its quantization is said up front (4-bit weights are not quantized again), and a layer it stores in 4
+    bits that the run would keep whole is named."""
+    from model_dirs import four_bit_dir
+
+    base = [f"model.name={four_bit_dirs[True]}", "model.lora.r=4"]
+    for sets, words in (([], "model.quantization={bnb_4bit_quant_type: nf4, bnb_4bit_use_double_quant: true}"),
+                        (["model.quantization.bnb_4bit_quant_type=nf4"], "not quantized again")):
+        with pytest.raises(ConfigError, match="saved in 4 bits") as refused:
+            build_for(config.load(None, [*base, *sets]))
+        assert refused.value.key == "model.quantization" and words in str(refused.value)
+    skipped = four_bit_dir(tmp_path / "skipped", model_dirs.llama, False, skip=["lm_head", "q_proj"])
+    with pytest.raises(ConfigError, match="layers.0.mlp.down_proj.weight in 4 bits, which this run keeps whole"):
+        build_for(config.load(None, [f"model.name={skipped}", "model.lora.r=4",
+                                     "model.quantization={bnb_4bit_quant_type: nf4, llm_int8_skip_modules: "
+                                     "[lm_head, down_proj]}"]))
+
+
 def test_a_model_of_conv1d_layers_is_refused_rather_than_left_whole():
     """GPT-2's layers are transformers' Conv1D, which transformers quantizes (transposed): left whole here, the
     run would quietly differ from transformers'."""
@@ -224,12 +281,13 @@ BACKENDS = {"torch_fsdp": (["backend=torch_fsdp"], 2), "xla_spmd": (["backend=xl
     ("torch_fsdp", False),  # double quantization differs from single in the scales' values alone: once is enough
     pytest.param("xla_spmd", False, marks=pytest.mark.xla), pytest.param("xla_spmd", True, marks=pytest.mark.xla)],
     ids=["torch_fsdp-single", "xla_spmd-single", "xla_spmd-double"])
-def test_qlora_follows_peft_over_a_bitsandbytes_base(model_dirs, tmp_path, capsys, backend, nested):
+def test_qlora_follows_peft_over_a_bitsandbytes_base(model_dirs, four_bit_dirs, tmp_path, capsys, backend, nested):
     """Two devices (FSDP2 over gloo; SPMD), the 4-bit base sharded by block and read quantized shard by shard,
     train 3 SGD steps with the losses of peft over transformers' bitsandbytes base, from the same adapters; on
     XLA the step compiles once (the scales' bytes read back by arithmetic, not through the host), and the layers
-    as one scanned loop give the same losses. A run stopped after step 2 resumes to the same step 3, and its
-    exports are the model peft trained: the adapter onto the bitsandbytes base, the merge in full precision."""
+    as one scanned loop give the same losses, as does the model saved 4-bit by transformers (read as stored). A
+    run stopped after step 2 resumes to the same step 3, and its exports are the model peft trained: the adapter
+    onto the bitsandbytes base, the merge in full precision."""
     from peft import LoraConfig, get_peft_model
     from transformers import BitsAndBytesConfig
 
@@ -254,6 +312,18 @@ def test_qlora_follows_peft_over_a_bitsandbytes_base(model_dirs, tmp_path, capsy
         assert done.returncode == 0, done.stderr[-3000:]
         scanned = [json.loads(line)["loss"] for line in (tmp_path / "scan" / "metrics.jsonl").read_text().splitlines()]
         assert scanned == pytest.approx(got, rel=1e-6), (scanned, got)
+        # the same model saved 4-bit by transformers: its bytes read as stored, the same training
+        saved = [*args, f"model.name={four_bit_dirs[True]}", f"output_dir={tmp_path / 'saved'}", "train.steps=3",
+                 f"checkpoint.dir={tmp_path / 'saved_ckpt'}"]
+        done = run_cli("train", *[a for s in saved for a in ("--set", s)])
+        assert done.returncode == 0, done.stderr[-3000:]
+        read = [json.loads(line)["loss"] for line in (tmp_path / "saved" / "metrics.jsonl").read_text().splitlines()]
+        assert read == pytest.approx(got, rel=1e-6), (read, got)
+        step = tmp_path / "saved_ckpt" / "step-00000003"
+        adapter = run_in_process(capsys, "ckpt", "export", str(step), "--to", str(tmp_path / "saved_adapter"))
+        assert adapter.returncode == 0, adapter.stderr[-2000:]
+        merge = run_in_process(capsys, "ckpt", "export", str(step), "--to", str(tmp_path / "merged"), "--merge")
+        assert merge.returncode != 0 and "stores its weights in 4 bits" in merge.stderr, merge.stderr[-2000:]
     if not nested:  # stopped after step 2 and resumed: the base quantized again as it is read, step 3 the same
         stop = [*args, f"output_dir={tmp_path / 'stop'}", f"checkpoint.dir={tmp_path / 'ckpt'}",
                 "checkpoint.every_steps=2"]

@@ -115,6 +115,8 @@ class PretrainedWeights:
                   **{n: tuple(b.shape) for n, b in _persistent_buffers(model)}}
         wanted = {key: shapes[names[0]] for key, names in aliases.items()}
         four_bit = self._four_bit(model, aliases)
+        packed = quant.stored_four_bit(self.manifest.tensors)  # a directory saved in 4 bits: read as stored
+        state = {name for names in packed.values() for name in names}
         rename = fused.renamer(model, list(wanted))
         tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
         ignored = _ignored_unexpected(model)
@@ -133,10 +135,15 @@ class PretrainedWeights:
                 raise ConfigError("model.name", f"stored tensor {stored[len('model/'):]!r} needs transformers' weight "
                                                 f"conversion ({converter}) to become {key!r}; xla_shard reads "
                                                 "tensors as stored, or experts stacked")
+            elif stored in state:
+                continue  # read with its 4-bit weight
+            elif key in wanted and stored in packed:
+                raise ConfigError("model.quantization", f"{self.storage.url} stores {key} in 4 bits, which this run "
+                                                        "keeps whole (model.quantization.llm_int8_skip_modules?)")
             elif key in wanted:
                 self.names.update((name, stored) for name in aliases[key])
             elif key in four_bit:
-                self._plan_four_bit(key, stored, four_bit[key], aliases)
+                self._plan_four_bit(key, stored, four_bit[key], aliases, stored in packed)
             elif key in tied or ignored(key):
                 self.skipped.append(key)
             else:
@@ -188,15 +195,18 @@ class PretrainedWeights:
                 found[key.removesuffix("_packed")] = model.get_submodule(names[0].rpartition(".")[0])
         return found
 
-    def _plan_four_bit(self, key: str, stored: str, layer: nn.Module, aliases: dict[str, list[str]]) -> None:
-        """A 4-bit layer's parameters read from its stored weight `key`, quantized as they are read."""
+    def _plan_four_bit(self, key: str, stored: str, layer: nn.Module, aliases: dict[str, list[str]],
+                       packed: bool) -> None:
+        """A 4-bit layer's parameters read from its stored weight `key`: quantized as they are read, or as
+        stored where the directory holds it in 4 bits (`packed`: two codes a byte, [n / 2, 1])."""
         have = tuple(self.manifest.tensors[stored]["shape"])
-        if have != (layer.out_features, layer.in_features):
-            raise ConfigError("model.name", f"{self.storage.url}: {key} is {list(have)} there, "
-                                            f"{[layer.out_features, layer.in_features]} in the model")
+        want = (layer.out_features * layer.in_features // 2, 1) if packed else (layer.out_features, layer.in_features)
+        if have != want:
+            raise ConfigError("model.name", f"{self.storage.url}: {key} is {list(have)} there, {list(want)} in the "
+                                            f"model{' (4 bits, two a byte)' if packed else ''}")
         for part in quant.PARTS:
             name = f"{key.removesuffix('weight')}{part}"
-            self.quantized[quant.PREFIX + name] = quant.Source(stored, part, layer.kind, layer.nested)
+            self.quantized[quant.PREFIX + name] = quant.Source(stored, part, layer.kind, layer.nested, packed)
             self.names.update((alias, quant.PREFIX + name) for alias in aliases[name])
 
     def _saved_as(self, model: nn.Module) -> str:
@@ -215,6 +225,8 @@ class PretrainedWeights:
         used = {s for s in self.names.values() if not s.startswith((fused.PREFIX, quant.PREFIX))}
         used |= {s for f in self.fused.values() for sources in f.sources for s in sources.values()}
         used |= {source.stored for source in self.quantized.values()}
+        if any(source.packed for source in self.quantized.values()):
+            used |= {name for state in quant.stored_four_bit(self.manifest.tensors).values() for name in state}
         report = LoadReport(0, 0, sum(_stored_bytes(self.manifest.tensors[s]) for s in used), 0,
                             fresh=sorted(self.fresh), skipped=sorted(self.skipped))
         reader = self._reader()
@@ -278,6 +290,7 @@ def build_for(cfg, accelerator: str | None = None, capabilities=None, empty: boo
     config's). Returns (model, weights, source)."""
     deadline = cfg.checkpoint.retry_deadline_s
     source = resolve_source(cfg.model, deadline)
+    quant.check_stored(source.fields, cfg.model.quantization, source.directory or source.name)
     weights = PretrainedWeights.find(source, cfg.model.init, deadline)
     empty = empty or weights is not None
     model = build_model(cfg.model, cfg.train.seed, empty=empty, source=source, accelerator=accelerator,

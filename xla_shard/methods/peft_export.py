@@ -295,6 +295,10 @@ class Merge:
 
     def __init__(self, base: Storage, checkpoint: ChunkReader, manifest, names: list[str], recorded: Recorded):
         self.manifest = hf_dir.read_manifest(base)
+        if _stored_four_bit(self.manifest):
+            raise CheckpointError(f"{base.url} stores its weights in 4 bits (bitsandbytes): --merge writes the base "
+                                  "in full precision and is not built over a 4-bit directory yet; export the "
+                                  "adapter (peft loads it onto that base)")
         self.reader = ChunkReader(base, self.manifest, bridge_gaps=False)
         self.names = sorted(self.manifest.tensors)
         self.sizes = {n: schema.nbytes(self.manifest.tensors[n]["shape"], self.manifest.tensors[n]["dtype"])
@@ -342,6 +346,12 @@ class Merge:
             rows = rows * (magnitude / torch.linalg.vector_norm(rows, dim=1)).unsqueeze(1)
             merged = rows if adapted.out_in else rows.T
         return merged.to(tensor.dtype)
+
+
+def _stored_four_bit(manifest) -> bool:
+    from xla_shard.quant.model import stored_four_bit
+
+    return bool(stored_four_bit(manifest.tensors))
 
 
 def _places(model: nn.Module, base, weights: list[str]) -> dict[str, _Place]:

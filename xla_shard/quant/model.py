@@ -8,6 +8,8 @@ by stored name afterwards.
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +22,38 @@ from xla_shard.quant import bnb4, linear4bit
 
 PREFIX = "quant4:"  # names of 4-bit parameters among the stored tensors' (never a stored name)
 PARTS = ("weight_packed", "weight_scales")
+# What transformers' save_pretrained writes beside a bitsandbytes 4-bit weight (its packed bytes, [n / 2, 1]).
+STATE = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map", ".quant_state.bitsandbytes__nf4",
+         ".quant_state.bitsandbytes__fp4")
+
+
+def stored_four_bit(tensors: dict[str, dict]) -> dict[str, list[str]]:
+    """The weights a model directory stores in bitsandbytes' 4 bits (transformers' save_pretrained of a 4-bit
+    model), each with the state tensors stored beside it."""
+    packed = {name.removesuffix(".absmax") for name in tensors if name.endswith(".absmax")}
+    return {name: [name + part for part in STATE if name + part in tensors] for name in sorted(packed)
+            if name in tensors}
+
+
+def check_stored(fields: dict, section, url: str) -> None:
+    """A model directory saved 4-bit by transformers (its config.json's quantization_config) is read as it is
+    stored: the run's model.quantization must say what it holds, since 4-bit weights cannot be quantized again."""
+    stored = fields.get("quantization_config")
+    if not isinstance(stored, dict) or stored.get("quant_method") != "bitsandbytes":
+        return
+    if not stored.get("load_in_4bit") and not stored.get("_load_in_4bit"):
+        raise ConfigError("model.name", f"{url} is saved in 8 bits by bitsandbytes (its config.json's "
+                                        "quantization_config); xla_shard reads 4-bit bases only")
+    kind = stored.get("bnb_4bit_quant_type", "fp4")
+    nested = bool(stored.get("bnb_4bit_use_double_quant", False))
+    wanted = f"{{bnb_4bit_quant_type: {kind}, bnb_4bit_use_double_quant: {str(nested).lower()}}}"
+    if section is None:
+        raise ConfigError("model.quantization", f"{url} is saved in 4 bits by bitsandbytes ({kind}"
+                                                f"{', double quantization' if nested else ''}): train adapters over "
+                                                f"it with model.lora and model.quantization={wanted}")
+    if (section.bnb_4bit_quant_type, section.bnb_4bit_use_double_quant) != (kind, nested):
+        raise ConfigError("model.quantization", f"{url} is saved in 4 bits as {wanted}, and 4-bit weights are not "
+                                                f"quantized again: set model.quantization={wanted}")
 
 
 def kept(model: nn.Module, skip_modules: list[str] | None) -> list[str]:
@@ -86,12 +120,14 @@ def _replaced(model: nn.Module, keep: list[str], stored_name: Callable[[str], st
 
 @dataclass(frozen=True)
 class Source:
-    """A 4-bit parameter (`part` of PARTS) of the stored weight `stored`."""
+    """A 4-bit parameter (`part` of PARTS) of the stored weight `stored`: quantized as it is read, or read as
+    stored where the directory holds it in 4 bits already (`packed`)."""
 
     stored: str
     part: str
     kind: str
     nested: bool
+    packed: bool = False
 
 
 class QuantReader:
@@ -116,7 +152,8 @@ class QuantReader:
                 out.append(next(values))
                 continue
             source = self.sources[name]
-            first, parts = self._quantized(source, box[0][0], box[1][0])
+            read = self._stored if source.packed else self._quantized
+            first, parts = read(source, box[0][0], box[1][0])
             part = parts[source.part]
             out.append(part[region(box, ((first, 0), tuple(part.shape)))].clone())
         return out
@@ -135,3 +172,39 @@ class QuantReader:
             packed, scales = linear4bit.quantized_parts(weight, source.kind, source.nested)
             self._parts = {key: {"weight_packed": packed, "weight_scales": scales}}  # one weight's rows at a time
         return low * per_row, self._parts[key]
+
+    def _stored(self, source: Source, first: int, count: int) -> tuple[int, dict[str, torch.Tensor]]:
+        """The parts of blocks [first, first + count) as bitsandbytes stored them: the packed bytes (32 a block)
+        and the blocks' scales (double quantization: read whole and dequantized, as its 8-bit codes give them)."""
+        half = bnb4.BLOCKSIZE // 2
+        (packed,) = self.reader.read([(source.stored, ((first * half, 0), (count * half, 1)))])
+        key = (source.stored, "scales")
+        if key not in self._parts:
+            self._parts = {key: {"weight_scales": self._scales(source)}}  # one weight's scales at a time
+        scales = self._parts[key]["weight_scales"][first:first + count]
+        return first, {"weight_packed": packed.reshape(count, half), "weight_scales": scales}
+
+    def _scales(self, source: Source) -> torch.Tensor:
+        state = {part: self._whole(source.stored + part) for part in STATE if source.stored + part in
+                 self.manifest.tensors}
+        blocks = math.prod(self.manifest.tensors[source.stored]["shape"]) * 2 // bnb4.BLOCKSIZE
+        described = next((v for k, v in state.items() if ".quant_state." in k), None)
+        about = json.loads(bytes(described.tolist()).decode()) if described is not None else {}
+        where = f"{source.stored[len('model/'):]} (stored in 4 bits)"
+        if about.get("quant_type", source.kind) != source.kind or about.get("blocksize", bnb4.BLOCKSIZE) != \
+                bnb4.BLOCKSIZE or not torch.equal(state[".quant_map"].float(), bnb4.code(source.kind)) or (
+                source.nested and not torch.equal(state[".nested_quant_map"].float(), bnb4.dynamic_code())):
+            raise ConfigError("model.name", f"{where} is not bitsandbytes' {source.kind} in blocks of "
+                                            f"{bnb4.BLOCKSIZE}: {about or 'its quant_map differs'}")
+        if source.nested:
+            quantized = bnb4.Quantized(torch.empty(0, dtype=torch.uint8), state[".absmax"], (blocks,), source.kind,
+                                       state[".nested_absmax"], torch.tensor(float(about["nested_offset"])))
+            scales = quantized.scales()
+        else:
+            scales = state[".absmax"]
+        return scales.float().contiguous().view(torch.uint8).view(blocks, 4)
+
+    def _whole(self, name: str) -> torch.Tensor:
+        shape = tuple(self.manifest.tensors[name]["shape"])
+        (tensor,) = self.reader.read([(name, ((0,) * len(shape), shape))])
+        return tensor
