@@ -163,8 +163,9 @@ def _common(model_dirs):
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
-RUNS = {  # LoRA, its reference the adapters switched off; full fine-tuning, its reference another model
+RUNS = {  # (Q)LoRA, its reference the adapters switched off; full fine-tuning, its reference another model
     "lora": [*LORA, "train.lr=1.0"],
+    "qlora": [*LORA, "train.lr=1.0", "model.quantization.bnb_4bit_quant_type=nf4"],  # over a bitsandbytes base
     "full": ["train.lr=0.5", "dpo.reference={reference}"],
 }
 
@@ -199,8 +200,9 @@ def _run(name, reference_dir):
 @pytest.mark.parametrize("backend", backend_params(list(BACKENDS)))
 def test_dpo_follows_trls_dpo_trainer(model_dirs, reference_dir, tmp_path, backend, trl_runs, capsys):
     """Conversational rows, every row in each step (so the order rows come in does not matter), SGD, evaluated
-    on every row after step 3; one process for every run. With LoRA, step 1's loss is ln 2 (the adapters start
-    at zero, so the policy is its reference); fully fine-tuned against another model, it is not. Either way the
+    on every row after step 3; one process for every run. With LoRA, and QLoRA over a 4-bit base against peft's
+    over bitsandbytes', step 1's loss is ln 2 (the adapters start at zero, so the policy is its reference); fully
+    fine-tuned against another model, it is not. Either way the
     losses follow DPOTrainer's, and each step and the evaluation report TRL's metrics under TRL's names. A run
     sent SIGTERM as step 2 ends stops with a checkpoint holding the policy and nothing of the reference, and
     resumes exactly; its last checkpoint exports as a model transformers loads."""
@@ -234,7 +236,7 @@ def test_dpo_follows_trls_dpo_trainer(model_dirs, reference_dir, tmp_path, backe
         losses = [r["loss"] for r in records if "loss" in r]
         evaluation = next(r for r in records if "eval_loss" in r)
         want, want_logged, want_eval = trl_runs[name]
-        assert (losses[0] == pytest.approx(math.log(2), abs=1e-6)) == (name == "lora"), (name, losses)
+        assert (losses[0] == pytest.approx(math.log(2), abs=1e-6)) == (name != "full"), (name, losses)
         assert losses == pytest.approx(want, rel=1e-5), (backend, name, losses, want)
         assert want[-1] < want[0]
         trained = [r for r in records if "loss" in r]

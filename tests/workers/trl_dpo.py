@@ -4,7 +4,8 @@ each training step's loss and logged metrics, and the evaluation after the last 
     python trl_dpo.py ROWS.jsonl REFERENCE|- [KEY=VALUE ...]   (the xla_shard run's config overrides)
 
 With `model.lora` the policy is peft's LoRA model from the run's own initial adapters (drawn from train.seed as
-xla_shard draws them) and its reference the adapters switched off; else REFERENCE is DPOTrainer's `ref_model`.
+xla_shard draws them) and its reference the adapters switched off (with `model.quantization`, over transformers'
+bitsandbytes 4-bit base: peft's QLoRA); else REFERENCE is DPOTrainer's `ref_model`.
 Run with USE_TORCH_XLA=0: accelerate would otherwise place the run on an XLA device where torch_xla is installed.
 """
 
@@ -24,13 +25,22 @@ from xla_shard.pretrained import build_for
 def main(path: str, reference: str, *overrides: str) -> None:
     cfg = config.load(None, list(overrides))
     model_dir, train = cfg.model.name, cfg.train
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", use_cache=False)
+    quantization = cfg.model.quantization
+    if quantization is not None:  # peft's QLoRA: transformers' bitsandbytes base
+        import torch
+        from transformers import BitsAndBytesConfig
+
+        torch._dynamo.config.disable = True  # bitsandbytes' CPU paths would compile for minutes
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantization.bnb_4bit_quant_type,
+                                          bnb_4bit_use_double_quant=quantization.bnb_4bit_use_double_quant)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", use_cache=False,
+                                                 quantization_config=quantization)
     if cfg.model.lora is not None:
         _, weights, _ = build_for(cfg)
         lora = cfg.model.lora
         model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=lora.target_modules))
-        assert not model.load_state_dict({f"base_model.model.{k}": v for k, v in weights.fresh.items()},
-                                         strict=False).unexpected_keys
+        adapters = {f"base_model.model.{k}": v for k, v in weights.fresh.items()}
+        assert not model.load_state_dict(adapters, strict=False).unexpected_keys
     ref_model = None if reference == "-" else AutoModelForCausalLM.from_pretrained(
         reference, attn_implementation="eager", use_cache=False)
     rows = datasets.Dataset.from_list([json.loads(line) for line in Path(path).read_text().splitlines()])
@@ -51,6 +61,13 @@ def main(path: str, reference: str, *overrides: str) -> None:
                      logging_steps=1, disable_tqdm=True)
     trainer = Recording(model=model, ref_model=ref_model, processing_class=AutoTokenizer.from_pretrained(model_dir),
                         train_dataset=rows, eval_dataset=rows, args=args)
+    if cfg.model.quantization is not None:
+        # DPOTrainer casts a quantized model's adapters to bf16 (the QLoRA paper's choice); xla_shard holds them in
+        # fp32 unless fsdp.mixed_precision says otherwise: the same adapters, in fp32, compared
+        for param in trainer.model.parameters():
+            if param.requires_grad:
+                param.data = param.data.float()
+        trainer.model.load_state_dict(adapters, strict=False)
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "rewards/margins" in entry]
     print(json.dumps({"losses": losses, "logged": logged, "eval": trainer.evaluate()}))
