@@ -158,7 +158,7 @@ E2E_SECONDS = {  # the torch 2.9 end-to-end tier, timed Nov 27 (its fsdp2 tests 
     "test_backends.py": 136, "test_importers.py": 128, "test_lora.py": 100, "test_api.py": 91, "test_untrusted.py": 87,
     "test_hostile_checkpoints.py": 63, "test_sft.py": 56, "test_deploy.py": 56, "test_dpo.py": 55, "test_config.py": 54,
     "test_neutral.py": 49, "test_hardening.py": 46, "test_families.py": 40, "test_models.py": 31,
-    "test_sequence.py": 120, "test_qlora.py": 130,
+    "test_sequence.py": 120, "test_qlora.py": 230,
 }
 
 

@@ -357,6 +357,40 @@ def test_qlora_follows_peft_over_a_bitsandbytes_base(model_dirs, four_bit_dirs, 
         _exports_are_the_model_peft_trained(model, model_dirs.llama, tmp_path / "ckpt", tmp_path / "export", capsys)
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.xla
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_qlora_on_an_moe_model_follows_peft_over_a_bitsandbytes_base(moe_dirs, tmp_path, family):
+    """An MoE model: the layers transformers quantizes (attention, a shared expert's linears; not the fused
+    experts nor the router, which are no nn.Linear) held in 4 bits, the adapters all-linear as peft puts them
+    (fused experts included, where peft adapts them): 3 SGD steps on 2 SPMD devices follow peft over
+    transformers' bitsandbytes base."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import BitsAndBytesConfig
+
+    from conftest import sgd_losses
+    from xla_shard.data import build
+
+    args = [f"model.name={moe_dirs[family]}", f"data.path={FIXTURES / 'corpus.jsonl'}", "train.seq_len=32",
+            "train.optimizer=sgd", "train.lr=1.0", "backend=xla_spmd", "cpu_devices=2", *QLORA]
+    done = run_cli("train", *[a for s in [*args, f"output_dir={tmp_path}", "train.steps=3"] for a in ("--set", s)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    cfg = config.load(None, args)
+    _, weights, _ = build_for(cfg)
+    base = AutoModelForCausalLM.from_pretrained(
+        moe_dirs[family], attn_implementation="eager", use_cache=False, dtype=torch.float32,
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+    adapters = {f"base_model.model.{k}": v for k, v in weights.fresh.items()}
+    assert not model.load_state_dict(adapters, strict=False).unexpected_keys
+    want = sgd_losses(model, build(cfg, base.config, str(moe_dirs[family])).train, cfg.train.lr, 3)
+    assert got == pytest.approx(want, rel=1e-5), (got, want)
+    assert want[-1] < want[0]
+
+
 def _exports_are_the_model_peft_trained(trained, base_dir, ckpt, out, capsys):
     """The run's last checkpoint (step 3) exported: as an adapter, which peft loads onto transformers'
     bitsandbytes base to give the logits of `trained` (peft's own QLoRA after the same steps); with --merge, a
