@@ -10,7 +10,7 @@ import torch
 from conftest import FIXTURES, backend_params, run_in_process, run_trainings, run_worker, runnable, runs_args
 from transformers import AutoModelForCausalLM
 
-from xla_shard import config
+from xla_shard import backends, config
 from xla_shard.errors import ConfigError
 from xla_shard.methods import grpo, method_for
 
@@ -113,12 +113,12 @@ def _log_probs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 
     return grpo.token_log_probs(logits[:, prompt_ids.shape[1] - 1:-1], completion_ids, temperature)[0]
 
 
-def _trl(model_dir, tmp_path, inputs, adapters=None) -> list[dict]:
+def _trl(model_dir, tmp_path, inputs, adapters=None, quant_type: str | None = None) -> list[dict]:
     torch.save({"inputs": inputs, "cases": CASES}, tmp_path / "inputs.pt")
     extra = []
     if adapters is not None:
         torch.save(adapters, tmp_path / "adapters.pt")
-        extra = [str(tmp_path / "adapters.pt")]
+        extra = [str(tmp_path / "adapters.pt"), *([quant_type] if quant_type else [])]
     run_worker("trl_grpo.py", str(model_dir), str(tmp_path / "inputs.pt"), str(tmp_path / "trl.pt"), *extra,
                cwd=tmp_path, env={"USE_TORCH_XLA": "0"})
     return torch.load(tmp_path / "trl.pt")
@@ -132,8 +132,9 @@ def test_each_loss_type_gives_trls_loss_and_gradients_on_each_backend(model_dirs
     equal GRPOTrainer's `_compute_loss` (1e-5 relative), run in a process of its own; so do the KL and
     clip-ratio metrics. Held there: `grpo.policy_loss` in plain torch, and the objective a GRPO run trains
     (`Grpo.loss`: the completions' log-probabilities from the sharded model, the policy loss, the metrics) on
-    each backend's two devices (torch_fsdp: two processes, each its half of the rows), fully fine-tuned and
-    with LoRA adapters (TRL's model given the same ones)."""
+    each backend's two devices (torch_fsdp: two processes, each its half of the rows), fully fine-tuned, with
+    LoRA adapters, and where the backend holds a 4-bit base with QLoRA against peft's over transformers'
+    bitsandbytes base (TRL's model given the same adapters; in fp32, where GRPOTrainer would cast them to bf16)."""
     pytest.importorskip("trl")
     model_dir = model_dirs.llama
     inputs = _inputs(AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager"))
@@ -158,19 +159,25 @@ def test_each_loss_type_gives_trls_loss_and_gradients_on_each_backend(model_dirs
             assert grpo.masked_mean(terms[f"clip_ratio/{flag}"], mask).item() == pytest.approx(
                 trl["metrics"][f"clip_ratio/{flag}_mean"], rel=1e-6), (case, flag)
     assert any(trl["metrics"]["clip_ratio/region_mean"] > 0 for trl in theirs)  # the clipping was exercised
-    trl_lora = None
+    trl_lora = {}
     for backend, (sets, nproc) in runnable(RUN_BACKENDS).items():
         common = [*_grpo_common(model_dir), *sets, "train.grad_accum_steps=1", "train.global_batch_size=4",
                   "grpo.num_generations=2", "fsdp.mixed_precision=no", f"output_dir={tmp_path / 'out'}"]
-        for lora in (False, True):
+        # full, LoRA, and QLoRA (over peft's bitsandbytes base) where the backend holds a 4-bit base
+        kinds = [None, "lora", *(["nf4"] if backends.capabilities(backend).trains(config.load(None, [
+            *sets, "model.lora.r=4", "model.quantization.bnb_4bit_quant_type=nf4"])) else [])]
+        for kind in kinds:
+            lora = kind is not None
+            quantized = ["model.quantization.bnb_4bit_quant_type=nf4"] if kind == "nf4" else []
             run_worker("grpo_loss.py", str(tmp_path / "inputs.pt"), str(tmp_path / "ours.pt"), *common,
-                       *(["model.lora.r=4", "model.lora.alpha=8"] if lora else []), nproc=nproc, cwd=tmp_path)
+                       *(["model.lora.r=4", "model.lora.alpha=8", *quantized] if lora else []), nproc=nproc,
+                       cwd=tmp_path)
             ours = torch.load(tmp_path / "ours.pt")
             assert bool(ours["adapters"]) == lora
-            if lora and trl_lora is None:  # the adapters start from train.seed: the same on every backend
-                trl_lora = _trl(model_dir, tmp_path, inputs, ours["adapters"])
-            for case, got, trl in zip(CASES, ours["cases"], trl_lora if lora else theirs):
-                what = (backend, lora, case)
+            if lora and kind not in trl_lora:  # the adapters start from train.seed: the same on every backend
+                trl_lora[kind] = _trl(model_dir, tmp_path, inputs, ours["adapters"], None if kind == "lora" else kind)
+            for case, got, trl in zip(CASES, ours["cases"], trl_lora[kind] if lora else theirs):
+                what = (backend, kind, case)
                 assert got["loss"] == pytest.approx(trl["loss"].item(), rel=1e-5, abs=1e-7), what
                 trained = {name for name in trl["grads"] if not lora or ".lora_" in name}
                 assert set(got["grads"]) == trained, what
