@@ -37,14 +37,6 @@ def code(kind: str) -> torch.Tensor:
 
 
 @functools.cache
-def code_pairs(kind: str) -> torch.Tensor:
-    """[256, 2]: the two values each packed byte stands for (high nibble first), so that a weight is read back
-    with one table lookup a byte rather than an unpacking and a lookup a weight (2.7x faster eagerly on a CPU)."""
-    byte = torch.arange(256, device="cpu")
-    return torch.stack([code(kind)[byte >> 4], code(kind)[byte & 0xF]], dim=-1)
-
-
-@functools.cache
 def dynamic_code() -> torch.Tensor:
     """bitsandbytes' signed dynamic 8-bit code (`create_dynamic_map()`): a decimal exponent and a fraction whose
     bits shrink as the exponent grows, sorted."""

@@ -61,7 +61,7 @@ class Linear4bit(nn.Module):
         # scan) takes no tensor from outside its body. Real even in a model built on the meta device, as the
         # models' own buffers are (`models.build_model`); each layer's own copy (a shared one is listed once).
         tables = None if device is None or torch.device(device).type == "meta" else device
-        self.register_buffer("code_pairs", bnb4.code_pairs(kind).to(tables, copy=True), persistent=False)
+        self.register_buffer("code", bnb4.code(kind).to(tables, copy=True), persistent=False)
         self.register_buffer("powers_of_two", _powers_of_two().to(tables, copy=True), persistent=False)
 
     def extra_repr(self) -> str:
@@ -77,9 +77,9 @@ class Linear4bit(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The weight back in fp32, [out, in]."""
-        codes = nn.functional.embedding(self.weight_packed.int(), self.code_pairs)  # [blocks, 32, 2]
+        codes = self.code[bnb4.unpack(self.weight_packed)]
         scales = floats(self.weight_scales, self.powers_of_two)
-        return (codes.reshape(scales.shape[0], -1) * scales[:, None]).reshape(self.out_features, self.in_features)
+        return (codes * scales[:, None]).reshape(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
