@@ -371,6 +371,30 @@ def test_the_search_for_a_change_that_fits_stops_at_its_time_budget_and_says_wha
     assert "ran out before trying --tpu v5p-16" in said and "\n" not in said
 
 
+def test_a_change_the_slice_refuses_is_passed_over_not_the_searchs_end(monkeypatch):
+    """Doubling train.grad_accum_steps can leave micro-batches that do not split over the slice's devices (8 rows
+    in 2 on a v5litepod-8, found compiling a 70B QLoRA step): the config refuses that try, and the search goes on
+    to the next slice size."""
+    import types
+
+    from xla_shard import config
+    from xla_shard.aot import run
+
+    cfg = config.load(None, ["model.name=tiny-llama", "train.global_batch_size=8",
+                             "fsdp.activation_checkpointing=true"])
+    asked = []
+
+    def compile_for(changed, name, slices):
+        asked.append(changed.train.grad_accum_steps)
+        raise ConfigError("train.grad_accum_steps", "2 micro-batches of 4 rows: each must split evenly over 8 devices")
+
+    monkeypatch.setattr(run, "compile_for", compile_for)
+    report = types.SimpleNamespace(target=types.SimpleNamespace(name="v5litepod-8", slices=1))
+    larger = types.SimpleNamespace(fits=True, needed=2**34)
+    fix, untried = run.what_fits(cfg, report, bigger=lambda name: larger if name == "v5litepod-16" else None)
+    assert asked == [2] and fix.startswith("--tpu v5litepod-16") and untried == []
+
+
 @pytest.mark.parametrize("minutes", ["0", "-5", "nan"])
 def test_a_search_budget_that_allows_no_compile_is_refused_in_one_line(minutes, capsys):
     from xla_shard import cli

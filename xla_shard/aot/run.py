@@ -146,7 +146,10 @@ def what_fits(cfg: ShardConfig, report: Report | Refused, bigger: Callable[[str]
     for index, (change, attempt) in enumerate(tries):
         if clock() > deadline:
             return None, [name for name, _ in tries[index:]]
-        tried = attempt()
+        try:
+            tried = attempt()
+        except ConfigError:  # a change this slice refuses (micro-batches that do not split over its devices)
+            continue
         if tried is not None and tried.fits:
             return f"{change} (compiled: {tried.needed / 2**30:.2f} GiB per device)", []
     return None, []
