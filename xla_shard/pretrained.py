@@ -74,6 +74,7 @@ class PretrainedWeights:
         self.skipped: list[str] = []
         self.fused: dict[str, fused.Fused] = {}  # MoE experts: fused parameters read from per-expert tensors
         self.quantized: dict[str, quant.Source] = {}  # 4-bit parameters: quantized from a stored weight as read
+        self.four_bit_state: set[str] = set()  # what a directory saved in 4 bits stores beside its packed weights
 
     def identity(self) -> dict[str, Any]:
         """What these weights are, for a LoRA run's manifest (see `hf_dir.identity`)."""
@@ -116,7 +117,7 @@ class PretrainedWeights:
         wanted = {key: shapes[names[0]] for key, names in aliases.items()}
         four_bit = self._four_bit(model, aliases)
         packed = quant.stored_four_bit(self.manifest.tensors)  # a directory saved in 4 bits: read as stored
-        state = {name for names in packed.values() for name in names}
+        state = self.four_bit_state = {name for names in packed.values() for name in names}
         rename = fused.renamer(model, list(wanted))
         tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
         ignored = _ignored_unexpected(model)
@@ -225,8 +226,7 @@ class PretrainedWeights:
         used = {s for s in self.names.values() if not s.startswith((fused.PREFIX, quant.PREFIX))}
         used |= {s for f in self.fused.values() for sources in f.sources for s in sources.values()}
         used |= {source.stored for source in self.quantized.values()}
-        if any(source.packed for source in self.quantized.values()):
-            used |= {name for state in quant.stored_four_bit(self.manifest.tensors).values() for name in state}
+        used |= self.four_bit_state
         report = LoadReport(0, 0, sum(_stored_bytes(self.manifest.tensors[s]) for s in used), 0,
                             fresh=sorted(self.fresh), skipped=sorted(self.skipped))
         reader = self._reader()

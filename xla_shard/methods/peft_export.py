@@ -99,13 +99,7 @@ def recorded_adapter(manifest, names: list[str]) -> Recorded | None:
     missing = [key for key in _RECORDED if isinstance(raw, dict) and key not in raw]
     if missing:  # every manifest that has the section writes these: a default would guess at the scale
         raise CheckpointError(f"{where} lacks {missing[0]!r} (the manifest was altered or is not xla_shard's)")
-    try:
-        section = LoraSection.model_validate(raw)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        field = ".".join(str(p) for p in error["loc"])
-        raise CheckpointError(f"{where}{'.' + field if field else ''}: {error['msg']} (the manifest was "
-                              "altered or is not xla_shard's)") from None
+    section = _recorded_section(LoraSection, raw, where)
     others = [n for n in names if n not in adapters and n not in magnitudes and WHOLE not in n]
     if others:
         raise CheckpointError(f"{where} says LoRA, but the checkpoint holds full model weights ({others[0]}): "
@@ -123,13 +117,19 @@ def _recorded_quantization(manifest, model: dict) -> QuantizationSection | None:
     raw = model.get("quantization")
     if raw is None:
         return None
+    return _recorded_section(QuantizationSection, raw, f"{manifest.url}: the manifest's config.model.quantization")
+
+
+def _recorded_section(kind: type, raw, where: str):
+    """A config section as a manifest records it, checked by the schema as untrusted input: the first error in
+    one line naming its key under `where`."""
     try:
-        return QuantizationSection.model_validate(raw)
+        return kind.model_validate(raw)
     except ValidationError as exc:
         error = exc.errors()[0]
         field = ".".join(str(p) for p in error["loc"])
-        raise CheckpointError(f"{manifest.url}: the manifest's config.model.quantization{'.' + field if field else ''}"
-                              f": {error['msg']} (the manifest was altered or is not xla_shard's)") from None
+        raise CheckpointError(f"{where}{'.' + field if field else ''}: {error['msg']} (the manifest was "
+                              "altered or is not xla_shard's)") from None
 
 
 def _adapted_model(manifest, section: LoraSection, names: list[str], quantization: QuantizationSection | None
