@@ -14,6 +14,9 @@ from xla_shard.pretrained import build_for
 from xla_shard.quant.linear4bit import Linear4bit
 
 bnb = pytest.importorskip("bitsandbytes")
+from bench.bnb_reference import hold_bitsandbytes_to_its_reference  # noqa: E402
+
+hold_bitsandbytes_to_its_reference()
 
 QLORA = ["model.lora.r=4", "model.lora.alpha=8", "model.quantization.bnb_4bit_quant_type=nf4"]
 

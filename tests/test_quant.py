@@ -4,7 +4,7 @@ bitsandbytes quantizes 4-bit weights on the CPU with its reference kernel (the a
 For the double quantization's 8-bit step its CPU build calls a C kernel whose approximate binary search picks a
 farther code for about 0.1% of values; xla_shard takes the nearest, as bitsandbytes' reference and CUDA kernels
 do, and is compared with the reference kernel there (reached through torch's dispatcher), and with the C kernel
-where the two agree."""
+where the two agree. The 4-bit dequantization is bitsandbytes' as bench/bnb_reference.py holds it on every CPU."""
 
 import pytest
 import torch
@@ -12,9 +12,11 @@ import torch
 from xla_shard.quant import bnb4
 
 F = pytest.importorskip("bitsandbytes.functional", reason="bitsandbytes is in the [test] extra")
+from bench.bnb_reference import REFERENCE_KERNEL, hold_bitsandbytes_to_its_reference  # noqa: E402
+
+hold_bitsandbytes_to_its_reference()
 
 SHAPES = [(64, 48), (96, 128), (5, 7), (300, 33)]  # whole blocks, and a shorter last block (odd too)
-REFERENCE = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +38,7 @@ def _weight(shape, dtype, seed=0):
 
 def _reference_blockwise(values: torch.Tensor):
     return torch.ops.bitsandbytes.quantize_blockwise.default.redispatch(
-        REFERENCE, values, F.create_dynamic_map(), bnb4.NESTED_BLOCKSIZE)
+        REFERENCE_KERNEL, values, F.create_dynamic_map(), bnb4.NESTED_BLOCKSIZE)
 
 
 def test_the_codes_are_bitsandbytes():

@@ -30,7 +30,10 @@ def main(path: str, reference: str, *overrides: str) -> None:
         import torch
         from transformers import BitsAndBytesConfig
 
+        from bench.bnb_reference import hold_bitsandbytes_to_its_reference
+
         torch._dynamo.config.disable = True  # bitsandbytes' CPU paths would compile for minutes
+        hold_bitsandbytes_to_its_reference()
         quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantization.bnb_4bit_quant_type,
                                           bnb_4bit_use_double_quant=quantization.bnb_4bit_use_double_quant)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", use_cache=False,

@@ -53,7 +53,10 @@ def main(model_dir: str, inputs_path: str, out_path: str, adapters_path: str | N
     if quant_type:
         from transformers import BitsAndBytesConfig
 
+        from bench.bnb_reference import hold_bitsandbytes_to_its_reference
+
         torch._dynamo.config.disable = True  # bitsandbytes' CPU paths would compile for minutes
+        hold_bitsandbytes_to_its_reference()
         quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type)
     found = []
     for case in given["cases"]:
