@@ -195,18 +195,35 @@ def test_no_code_outside_a_backend_compares_a_backend_name():
 
 
 def _names_a_backend(operands: list[ast.expr], names: set[str]) -> bool:
-    """An operand that is a backend's name, or a tuple, list or set holding one (`name in ("a", "b")`)."""
+    """An operand that is a backend's name or the schema's enum member for one (`Backend.TORCH_FSDP`), or a
+    tuple, list or set holding one (`name in ("a", "b")`)."""
     for operand in operands:
         items = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
-        if any(isinstance(item, ast.Constant) and item.value in names for item in items):
+        if any((isinstance(item, ast.Constant) and item.value in names)
+               or (isinstance(item, ast.Attribute) and item.attr.isupper() and item.attr.lower() in names)
+               for item in items):
             return True
     return False
 
 
-def test_the_name_check_looks_inside_tuples():
+def test_the_name_check_looks_inside_tuples_and_sees_enum_members():
     compare = ast.parse('backend not in ("auto", "torch_fsdp")').body[0].value
     assert _names_a_backend([compare.left, *compare.comparators], set(BACKENDS))
     assert not _names_a_backend([compare.left], set(BACKENDS))
+    compare = ast.parse("self.backend is Backend.TORCH_FSDP").body[0].value
+    assert _names_a_backend([compare.left, *compare.comparators], set(BACKENDS))
+    compare = ast.parse("self.backend is Backend.AUTO").body[0].value  # `auto` names no backend
+    assert not _names_a_backend([compare.left, *compare.comparators], set(BACKENDS))
+
+
+def test_every_module_has_its_layer_whatever_it_imports():
+    unplaced = []
+    for module in MODULES:
+        try:
+            _layer(module)
+        except AssertionError as error:
+            unplaced.append(str(error))
+    assert not unplaced, "\n".join(unplaced)
 
 
 def test_the_backend_interface_stays_small_and_its_parts_are_objects_of_their_own():

@@ -670,10 +670,16 @@ def test_on_a_tpu_xla_spmd_gathers_as_the_tpu_compiler_does():
 
 
 def test_device_kinds_map_to_the_table():
+    """One table for the planner's estimates and the step record's MFU (`metrics.peak_for`)."""
+    from xla_shard.metrics import peak_for
+
+    assert peak_for("tpu v6e-8") == accelerator("v6e").peak_flops and peak_for("cpu") is None
     assert for_device_kind("NVIDIA H100 80GB HBM3").name == "H100 80GB"
     assert for_device_kind("tpu v5litepod-16").name == "TPU v5e"
     assert for_device_kind("tpu v5p-128").name == "TPU v5p"
     assert for_device_kind("cpu") is None
+    assert for_device_kind("NVIDIA A100-SXM4-40GB").hbm_bytes == 40e9
+    assert for_device_kind("NVIDIA A100-SXM4-80GB").hbm_bytes == 80e9
     assert for_device_kind("TPU7x").name == "TPU7x" and accelerator("ironwood") is accelerator("tpu7x")
     # Ironwood: six times v6e's HBM, more per-chip peak than any other entry
     assert accelerator("tpu7x").hbm_bytes == 6 * accelerator("v6e").hbm_bytes

@@ -128,8 +128,6 @@ def test_a_jax_kernel_without_jax_and_flax_is_refused_before_anything_is_built(m
 @pytest.mark.parametrize("sets, words", [
     (["train.seq_len=66", "mesh.context=2"], "4 equal chunks"),
     (["mesh.context=2", "train.loss_chunks=0"], "loss_chunks"),
-    (["mesh.context=2", "model.attn_implementation=sdpa"], "attn_implementation"),
-    (["mesh.context=2", "backend=torch_fsdp", "model.attn_implementation=eager"], "attn_implementation"),
     (["mesh.context=2", "model.name=tiny-bert", "model.task=sequence_classification", "model.num_labels=2"],
      "causal LM"),
 ])
@@ -137,6 +135,26 @@ def test_a_sequence_axis_it_cannot_split_is_refused_in_one_line(sets, words):
     with pytest.raises(ConfigError, match=words) as refused:
         config.load(None, ["model.name=tiny-llama", "train.seq_len=64", *sets])
     assert "mesh.context" in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("backend, attention, refused", [
+    ("xla_spmd", "sdpa", True), ("xla_spmd", "eager", False), ("torch_fsdp", "eager", True),
+    ("torch_fsdp", "sdpa", False), ("torch_fsdp", "auto", False), ("xla_spmd", "flash_attention_2", True),
+])
+def test_an_attention_the_backend_does_not_split_the_sequence_with_is_refused_by_its_capabilities(
+        backend, attention, refused):
+    """Each backend attends across the split sequence with its own kernel, declared in its capabilities: an
+    attn_implementation that would replace it is refused, naming the key and the backend, before a model exists."""
+    from xla_shard.backends import BACKENDS
+
+    cfg = config.load(None, ["model.name=tiny-llama", "train.seq_len=64", "mesh.context=2", f"backend={backend}",
+                             f"model.attn_implementation={attention}"])
+    if not refused:
+        BACKENDS[backend].capabilities.check(cfg)
+        return
+    with pytest.raises(ConfigError, match=f"{attention}: mesh.context=2 attends across") as error:
+        BACKENDS[backend].capabilities.check(cfg)
+    assert (error.value.key, error.value.backend) == ("model.attn_implementation", backend)
 
 
 def test_the_sequence_axis_lies_inside_a_parameters_devices():

@@ -62,8 +62,12 @@ class Capabilities:
     # Generation's weights split over several devices as tensor parallelism splits them (mesh.generation > 1).
     generation_split: str | None = "it generates with the weights whole on each device"
     # A sequence axis (mesh.context > 1): each sequence split over several devices.
-    context: str | None = ("it has no sequence axis (each device holds whole sequences); use backend xla_spmd, or "
-                           "set it to 1")
+    context: str | None = ("it has no sequence axis (each device holds whole sequences); use backend xla_spmd or "
+                           "torch_fsdp, or set it to 1")
+    # Under the sequence axis: how it attends across the split sequence, and the model.attn_implementation values
+    # that leave it to do so (any other would attend within each device's piece alone).
+    context_attention: str = ""
+    context_attention_keeps: tuple[str, ...] = ("auto",)
     # An inference engine (vLLM) colocated with its processes, the policy's weights pushed to it (a method's
     # INFERENCE_ENGINE need).
     inference_engine: str | None = ("no inference engine is wired to it yet (its generation is the policy's own "
@@ -98,6 +102,10 @@ class Capabilities:
             self.refuse("train.compile", f"{self.compile}; set it to false")
         if cfg.mesh.context > 1 and self.context:
             self.refuse("mesh.context", f"{cfg.mesh.context}: {self.context}")
+        if cfg.mesh.context > 1 and cfg.model.attn_implementation not in self.context_attention_keeps:
+            self.refuse("model.attn_implementation",
+                        f"{cfg.model.attn_implementation}: mesh.context={cfg.mesh.context} attends across the "
+                        f"sequence's shards itself ({self.context_attention}); set auto")
         if cfg.mesh.generation not in ("auto", 1) and self.generation_split:
             self.refuse("mesh.generation", f"{cfg.mesh.generation}: {self.generation_split}; use backend xla_spmd, or "
                                            "set it to auto")

@@ -1,4 +1,4 @@
-"""Step metrics: model FLOPs, MFU against a table of device peaks, JSON lines and a progress bar."""
+"""Step metrics: model FLOPs, MFU against the planner's device peaks, JSON lines and a progress bar."""
 
 from __future__ import annotations
 
@@ -17,20 +17,7 @@ from tqdm import tqdm
 
 from xla_shard.errors import ConfigError
 from xla_shard.io.staged import StagedDir, is_url
-
-# Dense bf16 peak FLOP/s per chip (TPU) or per GPU, from the vendors' spec sheets.
-PEAK_FLOPS: dict[str, float] = {
-    "tpu v4": 275e12,
-    "tpu v5e": 197e12,
-    "tpu v5litepod": 197e12,
-    "tpu v5p": 459e12,
-    "tpu v6e": 918e12,
-    "tpu7x": 2307e12,
-    "h200": 989e12,
-    "h100": 989e12,
-    "a100": 312e12,
-}
-
+from xla_shard.planner.hardware import for_device_kind
 
 def train_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     """PaLM's count (appendix B): 6 x non-embedding params + 12 x layers x hidden x seq for attention.
@@ -46,11 +33,10 @@ def train_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
 
 
 def peak_for(device_kind: str) -> float | None:
-    kind = device_kind.lower()
-    for name, flops in PEAK_FLOPS.items():
-        if name in kind:
-            return flops
-    return None
+    """Dense bf16 peak FLOP/s of one device of this kind: the planner's hardware table, which its estimates
+    divide by too, so a step record's MFU and the plan's are taken against the same peak."""
+    hardware = for_device_kind(device_kind)
+    return hardware.peak_flops if hardware else None
 
 
 def require_tensorboard() -> None:

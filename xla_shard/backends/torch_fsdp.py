@@ -111,7 +111,8 @@ class TorchFsdpBackend(Backend):
         nonuniform_triple="FSDP2 keeps gradients and optimizer state in the parameters' DTensor layout and cannot "
                           "shard them wider: pytorch/pytorch#148257",
         group_after_forward=None, compile=None, varying_shapes=True,  # fully_shard(reshard_after_forward=k)
-        context=None,  # keys and values all-gathered over a process group (`xla_shard.sequence`)
+        context=None, context_attention="SDPA over keys and values all-gathered in a process group",
+        context_attention_keeps=("auto", "sdpa", "sdpa_packed"),  # `xla_shard.sequence`
         # FSDP2 shards the 4-bit layers' uint8 parameters by block and never casts them
         quantization=None if _INTEGER_PARAMS else (f"FSDP2 in torch {torch.__version__} cannot hold the 4-bit "
                                                    "layers' uint8 parameters (pytorch/pytorch#178075); use torch "

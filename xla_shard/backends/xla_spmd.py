@@ -364,7 +364,9 @@ class XlaSpmdBackend(xla_common.XlaBackend):
                     ShardingStrategy.HYBRID_SHARD_ZERO2: _NOT_UNDER_SPMD},
         nonuniform_triple=None,  # per-tensor annotations: any nested triple
         group_after_forward="XLA's partitioner decides what it keeps from forward for backward",
-        scan_layers=None, gathers_per_tensor=True, reduces_every_micro_batch=True, context=None,
+        scan_layers=None, gathers_per_tensor=True, reduces_every_micro_batch=True,
+        context=None, context_attention="splash attention on TPUs, eager attention elsewhere",
+        context_attention_keeps=("auto", "eager", "xla_pallas"),
         gathers_model_to_generate=True, generation_split=None,
         experts=xla_common.XlaBackend.EXPERTS, router_aux_loss=xla_common.XlaBackend.ROUTER_AUX_LOSS,
         quantization=None)  # the 4-bit layers' uint8 parameters sharded by block like any other

@@ -340,7 +340,7 @@ class TrainSection(Section):
     # Also write TensorBoard event files to output_dir (needs the `tensorboard` package:
     # pip install xla_shard[tensorboard]).
     tensorboard: bool = False
-    # Denominator of MFU in FLOP/s per device; null uses the device table (`xla_shard.metrics.PEAK_FLOPS`).
+    # Denominator of MFU in FLOP/s per device; null uses the device table (`xla_shard.planner.hardware`).
     peak_flops_per_device: float | None = Field(default=None, gt=0)
     # Steps after which a new XLA graph compilation is reported as a recompile (not learning-rate warm-up).
     recompile_warmup_steps: int = Field(default=2, ge=1)
@@ -779,13 +779,6 @@ class _ShardConfig(Section):
         if self.train.loss_chunks == 0:
             raise ValueError(f"mesh.context={context} scores the loss per piece of the split sequence: "
                              "train.loss_chunks 0 (the model's own loss, over whole logits) cannot; set auto")
-        # what attention across the shards runs: torch_fsdp SDPA, xla_spmd the splash kernel on TPUs (else eager)
-        kept = (("auto", "sdpa", "sdpa_packed") if self.backend is Backend.TORCH_FSDP
-                else ("auto", "eager", "xla_pallas"))
-        if self.model.attn_implementation not in kept:
-            raise ValueError(f"mesh.context={context} computes attention across the sequence's shards itself "
-                             f"(SDPA on torch_fsdp; splash attention on TPUs, eager elsewhere, on xla_spmd): "
-                             f"model.attn_implementation {self.model.attn_implementation} cannot; set auto")
         return self
 
     @field_validator("model", mode="before")

@@ -84,6 +84,9 @@ ACCELERATORS: dict[str, Accelerator] = {
     # NVIDIA SXM: NVLink 4 at 900 GB/s both ways; one 400 Gb/s NIC per GPU (an 8-GPU node, as A3/DGX).
     "h100": Accelerator("H100 80GB", 80e9, 989e12, 450e9, 50e9, "NVLink", "network", 8),
     "h200": Accelerator("H200 141GB", 141e9, 989e12, 450e9, 50e9, "NVLink", "network", 8),
+    # NVLink 3 at 600 GB/s both ways; one 200 Gb/s NIC per GPU (DGX A100). Both HBM sizes carry the name.
+    "a100": Accelerator("A100 80GB", 80e9, 312e12, 300e9, 25e9, "NVLink", "network", 8),
+    "a100-40gb": Accelerator("A100 40GB", 40e9, 312e12, 300e9, 25e9, "NVLink", "network", 8),
 }
 
 
@@ -93,6 +96,8 @@ def for_device_kind(kind: str) -> Accelerator | None:
     for key in ("h100", "h200", "tpu7x"):
         if key in kind:
             return ACCELERATORS[key]
+    if "a100" in kind:
+        return ACCELERATORS["a100-40gb" if "40gb" in kind else "a100"]
     match = re.search(r"\bv(\d)(p|e|litepod)?\b|\bv(\d)(p|e|litepod)?-", kind) if "tpu" in kind else None
     if match:
         generation, variant = match.group(1) or match.group(3), match.group(2) or match.group(4) or ""
