@@ -245,9 +245,7 @@ class Trainer:
                                            empty=backend.placeholders, adapter=self.adapter)
         check_model(cfg, model)
         check_output_dir(cfg.output_dir)
-        # A forward without backward is a third of a training step's FLOPs.
-        self.flops_per_token = (train_flops_per_token(model, cfg.train.seq_len)
-                                * (1 + self.objective.forwards_without_grad / 3))
+        self.flops_per_token = self.objective.step_flops_per_token(train_flops_per_token(model, cfg.train.seq_len))
         with backend.processes.main_first():
             sources = datalib.build(cfg, model.config, source.directory, self.method.generations)
         self.source, self.eval_source = sources.train, sources.eval
@@ -629,7 +627,7 @@ class Trainer:
             return None
         mean_loss = backend.mean_loss(loss)  # waits for the device: the lap ends after the steps ran
         lap = self.clock.lap(done)
-        tokens = cfg.train.global_batch_size * cfg.train.seq_len * self.objective.sequences_per_row
+        tokens = self.objective.tokens_per_step(cfg.train)
         tokens_per_s = tokens / lap.step_time_s
         steps = done - self._real_since
         real = self._real_tokens / steps / lap.step_time_s if steps else tokens_per_s

@@ -135,7 +135,7 @@ def trace(cfg: ShardConfig, tpu: compiler.Slice, placeholders: bool = True) -> T
             proto = backend.traced_program(lambda: trainer.step(1), lambda: [*trained, *states])
             # (real parameters: the generation's layout program would run, not be traced; only the step is held)
             generating = generation.trace(trainer) if placeholders else None
-        tokens = cfg.train.global_batch_size * cfg.train.seq_len * trainer.objective.sequences_per_row
+        tokens = trainer.objective.tokens_per_step(cfg.train)
         config = trainer.model.config
         causal = trainer.flops_per_token - causal_attention_discount(config, cfg.train.seq_len)
         return Trace(proto, backend.num_devices, str(backend.plan), params, state, batch // backend.num_devices,

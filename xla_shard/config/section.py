@@ -34,3 +34,11 @@ class MethodSection(Section):
         """The keys set to other than their defaults."""
         return [key for key, value in self if value != type(self).model_fields[key].get_default(
             call_default_factory=True)]
+
+
+class ReferenceSection(MethodSection):
+    """The keys of a method whose loss compares the policy with a frozen reference model (DPO; GRPO's KL term)."""
+
+    # The reference model: a model directory (local or a URL), frozen, sharded like the policy and never saved;
+    # null: the policy with its LoRA adapters switched off (model.lora), else the weights it starts from.
+    reference: str | None = None

@@ -36,8 +36,7 @@ class Dpo(Objective):
         """`policy`: the model directory the policy starts from (model.name)."""
         self.beta, self.loss_type, self.smoothing = section.beta, section.loss_type, section.label_smoothing
         self.adapter = adapter
-        self.reference_directory = section.reference or (None if adapter.switches_off else policy)
-        self.reference_key = "dpo.reference" if section.reference else "model.name"
+        self.choose_reference(section.reference, "dpo.reference", adapter, policy)
         self.reference: nn.Module | None = None
         # Sums of each training micro-batch's means since the last record, and how many: kept on the device (added
         # inside the step's graph), read only when a record is written.

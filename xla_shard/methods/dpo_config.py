@@ -7,10 +7,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from xla_shard.config.section import MethodSection
+from xla_shard.config.section import ReferenceSection
 
 
-class DpoSection(MethodSection):
+class DpoSection(ReferenceSection):
     """Direct preference optimisation (method dpo, on data.kind preference rows), with TRL's DPOTrainer's keys and
     defaults: the loss pushes the policy's log-probability ratio of chosen over rejected completions above the
     reference model's."""
@@ -21,9 +21,6 @@ class DpoSection(MethodSection):
     # `label_smoothing`.
     loss_type: Literal["sigmoid", "robust"] = "sigmoid"
     label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)
-    # The reference model: a model directory (local or a URL), frozen, sharded like the policy and never saved;
-    # null: the policy with its LoRA adapters switched off (model.lora), else the weights it starts from.
-    reference: str | None = None
 
     @model_validator(mode="after")
     def _smoothing_is_robusts(self) -> DpoSection:

@@ -8,10 +8,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from xla_shard.config.section import MethodSection
+from xla_shard.config.section import ReferenceSection
 
 
-class GrpoSection(MethodSection):
+class GrpoSection(ReferenceSection):
     """Group relative policy optimisation (method grpo, on data.kind prompt rows), with TRL's GRPOTrainer's keys and
     defaults: each prompt gets `num_generations` completions from the policy being trained, the reward functions
     score them, and each completion's advantage over its group weighs its tokens' clipped policy loss.
@@ -42,9 +42,6 @@ class GrpoSection(MethodSection):
     num_iterations: int = Field(default=1, ge=1)
     # Weigh each token's KL by its importance ratio (TRL's use_bias_correction_kl).
     kl_correction: bool = True
-    # The reference model for beta > 0: a model directory; null: the policy with its LoRA adapters switched off
-    # (model.lora), else the weights it starts from.
-    reference: str | None = None
 
     # vLLM draws the completions (`xla_shard.methods.vllm_engine`), TRL's keys: an engine colocated with each
     # training process, built from model.name's directory, the policy's weights pushed to it before each

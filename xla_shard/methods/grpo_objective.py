@@ -28,8 +28,7 @@ class Grpo(Objective):
         self.section, self.rollout, self.seed = section, rollout, cfg.train.seed
         self.forwards_without_grad = int(section.num_iterations > 1) + int(section.beta > 0)
         if section.beta > 0:
-            self.reference_directory = section.reference or (None if adapter.switches_off else cfg.model.name)
-            self.reference_key = "grpo.reference" if section.reference else "model.name"
+            self.choose_reference(section.reference, "grpo.reference", adapter, cfg.model.name)
         self._sums: dict[str, torch.Tensor] = {}  # the losses' masked sums (device), and their token counts
 
     def use_reference(self, model: nn.Module) -> None:

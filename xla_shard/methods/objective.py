@@ -28,6 +28,23 @@ class Objective:
     reference_key: str | None = None
     reference: nn.Module | None = None  # that model, once `use_reference` gave it
 
+    def choose_reference(self, given: str | None, key: str, adapter, policy: str) -> None:
+        """The reference model a loss compares the policy with: the directory `given` (config `key`); else, where
+        the adapter switches off, the policy itself with its adapters off (nothing to build); else the weights
+        the policy starts from (`policy`, model.name)."""
+        self.reference_directory = given or (None if adapter.switches_off else policy)
+        self.reference_key = key if given else "model.name"
+
+    def step_flops_per_token(self, train_flops_per_token: float) -> float:
+        """A step's FLOPs per token with its forwards without backward (a reference's), each a third of a
+        training step's: what MFU and the planner count."""
+        return train_flops_per_token * (1 + self.forwards_without_grad / 3)
+
+    def tokens_per_step(self, train) -> int:
+        """Tokens a training step reads over every device (`train`: the config's train section): what
+        tokens_per_s, MFU, the planner and the compile report count."""
+        return train.global_batch_size * train.seq_len * self.sequences_per_row
+
     def describe(self) -> str:
         """What the step trains, for the run's log (empty: the method's name says it)."""
         return ""

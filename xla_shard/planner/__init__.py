@@ -152,7 +152,7 @@ def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerato
     config = model.config
     method = method or method_for(cfg)  # the run's, handed by its backend; else the config's
     objective = method.objective
-    tokens = cfg.train.global_batch_size * cfg.train.seq_len * objective.sequences_per_row // devices
+    tokens = objective.tokens_per_step(cfg.train) // devices
     params = sum(p.numel() for p in model.parameters())
     targets = wrap_targets(model, cfg.fsdp)
     units = len(targets) + 1
@@ -167,8 +167,7 @@ def workload(cfg, devices: int, capabilities: Capabilities, hardware: Accelerato
             four_bit = quant.quantized_params(model, cfg.model.quantization, adapter.stored_name)
             frozen_bytes = (four_bit * quant.BYTES_PER_WEIGHT + (params - trained - four_bit) * frozen_bytes) / (
                 params - trained)
-    # A forward without backward is a third of a training step's FLOPs (as the trainer counts them for MFU).
-    flops *= 1 + objective.forwards_without_grad / 3
+    flops = objective.step_flops_per_token(flops)  # as the trainer counts them for MFU
     tpu_compiler = capabilities.gathers_per_tensor and hardware is not None and hardware.tpu
     grouped = tpu_compiler and experts.choose(capabilities.experts, "tpu") == experts.XLA_GMM
     chunks, head = _chunked_head(cfg, model)
