@@ -20,7 +20,7 @@ from xla_shard.checkpoint.inspect import open_checkpoint
 from xla_shard.checkpoint.manifest import CheckpointError
 from xla_shard.checkpoint.reader import ChunkReader
 from xla_shard.config.presets import PRESETS
-from xla_shard.methods import adapter_export
+from xla_shard.methods import peft_export
 from xla_shard.errors import UserError, file_in_the_way, one_line
 from xla_shard.hostmem import mib, peak_growth
 from xla_shard.io.model_dir import copy_companions, model_directory
@@ -86,7 +86,6 @@ def export(url: str, to: str, max_shard_bytes: int = 2 * 10**9, overwrite: bool 
     reader, source, transform, layout_note = ChunkReader(storage, manifest), manifest, None, None
     # What the export asks transformers or peft is asked before the writing starts, so that the memory the
     # writing takes is measured alone: their code costs some 200-340 MiB of host memory once per process.
-    peft_export = adapter_export()
     with peak_growth() as loading:
         adapter = peft_export.recorded_adapter(manifest, names)  # checked against peft's layout on the model
         if merge and adapter is None:
@@ -240,7 +239,7 @@ def _write_weights(reader: ChunkReader, manifest, pieces: list[per_expert.Piece]
         groups[-1].append(piece)
     files = [single] if len(groups) == 1 else [
         f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    checked_magnitude = adapter_export().checked_magnitude
+    checked_magnitude = peft_export.checked_magnitude
     weight_map = {}
     for file, group in zip(files, groups):
         header, offset = {}, 0

@@ -85,14 +85,6 @@ def objective_for(cfg, loss_fn=None) -> Objective:
     return method_for(cfg, loss_fn).objective
 
 
-def adapter_export():
-    """How a checkpoint's adapters are exported (`peft_export`: LoRA's and DoRA's, as peft's adapter directory or
-    merged into the base model's weights): `checkpoint.export` asks the room for it."""
-    from xla_shard.methods import peft_export
-
-    return peft_export
-
-
 def __getattr__(name: str):
     if name in ("Adapter", "Objective"):
         module = importlib.import_module(f"xla_shard.methods.{name.lower()}")
@@ -101,4 +93,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["GENERATION", "INFERENCE_ENGINE", "METHODS", "REFERENCE_MODEL", "Adapter", "Method", "Objective",
-           "adapter_export", "adapter_for", "method_for", "objective_for"]
+           "adapter_for", "method_for", "objective_for"]
