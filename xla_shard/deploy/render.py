@@ -139,17 +139,15 @@ def _render_gpu(cfg: ShardConfig, config_name: str) -> Rendering:
               *([f"--network={d.network}"] if d.network else []),
               *([f"--subnet={d.subnetwork}"] if d.subnetwork else []),
               *account, f"--metadata-from-file=startup-script={HERE}/startup.sh"]
-    if d.gpu_nodes == 1:
-        # train_loop.sh splits this on whitespace; every word is a validated name, so none holds a space.
-        launch_env = {"XLA_SHARD_LAUNCHER": f"torchrun --standalone --nproc-per-node={gpus} -m xla_shard.cli train"}
-    else:  # xla-shard's own launch: torchrun's static rendezvous, node r holding ranks r*gpus.. (not join order)
-        if cfg.launch.nnodes not in (1, d.gpu_nodes):
-            raise ConfigError("launch.nnodes", f"{cfg.launch.nnodes}, but deploy.gpu_nodes is {d.gpu_nodes}: one "
-                                               "node per VM; set them alike")
-        launch_env = {}
-        cfg = cfg.model_copy(update={"launch": cfg.launch.model_copy(update={
-            "nnodes": d.gpu_nodes, "nproc_per_node": gpus, "rdzv_endpoint": f"{names[0]}:{gke.RDZV_PORT}",
-            "rdzv_id": d.name})})
+    # xla-shard's own launch on every node (torchrun's workers started as the launcher starts them anywhere);
+    # several nodes: torchrun's static rendezvous, node r holding ranks r*gpus.. (not join order)
+    if cfg.launch.nnodes not in (1, d.gpu_nodes):
+        raise ConfigError("launch.nnodes", f"{cfg.launch.nnodes}, but deploy.gpu_nodes is {d.gpu_nodes}: one "
+                                           "node per VM; set them alike")
+    launch = {"nproc_per_node": gpus}
+    if d.gpu_nodes > 1:
+        launch.update(nnodes=d.gpu_nodes, rdzv_endpoint=f"{names[0]}:{gke.RDZV_PORT}", rdzv_id=d.name)
+    cfg = cfg.model_copy(update={"launch": cfg.launch.model_copy(update=launch)})
     copies, setups, launches = [], [], []
     for rank, name in enumerate(names):
         node = f"{d.remote_user}@{name}"
@@ -158,7 +156,7 @@ def _render_gpu(cfg: ShardConfig, config_name: str) -> Rendering:
         setups.append(["gcloud", "compute", "ssh", node, *where, f"--command={_setup(d.remote_dir, 'gpu')}"])
         args = f"--set launch.node_rank={rank}" if d.gpu_nodes > 1 else ""
         launches.append(["gcloud", "compute", "ssh", node, *where,
-                         f"--command={_remote(d.remote_dir, _launch(launch_env, config_name, '> ~/train.log', args))}"])
+                         f"--command={_remote(d.remote_dir, _launch({}, config_name, '> ~/train.log', args))}"])
     follow = ["gcloud", "compute", "ssh", f"{d.remote_user}@{names[0]}", *where, "--command=tail -F ~/train.log"]
     delete = ["gcloud", "compute", "instances", "delete", *names, *where, "--quiet"]
     rendering = Rendering("gpu-vm", [create, *copies, *setups, *launches, follow, delete])
@@ -170,7 +168,7 @@ def _render_gpu(cfg: ShardConfig, config_name: str) -> Rendering:
     rendering.files["teardown.sh"] = template("teardown.sh.tmpl").substitute(common=common, delete=shell_line(delete))
     # A VM restarted after a preemption finds its rank in its own name (NAME-RANK), as it was launched.
     rank = '--set launch.node_rank="${HOSTNAME##*-}"' if d.gpu_nodes > 1 else ""
-    rendering.files["startup.sh"] = _startup("gpu-vm", d.remote_user, d.remote_dir, launch_env, config_name, rank)
+    rendering.files["startup.sh"] = _startup("gpu-vm", d.remote_user, d.remote_dir, {}, config_name, rank)
     rendering.files[config_name] = dump(cfg)
     return rendering
 

@@ -38,7 +38,7 @@ run git -C "${REPO:-.}" archive --format=tar.gz -o "$HERE/xla_shard.tar.gz" HEAD
 run "$GCLOUD" compute instances create xla-shard-a3 --zone=us-central1-a --project=my-project --machine-type=a3-highgpu-8g --image-family=common-cu128-ubuntu-2204-nvidia-570 --image-project=deeplearning-platform-release --boot-disk-size=200GB --maintenance-policy=TERMINATE --provisioning-model=SPOT --instance-termination-action=STOP --scopes=https://www.googleapis.com/auth/cloud-platform --metadata-from-file=startup-script="$HERE"/startup.sh
 run "$GCLOUD" compute scp "$HERE"/xla_shard.tar.gz "$HERE"/config.yaml 'xlashard@xla-shard-a3:~/' --zone=us-central1-a --project=my-project
 run "$GCLOUD" compute ssh xlashard@xla-shard-a3 --zone=us-central1-a --project=my-project '--command=mkdir -p ~/xla_shard && tar xzf ~/xla_shard.tar.gz -C ~/xla_shard && bash ~/xla_shard/scripts/setup_worker.sh gpu'
-run "$GCLOUD" compute ssh xlashard@xla-shard-a3 --zone=us-central1-a --project=my-project '--command=cd ~/xla_shard && XLA_SHARD_LAUNCHER='"'"'torchrun --standalone --nproc-per-node=8 -m xla_shard.cli train'"'"' setsid nohup scripts/train_loop.sh ~/config.yaml > ~/train.log 2>&1 < /dev/null &'
+run "$GCLOUD" compute ssh xlashard@xla-shard-a3 --zone=us-central1-a --project=my-project '--command=cd ~/xla_shard && setsid nohup scripts/train_loop.sh ~/config.yaml > ~/train.log 2>&1 < /dev/null &'
 if [[ "$DRY_RUN" == 1 ]]; then
   echo 'DRY_RUN=1: the commands above were printed, not run; nothing was created or started for xla-shard-a3' >&2
 else

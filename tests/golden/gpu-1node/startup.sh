@@ -6,5 +6,5 @@ set -euo pipefail
 user=xlashard
 user_home="$(getent passwd "$user" | cut -d: -f6 || true)"
 if [[ -n "$user_home" && -x "$user_home"/xla_shard/scripts/train_loop.sh ]]; then
-  sudo -u "$user" -H bash -c 'cd ~/xla_shard && XLA_SHARD_LAUNCHER='"'"'torchrun --standalone --nproc-per-node=8 -m xla_shard.cli train'"'"' setsid nohup scripts/train_loop.sh ~/config.yaml >> ~/train.log 2>&1 < /dev/null &'
+  sudo -u "$user" -H bash -c 'cd ~/xla_shard && setsid nohup scripts/train_loop.sh ~/config.yaml >> ~/train.log 2>&1 < /dev/null &'
 fi
