@@ -150,7 +150,7 @@ def test_an_evaluation_set_with_nothing_to_predict_is_refused_before_training(ta
     from datasets import Dataset
 
     from xla_shard.data.source import EvalSource
-    from xla_shard.train import _check_eval_labels
+    from xla_shard.data.source import check_eval_labels
 
     causal = task == "causal_lm"
     labels = [[5, -100, -100, -100]] * 3 if causal else [-100] * 3
@@ -160,10 +160,10 @@ def test_an_evaluation_set_with_nothing_to_predict_is_refused_before_training(ta
                       ["model.name=tiny-bert", f"model.task={task}", "model.num_labels=2", *held_out,
                        "data.text_fields=[premise, hypothesis]"])
     with pytest.raises(ConfigError, match="no row of the evaluation set .3 rows. has a label") as refused:
-        _check_eval_labels(source, cfg)
+        check_eval_labels(source, cfg)
     assert refused.value.key == "data.eval_fraction"
     one = [[5, -100, 7, -100]] if causal else [1]
-    _check_eval_labels(EvalSource(Dataset.from_dict({"input_ids": [[1, 2, 3, 4]], "labels": one}), batch=2), cfg)
+    check_eval_labels(EvalSource(Dataset.from_dict({"input_ids": [[1, 2, 3, 4]], "labels": one}), batch=2), cfg)
 
 
 @pytest.mark.e2e

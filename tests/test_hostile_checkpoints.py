@@ -4,7 +4,6 @@ edited, and checkpoint directories whose names look like glob patterns."""
 
 import json
 import os
-import types
 from pathlib import Path
 
 import pytest
@@ -373,7 +372,6 @@ def test_the_warm_up_rule_is_recorded_restored_and_checked(tmp_path):
     from xla_shard.errors import ConfigError
     from xla_shard.schedule import EARLIER_WARMUP_RULE, WARMUP_RULE
     from xla_shard.checkpoint import RunRecord
-    from xla_shard.train import Trainer
 
     ckpt = _checkpointer(tmp_path / "ckpt", f"output_dir={tmp_path}")
     ckpt.restore(_model(), None)
@@ -385,10 +383,11 @@ def test_the_warm_up_rule_is_recorded_restored_and_checked(tmp_path):
     said = []
 
     def resumed(step, recorded, warmup=4):
-        trainer = types.SimpleNamespace(start_step=step, checkpointer=types.SimpleNamespace(
-            restored=RunRecord(lr_warmup_rule=recorded)), cfg=config.load(None, [f"train.lr_warmup_steps={warmup}"]),
-            _log=said.append)
-        return Trainer._resumed_warmup_rule(trainer)
+        record = RunRecord()
+        rule = record.go_on_with_warmup_rule(RunRecord(lr_warmup_rule=recorded) if step else None, step, warmup,
+                                             said.append)
+        assert record.lr_warmup_rule == rule  # what the run's checkpoints record from here on
+        return rule
 
     assert resumed(0, None) == WARMUP_RULE and resumed(2, WARMUP_RULE) == WARMUP_RULE and not said
     assert resumed(2, None) == EARLIER_WARMUP_RULE and "earlier learning-rate warm-up rule" in said[0]

@@ -37,7 +37,7 @@ _EXPORTS = {
     "build_data": ("xla_shard.train", "build_data"),
     "Checkpointer": ("xla_shard.checkpoint", "Checkpointer"),
     "Trainer": ("xla_shard.train", "Trainer"),
-    "evaluate": ("xla_shard.train", "evaluate"),
+    "evaluate": ("xla_shard.methods", "evaluate"),
     "method_for": ("xla_shard.methods", "method_for"),
     "objective_for": ("xla_shard.methods", "objective_for"),
     "make_optimizer": ("xla_shard.train", "make_optimizer"),

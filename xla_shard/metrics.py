@@ -39,6 +39,39 @@ def peak_for(device_kind: str) -> float | None:
     return hardware.peak_flops if hardware else None
 
 
+# What MFU counts (`train_flops_per_token`), said in a run's first record: at long context it reads well above
+# MaxText's convention for the same step time.
+MFU_CONVENTION = ("FLOPs by PaLM's count: 6 x non-embedding parameters + 12 x layers x hidden x seq_len a token, "
+                  "attention over every pair of positions (MaxText's count takes causal attention at half)")
+
+
+class Mfu:
+    """Model FLOPs utilisation of a run's steps, against the peak FLOP/s of its devices (`configured`:
+    train.peak_flops_per_device; else the device's kind's, from the hardware table). No peak, no MFU: a CPU has no
+    spec-sheet peak, and a matmul timed on a busy machine is no ceiling (it once gave MFU 19). Never above 1: a
+    peak the run exceeds is not a peak, so MFU stops (once, with a warning naming the basis) rather than report a
+    number that cannot be true."""
+
+    def __init__(self, flops_per_token: float, device_kind: str, devices: int, configured: float | None = None):
+        self.flops_per_token, self.devices = flops_per_token, devices
+        self.peak = configured or peak_for(device_kind)
+        self.basis = (f"train.peak_flops_per_device={configured:.3g}; {MFU_CONVENTION}" if configured
+                      else f"{device_kind} dense bf16 peak {self.peak:.3g} FLOP/s; {MFU_CONVENTION}" if self.peak
+                      else f"no MFU: {device_kind} has no known peak FLOP/s (set train.peak_flops_per_device to "
+                           "report one)")
+
+    def of(self, tokens_per_s: float, warn: Callable[[str], None]) -> float | None:
+        if self.peak is None:
+            return None
+        mfu = self.flops_per_token * tokens_per_s / (self.peak * self.devices)
+        if mfu <= 1.0:
+            return mfu
+        warn(f"MFU {mfu:.2f} > 1 against {self.basis}: that peak is below what this run does, so MFU is no longer "
+             "reported (tokens_per_s is)")
+        self.peak = None
+        return None
+
+
 def require_tensorboard() -> None:
     try:
         import tensorboard  # noqa: F401
@@ -54,6 +87,51 @@ class Lap:
     step_time_s: float
     compile_time_s: float
     steady: bool  # past the warm-up and nothing compiled: a fair sample of what the rest of the run takes
+
+
+class GraphCount:
+    """The graphs a run's steps compile, told apart from the rest: what was compiled before the steps (setup, a
+    restore) and for evaluation is not theirs, and a step past the warm-up (`warmed_up_at`, a step number) that
+    compiles a new graph is a recompile: its shapes or its Python-side control flow change. `compilations`: the
+    backend's running total (None where nothing compiles: nothing is counted)."""
+
+    def __init__(self, compilations: Callable[[], Any], warmed_up_at: int):
+        self._compilations, self.warmed_up_at = compilations, warmed_up_at
+        compiled = compilations()
+        self._not_steps = compiled.graphs if compiled is not None else 0
+        self._after_warmup: int | None = None  # the steps' graphs at the end of the warm-up
+        self._evaluated = False
+
+    def count_step(self, record: dict[str, Any], done: int, warn: Callable[[str], None]) -> None:
+        """`compilations` (and `recompiles`, warned) into the record of step `done`."""
+        compiled = self._compilations()
+        if compiled is None:
+            return
+        graphs = record["compilations"] = compiled.graphs - self._not_steps
+        if self._after_warmup is None and done >= self.warmed_up_at:
+            self._after_warmup = graphs
+        elif self._after_warmup is not None and graphs > self._after_warmup:
+            record["recompiles"] = graphs - self._after_warmup
+            warn(f"step {done}: {record['recompiles']} new graph(s) compiled after warm-up; the step is not static "
+                 "(changing shapes or Python-side control flow). Set PT_XLA_DEBUG_LEVEL=2 (torch_xla) or "
+                 "TORCH_LOGS=recompiles (train.compile) to see why.")
+
+    @contextlib.contextmanager
+    def evaluation(self, done: int, warn: Callable[[str], None]):
+        """Around an evaluation after step `done`: yields the dict its record's compile keys are put in."""
+        before, found = self._compilations(), {}
+        yield found
+        compiled = self._compilations()
+        if compiled is not None:
+            new = compiled.graphs - before.graphs
+            self._not_steps += new  # evaluation's graphs are not the steps' (nor their recompiles)
+            found["eval_compilations"] = new
+            if new:
+                found["eval_compile_time_s"] = compiled.seconds - before.seconds
+            if new and self._evaluated:
+                warn(f"step {done}: XLA compiled {new} new graph(s) for evaluation after the first; evaluation "
+                     "shapes are not static")
+        self._evaluated = True
 
 
 class StepClock:
@@ -223,3 +301,29 @@ def _step_of(line: bytes) -> float | None:
 
 def _fmt(value: Any) -> str:
     return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+@dataclass
+class MemoryReport:
+    """Bytes on one device, and what the same tensors take unsharded."""
+
+    params: int
+    grads: int
+    optimizer: int
+    params_unsharded: int
+    grads_unsharded: int
+    optimizer_unsharded: int
+
+
+def memory_report(model, optimizer, local_bytes) -> MemoryReport:
+    """A model's and its optimizer's tensors on one device (`local_bytes`: the backend's, each tensor's bytes on
+    this process's device), and unsharded."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+
+    def full(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    return MemoryReport(sum(local_bytes(params)), sum(local_bytes(grads)), sum(local_bytes(states)),
+                        full(params), full(grads), full(states))

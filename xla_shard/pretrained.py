@@ -30,8 +30,9 @@ from xla_shard.errors import ConfigError
 from xla_shard.hostmem import mib, peak_growth
 from xla_shard.io.storage import Storage
 from xla_shard.methods import Adapter, adapter_for
-from xla_shard.models import ModelSource, build_model, resolve_source
+from xla_shard.models import ModelSource, build_model, check_sequence_length, resolve_source
 from xla_shard.quant import model as quant
+from xla_shard.wrap import check_scannable, checkpoint_targets, wrap_targets
 
 _SHOWN = 4  # keys named in one error or log line
 READ_BATCH_BYTES = 256 << 20  # read (and fetched concurrently) at once, per process
@@ -307,6 +308,62 @@ def build_for(cfg, accelerator: str | None = None, capabilities=None, empty: boo
     if weights is not None:
         weights.match(model, cfg.train.seed, adapters, adapter)
     return model, weights, source
+
+
+def check_model(cfg, model: nn.Module) -> None:
+    """What the run asks of every model it loads (the policy, a reference): its positions cover train.seq_len,
+    and the wrap, scan and checkpointing keys find their layers in it."""
+    check_sequence_length(model.config, cfg.train.seq_len)
+    wrap_targets(model, cfg.fsdp)
+    if cfg.fsdp.scan_layers:
+        check_scannable(model, cfg.fsdp)
+    if cfg.fsdp.activation_checkpointing:
+        checkpoint_targets(model, cfg.fsdp)
+
+
+def reference_model(cfg, objective, policy_config, **build) -> tuple[nn.Module, Any]:
+    """The model at the objective's `reference_directory` (DPO's reference), built as the policy is (`build`:
+    `build_for`'s arguments) but frozen and without the policy's adapter, and its pretrained weights. One line
+    naming the objective's `reference_key` where it is no model, or reads other tokens than the policy."""
+    directory, key = objective.reference_directory, objective.reference_key
+    model_section = cfg.model.model_copy(update={"name": directory, "lora": None, "init": "pretrained"})
+    try:
+        model, weights, _ = build_for(cfg.model_copy(update={"model": model_section}), **build)
+    except ConfigError as exc:
+        raise ConfigError(key, f"{directory}: {exc.message}") from None
+    try:
+        check_model(cfg, model)
+    except ConfigError as exc:  # the policy passed it: the reference's own
+        raise ConfigError(key, f"{directory}, under {exc.key}: {exc.message}") from None
+    if model.config.vocab_size != policy_config.vocab_size:
+        raise ConfigError(key, f"{directory} has {model.config.vocab_size} token embeddings, the policy "
+                               f"{policy_config.vocab_size}: the reference must read the same tokens")
+    if directory != cfg.model.name:
+        _same_text_for_each_id(cfg, directory, key, model.config, policy_config)
+    model.requires_grad_(False)
+    return model, weights
+
+
+def _same_text_for_each_id(cfg, directory: str, key: str, reference_config, policy_config) -> None:
+    """A reference with the policy's vocabulary size may still read its ids as other text (another tokenizer of
+    that size): its log-probabilities would then score other words. Where the reference's directory holds a
+    tokenizer, its vocabulary must be the policy's."""
+    if not any(Storage(directory).exists(name) for name in ("tokenizer.json", "tokenizer_config.json")):
+        return  # nothing to compare: the embedding's size is all the directory says
+    from xla_shard.data import load_tokenizer  # (its tokenizers and datasets: only where there is one to read)
+
+    reference = load_tokenizer(directory, reference_config, explicit=False, model_name=directory)
+    policy_dir = cfg.data.tokenizer or resolve_source(cfg.model).directory
+    policy = load_tokenizer(policy_dir, policy_config, explicit=cfg.data.tokenizer is not None,
+                            model_name=cfg.model.name)
+    theirs, ours = reference.get_vocab(), policy.get_vocab()
+    if theirs == ours:
+        return
+    by_id_theirs, by_id_ours = ({i: t for t, i in vocab.items()} for vocab in (theirs, ours))
+    differs = next(i for i in sorted(set(by_id_theirs) | set(by_id_ours)) if by_id_theirs.get(i) != by_id_ours.get(i))
+    raise ConfigError(key, f"{directory}'s tokenizer reads token ids as other text than the policy's ({policy_dir}): "
+                           f"id {differs} is {by_id_theirs.get(differs)!r} there and {by_id_ours.get(differs)!r} "
+                           "here; the reference must read the same tokens")
 
 
 def _check_router_loss(cfg, model: nn.Module, source: ModelSource, capabilities) -> None:

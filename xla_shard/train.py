@@ -12,8 +12,6 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,24 +20,23 @@ from torch import nn
 from xla_shard import backends, launch, lm_head, metrics
 from xla_shard import data as datalib
 from xla_shard.backends.base import Backend
-from xla_shard.checkpoint import (Checkpointer, CheckpointError, NoCheckpoints, RunRecord, finished_message,
-                                  hf_dir)
-from xla_shard.checkpoint.export import export
+from xla_shard.checkpoint import Checkpointer, CheckpointError, NoCheckpoints, RunRecord, finished_message
+from xla_shard.checkpoint.export import check_final_export, export, final_export_dir
 from xla_shard.config.schema import ShardConfig, TrainSection
-from xla_shard.data import Batch, micro_rows
+from xla_shard.data import Batch, process_rows
 from xla_shard.data.batches import trimmed
-from xla_shard.data.packing import IGNORE
-from xla_shard.errors import ConfigError, UserError, file_in_the_way, redact
+from xla_shard.data.source import check_eval_labels
+from xla_shard.errors import ConfigError, UserError, redact
 from xla_shard.hostmem import mib
-from xla_shard.io.overlap import Protected, refuse_overlap
-from xla_shard.io.staged import is_url
-from xla_shard.methods import Method, Objective, method_for
-from xla_shard.metrics import StepClock, StepLogger, peak_for, train_flops_per_token
-from xla_shard.models import check_sequence_length, model_config, resolve_source
+from xla_shard.io.staged import check_output_dir
+from xla_shard.methods import Method, evaluate, method_for
+from xla_shard.metrics import (GraphCount, MemoryReport, Mfu, StepClock, StepLogger, memory_report,
+                               train_flops_per_token)
+from xla_shard.models import model_config, resolve_source
 from xla_shard.preemption import PreemptionGuard
-from xla_shard.pretrained import PretrainedWeights, build_for
-from xla_shard.schedule import EARLIER_WARMUP_RULE, WARMUP_RULE, lr_factor
-from xla_shard.wrap import check_scannable, checkpoint_targets, inferred_layers, wrap_targets
+from xla_shard.pretrained import PretrainedWeights, build_for, check_model, reference_model
+from xla_shard.schedule import WARMUP_RULE, lr_factor
+from xla_shard.wrap import inferred_layers
 
 
 def make_optimizer(params, train: TrainSection, accelerator: str = "cpu") -> torch.optim.Optimizer:
@@ -74,62 +71,6 @@ def preflight(cfg: ShardConfig, capabilities=None, method: Method | None = None)
     datalib.build(cfg, model.config, source.directory, method.generations)
 
 
-def check_model(cfg: ShardConfig, model: nn.Module) -> None:
-    """What the run asks of every model it loads (the policy, a reference): its positions cover train.seq_len,
-    and the wrap, scan and checkpointing keys find their layers in it."""
-    check_sequence_length(model.config, cfg.train.seq_len)
-    wrap_targets(model, cfg.fsdp)
-    if cfg.fsdp.scan_layers:
-        check_scannable(model, cfg.fsdp)
-    if cfg.fsdp.activation_checkpointing:
-        checkpoint_targets(model, cfg.fsdp)
-
-
-def reference_model(cfg: ShardConfig, objective: Objective, policy_config, **build) -> tuple[nn.Module, Any]:
-    """The model at the objective's `reference_directory` (DPO's reference), built as the policy is (`build`:
-    `build_for`'s arguments) but frozen and without the policy's adapter, and its pretrained weights. One line
-    naming the objective's `reference_key` where it is no model, or reads other tokens than the policy."""
-    directory, key = objective.reference_directory, objective.reference_key
-    model_section = cfg.model.model_copy(update={"name": directory, "lora": None, "init": "pretrained"})
-    try:
-        model, weights, _ = build_for(cfg.model_copy(update={"model": model_section}), **build)
-    except ConfigError as exc:
-        raise ConfigError(key, f"{directory}: {exc.message}") from None
-    try:
-        check_model(cfg, model)
-    except ConfigError as exc:  # the policy passed it: the reference's own
-        raise ConfigError(key, f"{directory}, under {exc.key}: {exc.message}") from None
-    if model.config.vocab_size != policy_config.vocab_size:
-        raise ConfigError(key, f"{directory} has {model.config.vocab_size} token embeddings, the policy "
-                               f"{policy_config.vocab_size}: the reference must read the same tokens")
-    if directory != cfg.model.name:
-        _same_text_for_each_id(cfg, directory, key, model.config, policy_config)
-    model.requires_grad_(False)
-    return model, weights
-
-
-def _same_text_for_each_id(cfg: ShardConfig, directory: str, key: str, reference_config, policy_config) -> None:
-    """A reference with the policy's vocabulary size may still read its ids as other text (another tokenizer of
-    that size): its log-probabilities would then score other words. Where the reference's directory holds a
-    tokenizer, its vocabulary must be the policy's."""
-    from xla_shard.io.storage import Storage
-
-    if not any(Storage(directory).exists(name) for name in ("tokenizer.json", "tokenizer_config.json")):
-        return  # nothing to compare: the embedding's size is all the directory says
-    reference = datalib.load_tokenizer(directory, reference_config, explicit=False, model_name=directory)
-    policy_dir = cfg.data.tokenizer or resolve_source(cfg.model).directory
-    policy = datalib.load_tokenizer(policy_dir, policy_config, explicit=cfg.data.tokenizer is not None,
-                                    model_name=cfg.model.name)
-    theirs, ours = reference.get_vocab(), policy.get_vocab()
-    if theirs == ours:
-        return
-    by_id_theirs, by_id_ours = ({i: t for t, i in vocab.items()} for vocab in (theirs, ours))
-    differs = next(i for i in sorted(set(by_id_theirs) | set(by_id_ours)) if by_id_theirs.get(i) != by_id_ours.get(i))
-    raise ConfigError(key, f"{directory}'s tokenizer reads token ids as other text than the policy's ({policy_dir}): "
-                           f"id {differs} is {by_id_theirs.get(differs)!r} there and {by_id_ours.get(differs)!r} "
-                           "here; the reference must read the same tokens")
-
-
 def build_data(cfg: ShardConfig) -> datalib.DataSources:
     """The config's data for your own loop, read as the trainer reads it: through the tokenizer of the config's
     model directory (or `data.tokenizer`), checked against the model's vocabulary and labels."""
@@ -137,46 +78,8 @@ def build_data(cfg: ShardConfig) -> datalib.DataSources:
     return datalib.build(cfg, model_config(cfg.model, source), source.directory, method_for(cfg).generations)
 
 
-def check_output_dir(path: str) -> None:
-    if is_url(path):  # written through a staging folder (xla_shard.io.staged)
-        return
-    blocker = file_in_the_way(Path(path))
-    if blocker:
-        raise ConfigError("output_dir", f"{path!r}: {blocker} is a file, not a directory")
-
-
-def final_export_dir(cfg: ShardConfig) -> str:
-    return f"{cfg.output_dir.rstrip('/')}/model"
-
-
-def check_final_export(cfg: ShardConfig, model_directory: str | None) -> None:
-    """FULL_STATE_DICT exports the last checkpoint to output_dir/model, replacing what is there: never the
-    checkpoints it reads or the model directory the run started from."""
-    if not cfg.checkpoint.dir:
-        raise ConfigError("fsdp.state_dict_type", "FULL_STATE_DICT also exports the final checkpoint as one Hugging "
-                                                  "Face model directory (output_dir/model); set checkpoint.dir")
-    try:
-        refuse_overlap("output_dir/model", final_export_dir(cfg),
-                       [Protected("checkpoint.dir", cfg.checkpoint.dir, inside_too=True),
-                        Protected("the model directory (model.name)", model_directory, inside_too=True)])
-    except UserError as exc:
-        raise ConfigError("output_dir", f"fsdp.state_dict_type=FULL_STATE_DICT exports to {exc}") from None
-
-
 class TrainingDiverged(UserError):
     """The loss became NaN or infinite: nothing after this step is worth training or saving."""
-
-
-@dataclass
-class MemoryReport:
-    """Bytes on one device, and what the same tensors take unsharded."""
-
-    params: int
-    grads: int
-    optimizer: int
-    params_unsharded: int
-    grads_unsharded: int
-    optimizer_unsharded: int
 
 
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
@@ -184,12 +87,6 @@ LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 # steps that log nothing), and after each evaluation with (trainer, step done, the evaluation's record).
 StepHook = Callable[["Trainer", int, "dict[str, Any] | None"], None]
 EvalHook = Callable[["Trainer", int, "dict[str, Any]"], None]
-
-
-# What the trainer's MFU counts (metrics.train_flops_per_token), said in the first record: at long context it
-# reads well above MaxText's convention for the same step time.
-_MFU_CONVENTION = ("FLOPs by PaLM's count: 6 x non-embedding parameters + 12 x layers x hidden x seq_len a token, "
-                   "attention over every pair of positions (MaxText's count takes causal attention at half)")
 
 
 class Trainer:
@@ -220,22 +117,20 @@ class Trainer:
         self.uneven_labels = False  # whether micro-batches can hold different numbers of labelled tokens
         self.total_steps = 0
         self.start_step = 0  # where this run starts: 0, or the step of the checkpoint it resumed
-        self.warmup_rule = WARMUP_RULE  # a resumed run's is its checkpoint's (`_resumed_warmup_rule`)
+        self.warmup_rule = WARMUP_RULE  # a resumed run's is its checkpoint's (`RunRecord.go_on_with_warmup_rule`)
         # What every checkpoint records of the run beside its tensors (filled in as setup learns it).
         self.record = RunRecord()
         self.checkpointer: Checkpointer | NoCheckpoints = NoCheckpoints(self.record)
         self.load_report = None  # what the pretrained load read, on this process (None: nothing loaded)
         self.flops_per_token = 0.0
-        self.peak_per_device, self.mfu_basis = None, ""
+        self.mfu: Mfu | None = None  # the steps' MFU, against the device's peak
         # State of run():
         self.lr, self.grad_norm = cfg.train.lr, None
         self.stopped_by = 0  # the exit status of a run a stop signal ended (preemption.PreemptionGuard)
         self.clock: StepClock | None = None  # run()'s
-        self._graphs = 0  # graphs compiled before the first step and for evaluation: not the steps' own
-        self._graphs_after_warmup: int | None = None  # the steps' graphs at the end of the warm-up
+        self.graphs: GraphCount | None = None  # run()'s: the steps' compilations, apart from the rest
         # Real tokens (not packing's filler or padding) of the steps since the last record, and where they began.
         self._real_tokens, self._real_since = 0, 0
-        self._evaluated = False
 
     def setup(self) -> Trainer:
         cfg = self.cfg
@@ -250,7 +145,7 @@ class Trainer:
             sources = datalib.build(cfg, model.config, source.directory, self.method.generations)
         self.source, self.eval_source = sources.train, sources.eval
         if self.eval_source is not None:
-            _check_eval_labels(self.eval_source, cfg)
+            check_eval_labels(self.eval_source, cfg)
         self.uneven_labels = sources.uneven_labels
         self.total_steps = self._total_steps()
         self._log(f"data: {sources.description}; {self.total_steps} step{'' if self.total_steps == 1 else 's'}"
@@ -274,7 +169,8 @@ class Trainer:
             self._log(scoring)
         self.optimizer = backend.prepare_optimizer(make_optimizer(self.model.parameters(), cfg.train,
                                                                   backend.accelerator))
-        self.peak_per_device, self.mfu_basis = self._mfu_basis()
+        self.mfu = Mfu(self.flops_per_token, backend.device_kind, backend.num_devices,
+                       cfg.train.peak_flops_per_device)
         if cfg.checkpoint.dir:
             self.checkpointer = Checkpointer(cfg.checkpoint, backend.state, log=self._log,
                                              trained_only=self.adapter.freezes_base, record=self.record)
@@ -283,8 +179,8 @@ class Trainer:
             resumed = self.method.rollout.resume(self.start_step, own)
             if resumed:
                 self._log(resumed)
-            self.warmup_rule = self._resumed_warmup_rule()
-            self.record.lr_warmup_rule = self.warmup_rule
+            self.warmup_rule = self.record.go_on_with_warmup_rule(self._restored(), self.start_step,
+                                                                  cfg.train.lr_warmup_steps, self._log)
             key = "train.epochs" if cfg.train.epochs else "train.steps"
             if self.start_step > self.total_steps:
                 raise ConfigError(key, f"{self.total_steps} steps are behind the checkpoint's step {self.start_step} "
@@ -314,7 +210,8 @@ class Trainer:
             self._log(f"model: {model_class}, " + origin
                       + ("" if source.directory is None else f" (model.init={cfg.model.init})"))
         elif resumed and self.adapter.freezes_base:
-            self._check_base(weights)
+            self.record.go_on_with_base(self.checkpointer.restored, resumed, weights, backend.processes.is_main,
+                                        self._log)
             report = weights.load(backend, self.model, frozen_only=True)
             self._log(f"model: resumed the trained parameters; the frozen weights read from {source.directory} "
                       f"({report.describe()})")
@@ -336,65 +233,16 @@ class Trainer:
                                          capabilities=backend.capabilities, empty=backend.placeholders)
         wrapped = backend.wrap(model)
         if weights is not None and not backend.placeholders:  # a trace reads no value: nothing to load
-            self._check_reference(weights)
+            self.record.go_on_with_reference(self._restored(), self.start_step, self.objective.reference_key, weights,
+                                             backend.processes.is_main, self._log)
             report = weights.load(backend, wrapped)
             self._log(f"reference model: {self.objective.reference_directory}, frozen, sharded as the policy "
                       f"({report.describe()})")
         return wrapped.eval()
 
-    def _check_reference(self, weights: PretrainedWeights) -> None:
-        """A resume reads the reference again: it must be the one the run started with (the same bytes, as far
-        as `hf_dir.identity` tells), or the objective changes under the run without a word. Recorded in every
-        manifest, as a LoRA base is."""
-        recorded = self.checkpointer.restored.reference if self.start_step else None
-        differs = self._differs_from_record(recorded, weights, "reference") if self.start_step else None
-        if differs:
-            raise ConfigError(self.objective.reference_key, f"{differs}: the step-{self.start_step} checkpoint was "
-                                                            f"trained against another reference "
-                                                            f"({recorded.get('directory')}); restore those weights, "
-                                                            "or start a new run in another checkpoint.dir")
-        if self.backend.processes.is_main:  # the one process that writes manifests
-            self.record.reference = recorded if recorded is not None else weights.identity()
-
-    def _resumed_warmup_rule(self) -> str:
-        """The warm-up rule this run goes on with: a fresh run's is transformers'; a resumed one keeps its
-        checkpoint's, and one written before the rule was recorded went a step ahead (said, where it matters)."""
-        if not self.start_step:
-            return WARMUP_RULE
-        recorded = self.checkpointer.restored.lr_warmup_rule
-        if recorded is None:
-            if self.start_step < self.cfg.train.lr_warmup_steps:
-                self._log(f"the step-{self.start_step} checkpoint was written under the earlier learning-rate warm-up "
-                          f"rule, lr x {EARLIER_WARMUP_RULE}; the rest of this run's warm-up keeps to it")
-            return EARLIER_WARMUP_RULE
-        if recorded not in (WARMUP_RULE, EARLIER_WARMUP_RULE):
-            raise ConfigError("checkpoint.resume", f"the step-{self.start_step} checkpoint's learning-rate warm-up "
-                                                   f"rule {recorded!r} is not one this xla_shard knows")
-        return recorded
-
-    def _check_base(self, weights: PretrainedWeights) -> None:
-        """A resume over a frozen base (LoRA) reads that base from model.name again: it must be the base the
-        checkpoint's adapters were trained on (the same bytes, as far as `hf_dir.identity` tells), not merely
-        its shapes."""
-        recorded = self.checkpointer.restored.base
-        differs = self._differs_from_record(recorded, weights, "base")
-        if differs:
-            raise ConfigError("model.name", f"{differs}: the adapters of the step-{self.start_step} checkpoint "
-                                            f"were trained on another base ({recorded.get('directory')}); point "
-                                            "model.name at that base, or start a new run in another checkpoint.dir")
-        if recorded is not None:
-            self.record.base = recorded
-        elif self.backend.processes.is_main:  # the one process that writes manifests
-            self.record.base = weights.identity()
-
-    def _differs_from_record(self, recorded: dict | None, weights: PretrainedWeights, what: str) -> str | None:
-        """What differs between the directory `weights` reads and the resumed checkpoint's record of its `what`
-        (None: nothing; or no record, from an older xla_shard: said, the directory taken unchecked)."""
-        if recorded is None:
-            self._log(f"the step-{self.start_step} checkpoint records no identity of its {what} (written by an older "
-                      f"xla_shard): {weights.source.directory} is taken as that {what} unchecked")
-            return None
-        return hf_dir.identity_mismatch(recorded["files"], weights.storage, weights.manifest)
+    def _restored(self) -> RunRecord | None:
+        """What the resumed checkpoint recorded of the run (None: a fresh run)."""
+        return self.checkpointer.restored if self.start_step else None
 
     def _total_steps(self) -> int:
         train = self.cfg.train
@@ -424,31 +272,6 @@ class Trainer:
     def _log(self, message: str) -> None:
         if self.backend.processes.is_main:
             print(f"xla-shard: {redact(message)}", file=sys.stderr, flush=True)
-
-    def _mfu_basis(self) -> tuple[float | None, str]:
-        """The peak FLOP/s per device MFU is taken against, and where it comes from; no peak, no MFU. A CPU has
-        no spec-sheet peak, and a matmul timed on a busy machine is no ceiling (it once gave MFU 19)."""
-        configured = self.cfg.train.peak_flops_per_device
-        if configured:
-            return configured, f"train.peak_flops_per_device={configured:.3g}; {_MFU_CONVENTION}"
-        peak = peak_for(self.backend.device_kind)
-        if peak:
-            return peak, f"{self.backend.device_kind} dense bf16 peak {peak:.3g} FLOP/s; {_MFU_CONVENTION}"
-        return None, (f"no MFU: {self.backend.device_kind} has no known peak FLOP/s "
-                      "(set train.peak_flops_per_device to report one)")
-
-    def _mfu(self, tokens_per_s: float, logger: StepLogger) -> float | None:
-        """Model FLOPs utilisation, never above 1: a peak this run exceeds is not a peak, so MFU stops (once,
-        with a warning naming the basis) rather than report a number that cannot be true."""
-        if self.peak_per_device is None:
-            return None
-        mfu = self.flops_per_token * tokens_per_s / (self.peak_per_device * self.backend.num_devices)
-        if mfu <= 1.0:
-            return mfu
-        logger.warn(f"MFU {mfu:.2f} > 1 against {self.mfu_basis}: that peak is below what this run does, so MFU "
-                    "is no longer reported (tokens_per_s is)")
-        self.peak_per_device = None
-        return None
 
     def micro_batches(self, step: int) -> list[Batch]:
         """This process's rows of each micro-batch of `step`, read from the source (not yet on the device)."""
@@ -547,10 +370,8 @@ class Trainer:
         self.clock = StepClock(lambda: None if compiled is None else self.backend.compilations().seconds,
                                self.start_step, self._warmup_steps())
         self._real_tokens, self._real_since = 0, self.start_step
-        if compiled is None:
-            return
-        self._graphs = compiled.graphs
-        if compiled.graphs and self.start_step:
+        self.graphs = GraphCount(self.backend.compilations, self.start_step + self._warmup_steps())
+        if compiled is not None and compiled.graphs and self.start_step:
             self._log(f"restoring the step-{self.start_step} checkpoint compiled {compiled.graphs} graph(s) "
                       f"({compiled.seconds:.1f} s), not counted in the steps' compilations")
 
@@ -560,20 +381,11 @@ class Trainer:
         return self.cfg.train.recompile_warmup_steps * self.method.rollout.steps_per_round
 
     def _evaluate(self, done: int, logger: StepLogger) -> None:
-        start, before = time.perf_counter(), self.backend.compilations()
-        result = {"step": done, **self.evaluate()}
-        compiled = self.backend.compilations()
-        result["eval_time_s"] = time.perf_counter() - start
-        if compiled is not None:
-            new = compiled.graphs - before.graphs
-            self._graphs += new  # evaluation's graphs are not the steps' (nor their recompiles)
-            result["eval_compilations"] = new
-            if new:
-                result["eval_compile_time_s"] = compiled.seconds - before.seconds
-            if new and self._evaluated:
-                logger.warn(f"step {done}: XLA compiled {new} new graph(s) for evaluation after the first; "
-                            "evaluation shapes are not static")
-        self._evaluated = True
+        start = time.perf_counter()
+        with self.graphs.evaluation(done, logger.warn) as compiled:
+            result = {"step": done, **self.evaluate()}
+            result["eval_time_s"] = time.perf_counter() - start
+        result.update(compiled)
         self.records.append(result)
         logger.log(result)
         for hook in self.on_evaluate:
@@ -637,7 +449,7 @@ class Trainer:
         record.update(self.method.step_metrics(backend.mean_loss))
         if lap.compile_time_s:
             record["compile_time_s"] = lap.compile_time_s
-        mfu = self._mfu(tokens_per_s, logger)
+        mfu = self.mfu.of(tokens_per_s, logger.warn)
         if mfu is not None:
             record["mfu"] = mfu
         record.update(backend=backend.name, devices=backend.num_devices, lr=self.lr)
@@ -652,70 +464,15 @@ class Trainer:
                                    + (f"The last committed checkpoint (step {kept}) is intact. " if kept else "")
                                    + f"Lower train.lr (now {cfg.train.lr:g}) or check the data")
         if not self.records:
-            record["mfu_basis"] = self.mfu_basis
-        compiled = backend.compilations()
-        if compiled is not None:
-            graphs = record["compilations"] = compiled.graphs - self._graphs
-            if self._graphs_after_warmup is None and done >= self.start_step + self._warmup_steps():
-                self._graphs_after_warmup = graphs
-            elif self._graphs_after_warmup is not None and graphs > self._graphs_after_warmup:
-                record["recompiles"] = graphs - self._graphs_after_warmup
-                logger.warn(f"step {done}: {record['recompiles']} new graph(s) compiled after warm-up; the step "
-                            "is not static (changing shapes or Python-side control flow). Set PT_XLA_DEBUG_LEVEL=2 "
-                            "(torch_xla) or TORCH_LOGS=recompiles (train.compile) to see why.")
+            record["mfu_basis"] = self.mfu.basis
+        self.graphs.count_step(record, done, logger.warn)
         self.records.append(record)
         logger.log(record, eta_s=self.clock.eta_s(done, self.total_steps))
         return record
 
     def memory_report(self) -> MemoryReport:
-        params = [p for p in self.model.parameters()]
-        grads = [p.grad for p in params if p.grad is not None]
-        states = [v for s in self.optimizer.state.values() for v in s.values()
-                  if isinstance(v, torch.Tensor) and v.dim() > 0]
-        local = self.backend.local_bytes
-
-        def full(tensors):
-            return sum(t.numel() * t.element_size() for t in tensors)
-
-        return MemoryReport(sum(local(params)), sum(local(grads)), sum(local(states)),
-                            full(params), full(grads), full(states))
-
-
-def process_rows(train: TrainSection, processes) -> list[range]:
-    """The rows of every step's global batch a process feeds, in each of its micro-batches."""
-    k = train.grad_accum_steps
-    return [micro_rows(train.global_batch_size, j, k, *processes.batch_part) for j in range(k)]
-
-
-def _check_eval_labels(source, cfg: ShardConfig) -> None:
-    """An evaluation set with nothing to predict (every label masked: prompts without answers) is said before
-    training, not found dividing by zero after it. (Generated completions, a prompt source's, have none to check.)"""
-    if not getattr(source, "labelled", True):
-        return
-    causal = cfg.model.task == "causal_lm"
-    for index in range(source.batches):
-        labels = source.rows(index, range(source.batch))["labels"]
-        if ((labels[..., 1:] if causal else labels) != IGNORE).any():
-            return
-    key = "data.eval_path" if cfg.data.eval_path else "data.eval_fraction"
-    raise ConfigError(key, f"no row of the evaluation set ({source.rows_total} rows) has a label to predict: every "
-                           "label is masked (a prompt without its answer, or an answer cut off by train.seq_len)")
-
-
-def evaluate(model, backend, source, cfg, objective: Objective | None = None) -> dict[str, float]:
-    """The objective's metrics (the config's unless given) over every row of an evaluation source
-    (`train.eval_steps` batches if set), with the model in eval mode. A causal LM's or classifier's loss and
-    accuracy are summed over the tokens or rows that have a label, then divided by their count, so filler rows
-    and padding count for nothing. (The Trainer and TRL average each batch's mean instead; the two agree where
-    every batch has as many labelled tokens.) Every process calls it."""
-    if source is None:
-        raise ConfigError("data.eval_path", "there is no evaluation set to evaluate on: set data.eval_path (a file "
-                                            "of held-out rows) or data.eval_fraction (rows held out of data.path)")
-    train = cfg.train
-    batches = min(source.batches, train.eval_steps or source.batches)
-    rows = micro_rows(train.global_batch_size, 0, 1, *backend.processes.batch_part)
-    result = (objective or method_for(cfg).objective).evaluate(model, backend, source, batches, rows)
-    return {**result, "eval_batches": batches, "eval_rows": source.rows_covered(batches)}
+        """What the parameters, gradients and optimizer state take on one device of this process."""
+        return memory_report(self.model, self.optimizer, self.backend.local_bytes)
 
 
 def run(cfg: ShardConfig, backend: Backend | None = None) -> int:

@@ -21,7 +21,7 @@ from xla_shard.checkpoint.manifest import CheckpointError
 from xla_shard.checkpoint.reader import ChunkReader
 from xla_shard.config.presets import PRESETS
 from xla_shard.methods import peft_export
-from xla_shard.errors import UserError, file_in_the_way, one_line
+from xla_shard.errors import ConfigError, UserError, file_in_the_way, one_line
 from xla_shard.hostmem import mib, peak_growth
 from xla_shard.io.model_dir import copy_companions, model_directory
 from xla_shard.io.overlap import Protected, refuse_overlap
@@ -346,3 +346,21 @@ def _differs(source: Storage, hf_config: dict) -> str | None:
         if key in hf_config and fields.get(key) != hf_config[key]:
             return f"{key} {fields.get(key)!r}, the checkpoint's {hf_config[key]!r}"
     return None
+
+
+def final_export_dir(cfg) -> str:
+    return f"{cfg.output_dir.rstrip('/')}/model"
+
+
+def check_final_export(cfg, model_directory: str | None) -> None:
+    """FULL_STATE_DICT exports the last checkpoint to output_dir/model, replacing what is there: never the
+    checkpoints it reads or the model directory the run started from."""
+    if not cfg.checkpoint.dir:
+        raise ConfigError("fsdp.state_dict_type", "FULL_STATE_DICT also exports the final checkpoint as one Hugging "
+                                                  "Face model directory (output_dir/model); set checkpoint.dir")
+    try:
+        refuse_overlap("output_dir/model", final_export_dir(cfg),
+                       [Protected("checkpoint.dir", cfg.checkpoint.dir, inside_too=True),
+                        Protected("the model directory (model.name)", model_directory, inside_too=True)])
+    except UserError as exc:
+        raise ConfigError("output_dir", f"fsdp.state_dict_type=FULL_STATE_DICT exports to {exc}") from None

@@ -16,7 +16,6 @@ falls back past committed checkpoints that fail verification, setting them aside
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import math
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from xla_shard.checkpoint import layout, schema, window
 from xla_shard.checkpoint.contract import ShardedState
+from xla_shard.checkpoint.run_record import RunRecord
 from xla_shard.checkpoint.manifest import (
     UNRECORDED_RUN,
     CheckpointError,
@@ -155,26 +155,6 @@ def _load_extra(manifest: Manifest, wanted: Extra) -> None:
 
 
 # ---- writing ------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class RunRecord:
-    """What every manifest records of the run beside its tensors, for a resume (or a merge) to tell that it goes
-    on with the same run: the frozen base a LoRA run adapts and the frozen reference an objective compares
-    against (DPO's, GRPO's), each {"directory", "files": hf_dir.identity}; and the learning-rate warm-up rule
-    (`schedule.WARMUP_RULE`) the run started with. None: not recorded (nothing of the kind, or a checkpoint from
-    before the key)."""
-
-    base: dict[str, Any] | None = None
-    reference: dict[str, Any] | None = None
-    lr_warmup_rule: str | None = None
-
-    def to_manifest(self) -> dict[str, Any]:
-        return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
-
-    @classmethod
-    def from_manifest(cls, data: dict[str, Any]) -> RunRecord:
-        return cls(**{field.name: data.get(field.name) for field in dataclasses.fields(cls)})
-
-
 class Checkpointer:
     """One per training process. `restore` picks up where `checkpoint.resume` says; `save` returns once the
     step may go on; `wait` surfaces any failure.

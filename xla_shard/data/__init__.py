@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xla_shard.data.batches import Batch, local_rows, micro_rows
+from xla_shard.data.batches import Batch, local_rows, micro_rows, process_rows
 from xla_shard.data.source import DatasetSource, EvalSource, Prefetcher
 from xla_shard.data.synthetic import SyntheticSource
 from xla_shard.errors import ConfigError, one_line
@@ -20,7 +20,7 @@ from xla_shard.io.model_dir import copy_companions, refuse_untrusted
 from xla_shard.io.storage import Storage
 
 __all__ = ["Batch", "DataSources", "DatasetSource", "EvalSource", "Prefetcher", "SyntheticSource", "build",
-           "load_tokenizer", "local_rows", "micro_rows"]
+           "load_tokenizer", "local_rows", "micro_rows", "process_rows"]
 
 
 @dataclass

@@ -56,3 +56,9 @@ def trimmed(batch: Batch) -> Batch:
         return batch
     return {key: value[..., :length] if value.shape[-1] == mask.shape[-1] and value.dim() == mask.dim() else value
             for key, value in batch.items()}
+
+
+def process_rows(train, processes) -> list[range]:
+    """The rows of every step's global batch a process feeds, in each of its micro-batches."""
+    k = train.grad_accum_steps
+    return [micro_rows(train.global_batch_size, j, k, *processes.batch_part) for j in range(k)]

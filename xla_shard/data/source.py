@@ -15,6 +15,7 @@ import torch
 
 from xla_shard.data.batches import Batch
 from xla_shard.data.tokenize import IGNORE
+from xla_shard.errors import ConfigError
 
 
 class DatasetSource:
@@ -124,3 +125,18 @@ class Prefetcher:
             raise error
         assert got == step, f"prefetched step {got}, wanted {step}"
         return value
+
+
+def check_eval_labels(source, cfg) -> None:
+    """An evaluation set with nothing to predict (every label masked: prompts without answers) is said before
+    training, not found dividing by zero after it. (Generated completions, a prompt source's, have none to check.)"""
+    if not getattr(source, "labelled", True):
+        return
+    causal = cfg.model.task == "causal_lm"
+    for index in range(source.batches):
+        labels = source.rows(index, range(source.batch))["labels"]
+        if ((labels[..., 1:] if causal else labels) != IGNORE).any():
+            return
+    key = "data.eval_path" if cfg.data.eval_path else "data.eval_fraction"
+    raise ConfigError(key, f"no row of the evaluation set ({source.rows_total} rows) has a label to predict: every "
+                           "label is masked (a prompt without its answer, or an answer cut off by train.seq_len)")

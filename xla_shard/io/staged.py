@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from xla_shard.errors import one_line
+from xla_shard.errors import ConfigError, file_in_the_way, one_line
 from xla_shard.io.storage import Storage, StorageError
 
 
@@ -72,3 +72,12 @@ class StagedDir:
             shutil.rmtree(self.local, ignore_errors=True)
         else:
             self.warn(f"output_dir: this run's metrics stay in {self.local} (the upload to {self.url} failed)")
+
+
+def check_output_dir(path: str) -> None:
+    """output_dir is a directory, or can become one (a URL is written through a staging folder)."""
+    if is_url(path):  # written through a staging folder (xla_shard.io.staged)
+        return
+    blocker = file_in_the_way(Path(path))
+    if blocker:
+        raise ConfigError("output_dir", f"{path!r}: {blocker} is a file, not a directory")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 # The config first: its schema composes itself from the registry, whose sections build on the config's, so the
 # registry is first imported from inside the schema whichever of the two a program imports first.
 import xla_shard.config  # noqa: F401  (isort: skip)
+from xla_shard.errors import ConfigError
 from xla_shard.methods.registry import METHODS
 
 if TYPE_CHECKING:
@@ -85,6 +86,24 @@ def objective_for(cfg, loss_fn=None) -> Objective:
     return method_for(cfg, loss_fn).objective
 
 
+def evaluate(model, backend, source, cfg, objective: Objective | None = None) -> dict[str, float]:
+    """The objective's metrics (the config's unless given) over every row of an evaluation source
+    (`train.eval_steps` batches if set), with the model in eval mode. A causal LM's or classifier's loss and
+    accuracy are summed over the tokens or rows that have a label, then divided by their count, so filler rows
+    and padding count for nothing. (The Trainer and TRL average each batch's mean instead; the two agree where
+    every batch has as many labelled tokens.) Every process calls it."""
+    if source is None:
+        raise ConfigError("data.eval_path", "there is no evaluation set to evaluate on: set data.eval_path (a file "
+                                            "of held-out rows) or data.eval_fraction (rows held out of data.path)")
+    from xla_shard.data import micro_rows
+
+    train = cfg.train
+    batches = min(source.batches, train.eval_steps or source.batches)
+    rows = micro_rows(train.global_batch_size, 0, 1, *backend.processes.batch_part)
+    result = (objective or method_for(cfg).objective).evaluate(model, backend, source, batches, rows)
+    return {**result, "eval_batches": batches, "eval_rows": source.rows_covered(batches)}
+
+
 def __getattr__(name: str):
     if name in ("Adapter", "Objective"):
         module = importlib.import_module(f"xla_shard.methods.{name.lower()}")
@@ -93,4 +112,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["GENERATION", "INFERENCE_ENGINE", "METHODS", "REFERENCE_MODEL", "Adapter", "Method", "Objective",
-           "adapter_for", "method_for", "objective_for"]
+           "adapter_for", "evaluate", "method_for", "objective_for"]
