@@ -208,6 +208,31 @@ def _names_a_backend(operands: list[ast.expr], names: set[str]) -> bool:
     return False
 
 
+def test_a_data_kind_is_a_registry_line_and_only_its_own_module_names_it():
+    """`data.kind` is composed from config/data_kinds.py, each kind's rows class loads from its module, one method
+    trains each kind, and no code compares a kind's name but the module of that kind's rows: the config's checks
+    and `data.build` read the registry's facts instead."""
+    import typing
+
+    from xla_shard.config.data_kinds import KINDS
+    from xla_shard.config.schema import DataSection
+    from xla_shard.data.kind import RowKind, row_kind
+    from xla_shard.methods import METHODS
+
+    assert set(typing.get_args(DataSection.model_fields["kind"].annotation)) == set(KINDS)
+    assert sorted(kind for entry in METHODS.values() for kind in entry.rows) == sorted(KINDS)
+    for name, entry in KINDS.items():
+        rows = row_kind(name)
+        assert isinstance(rows, RowKind) and rows.name == name and type(rows).__module__ == entry.rows.split(":")[0]
+    found = []
+    for module, path in MODULES.items():
+        own = {name for name, entry in KINDS.items() if entry.rows.split(":")[0] == module}
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and _names_a_backend([node.left, *node.comparators], set(KINDS) - own):
+                found.append(f"{module}:{node.lineno}")
+    assert not found, found
+
+
 def test_the_name_check_looks_inside_tuples_and_sees_enum_members():
     compare = ast.parse('backend not in ("auto", "torch_fsdp")').body[0].value
     assert _names_a_backend([compare.left, *compare.comparators], set(BACKENDS))

@@ -13,6 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, create_model, field_validator, model_validator
 
+from xla_shard.config.data_kinds import KINDS
 from xla_shard.config.section import Section
 from xla_shard.methods.registry import METHODS
 
@@ -379,6 +380,10 @@ class TrainSection(Section):
         return self
 
 
+def _completion_kinds() -> list[str]:
+    return [name for name, kind in KINDS.items() if kind.completion_loss == "optional"]
+
+
 class DataSection(Section):
     """What the model trains on. Files are read with Hugging Face `datasets` (memory-mapped Arrow, tokenized
     once and cached), so a corpus larger than host memory works."""
@@ -395,7 +400,7 @@ class DataSection(Section):
     # to it, `chosen_field` preferred over `rejected_field` (strings, or lists of messages), trained with DPO (the
     # `dpo` section); prompt: a prompt alone in `prompt_field` (a string or a list of messages), its row's other
     # columns handed to the reward functions, trained with GRPO (the `grpo` section).
-    kind: Literal["text", "chat", "prompt_completion", "preference", "prompt"] = "text"
+    kind: Literal[tuple(KINDS)] = "text"  # config/data_kinds.py
     # causal_lm: the column holding the text (txt files: each line is a row of `text`).
     text_field: str = "text"
     messages_field: str = "messages"
@@ -429,9 +434,9 @@ class DataSection(Section):
     @property
     def packs(self) -> str | None:
         """The packing strategy rows are packed with, None where they are not."""
-        if not self.packing or self.kind in ("preference", "prompt"):
+        if not self.packing or KINDS[self.kind].padded:
             return None
-        return self.packing_strategy or ("wrapped" if self.kind == "text" else "bfd")
+        return self.packing_strategy or ("wrapped" if KINDS[self.kind].plain_text else "bfd")
 
     @model_validator(mode="after")
     def _one_eval_source(self) -> DataSection:
@@ -439,35 +444,34 @@ class DataSection(Section):
             raise ValueError("set data.eval_path or data.eval_fraction, not both")
         if self.path == "synthetic" and (self.eval_path or self.eval_fraction):
             raise ValueError("data.path is synthetic: there is nothing to evaluate on (set data.path to a file)")
-        if self.kind != "text" and self.path == "synthetic":
+        kind = KINDS[self.kind]
+        if not kind.plain_text and self.path == "synthetic":
             raise ValueError(f"data.kind {self.kind} reads rows from a file: set data.path")
-        if self.kind == "text" and self.completion_only_loss:
-            raise ValueError("data.completion_only_loss applies to data.kind chat and prompt_completion; a text row "
-                             "has no prompt to leave out of the loss")
-        if self.packing_strategy is not None and (not self.packing or self.kind in ("preference", "prompt")):
+        if kind.completion_loss == "no_prompt" and self.completion_only_loss:
+            raise ValueError(f"data.completion_only_loss applies to data.kind {' and '.join(_completion_kinds())}; a "
+                             f"{self.kind} row has no prompt to leave out of the loss")
+        if self.packing_strategy is not None and (not self.packing or kind.padded):
             raise ValueError(f"data.packing_strategy {self.packing_strategy} packs rows, but "
                              + ("data.packing is false" if not self.packing else
                                 f"{self.kind} rows are always padded"))
-        if self.packing_strategy == "wrapped" and self.kind != "text":
+        if self.packing_strategy == "wrapped" and not kind.plain_text:
             raise ValueError(f"data.packing_strategy wrapped cuts rows across examples; data.kind {self.kind} keeps "
                              "each example whole: use bfd or bfd_split")
-        if self.kind != "text" and self.streaming:
+        if not kind.plain_text and self.streaming:
             raise ValueError(f"data.streaming reads plain text only; data.kind {self.kind} rows are prepared up front "
                              "(set data.streaming: false)")
-        if self.kind != "text" and self.format == "txt":
+        if not kind.plain_text and self.format == "txt":
             raise ValueError(f"data.format txt holds one line of text per row; data.kind {self.kind} needs named "
                              "columns (jsonl, json, parquet or csv)")
-        columns = {"prompt_completion": ("prompt_field", "completion_field"),
-                   "preference": ("prompt_field", "chosen_field", "rejected_field")}.get(self.kind, ())
-        named = [(key, getattr(self, key)) for key in columns]
+        named = [(key, getattr(self, key)) for key in kind.columns]
         for index, (key, column) in enumerate(named):
             same = next((other for other, theirs in named[:index] if theirs == column), None)
             if same:
                 raise ValueError(f"data.{same} and data.{key} both name the column {column!r}: a data.kind "
                                  f"{self.kind} row's parts are columns of their own")
-        if self.kind in ("preference", "prompt") and self.completion_only_loss is not None:
-            raise ValueError("data.completion_only_loss applies to chat and prompt_completion; DPO's and GRPO's "
-                             "log-probabilities are always the completions' (drop the key)")
+        if kind.completion_loss == "always" and self.completion_only_loss is not None:
+            raise ValueError(f"data.completion_only_loss applies to {' and '.join(_completion_kinds())}; a "
+                             f"{self.kind} row's log-probabilities are always the completions' (drop the key)")
         if self.streaming and self.packing and self.packs != "wrapped":
             raise ValueError(f"data.streaming packs documents as it reads them (wrapped); data.packing_strategy "
                              f"{self.packing_strategy} packs a thousand at a time from prepared rows: drop one")
@@ -749,7 +753,7 @@ class _ShardConfig(Section):
         if self.model.lora is not None and self.model.lora.use_dora and self.fsdp.scan_layers:
             raise ValueError("model.lora.use_dora with fsdp.scan_layers: DoRA's magnitudes start from each "
                              "layer's weights, which a scanned model holds stacked; drop one of them")
-        if self.data.kind != "text" and self.model.task != "causal_lm":
+        if not KINDS[self.data.kind].plain_text and self.model.task != "causal_lm":
             raise ValueError(f"data.kind {self.data.kind} trains a causal LM on answers; model.task is "
                              f"{self.model.task} (its rows are data.text_fields and data.label_field)")
         return self

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from xla_shard.data.batches import Batch, local_rows, micro_rows, process_rows
+from xla_shard.data.kind import row_kind
 from xla_shard.data.source import DatasetSource, EvalSource, Prefetcher
 from xla_shard.data.synthetic import SyntheticSource
 from xla_shard.errors import ConfigError, one_line
@@ -40,8 +41,7 @@ def build(cfg, model_config, model_directory: str | None = None, generations=Non
     fills the `datasets` cache, the others read it. `generations` (`prompts.Generations`): what a method that
     generates its completions asks of prompt rows (its `Method.generations`)."""
     data, train = cfg.data, cfg.train
-    task = cfg.model.task
-    labels = model_config.num_labels if task == "sequence_classification" else None
+    labels = model_config.num_labels if cfg.model.task == "sequence_classification" else None
     if data.path == "synthetic":
         return DataSources(SyntheticSource(train.global_batch_size, train.seq_len, train.seed,
                                            model_config.vocab_size, labels))
@@ -55,73 +55,25 @@ def build(cfg, model_config, model_directory: str | None = None, generations=Non
     if data.streaming:
         return _streamed(cfg, tokenizer, model_config)
     try:
-        train_rows, eval_rows, dropped, raw, raw_eval = _tokenized(cfg, tokenizer, model_config, task, generations)
+        train_rows, eval_rows, dropped, raw, raw_eval = _tokenized(cfg, tokenizer, model_config, generations)
     except UnicodeDecodeError as exc:  # arrow hands undecodable text on when the rows are first read
         raise ConfigError("data.path", f"{data.path} (or data.eval_path) is not UTF-8 text: byte {exc.start} of a "
                                        f"value cannot be decoded ({exc.reason})") from None
+    kind = row_kind(data.kind)
     evaluation = None
     if eval_rows is not None:
-        if data.kind == "prompt":
-            from xla_shard.data.prompts import PromptEvalSource
-
-            evaluation = PromptEvalSource(eval_rows, raw_eval, tokenizer, generations, train.global_batch_size)
-        else:
-            evaluation = EvalSource(eval_rows, train.global_batch_size)
+        evaluation = kind.eval_source(cfg, eval_rows, raw_eval, tokenizer, generations)
         if evaluation.batches == 0:
             raise ConfigError("data.eval_path" if data.eval_path else "data.eval_fraction",
                               f"gives no evaluation rows of train.seq_len={train.seq_len} tokens")
-    rows = len(train_rows)
-    if data.kind == "prompt":  # a prompt stands for its group of completions
-        rows *= generations.per_prompt
+    rows = kind.training_rows(len(train_rows), generations)
     if rows < train.global_batch_size:
         raise ConfigError("data.path", f"{data.path} gives {rows} training rows of {train.seq_len} tokens, fewer "
                                        f"than one batch of train.global_batch_size={train.global_batch_size}")
-    if data.kind == "prompt":
-        from xla_shard.data.prompts import PromptSource
-
-        return DataSources(PromptSource(train_rows, raw, tokenizer, generations, train.global_batch_size, train.seed),
-                           evaluation,
-                           description=f"{data.path}: {len(train_rows)} prompts, left-padded to "
-                                       f"{generations.prompt_tokens(train.seq_len)} tokens, "
-                                       f"{generations.per_prompt} completions each"
-                                       + (f"; {dropped} prompt(s) longer dropped" if dropped else "")
-                                       + (f", {len(eval_rows)} for evaluation" if eval_rows is not None else ""))
-    if data.kind == "preference":
-        what = "prompt + chosen and prompt + rejected, padded"
-    elif task == "causal_lm" and data.packs == "wrapped":
-        what = "documents joined and cut into rows (wrapped packing)"
-    elif task == "causal_lm" and data.packs:
-        what = (f"{'documents' if data.kind == 'text' else data.kind + ' examples'} packed best-fit decreasing "
-                f"({data.packs})")
-    else:
-        what = f"{'documents' if data.kind == 'text' else data.kind + ' examples'}, one a row, padded"
-    filled = real_fraction(train_rows, train.seq_len)
-    fill = "" if filled is None else (f", {100 * filled:.1f}% of their tokens real (the rest "
-                                      f"{'filler' if data.packs else 'padding'})")
-    scope = {"text": "", "chat": "; loss on the assistant turns", "prompt_completion": "; loss on the completions",
-             "preference": "; the loss on the completions' log-probabilities"}
-    # A DPO loss is a mean over rows, every one of which counts: no tokens to weigh.
-    uneven = task == "causal_lm" and data.kind != "preference" and (data.kind != "text" or data.packs != "wrapped")
-    return DataSources(DatasetSource(train_rows, train.global_batch_size, train.seed), evaluation,
-                       f"{data.path}: {rows} training rows of {train.seq_len} tokens: {what}{fill}"
-                       + (f", {len(eval_rows)} for evaluation" if eval_rows is not None else "")
-                       + (scope[data.kind] if data.completion_only_loss is not False else "")
-                       + (f"; {dropped} example(s) dropped: nothing to learn within train.seq_len" if dropped else ""),
-                       uneven_labels=uneven)
-
-
-def real_fraction(rows, seq_len: int) -> float | None:
-    """The share of the rows' tokens that are not filler or padding (None: every token is real)."""
-    if "real_tokens" in rows.column_names:
-        from xla_shard.data import packing
-
-        return packing.fill_rate(rows, seq_len)
-    if "attention_mask" in rows.column_names:
-        import numpy as np
-
-        mask = np.asarray(rows.with_format("numpy")["attention_mask"])
-        return float(mask.mean()) if mask.size else None
-    return None
+    evaluated = len(eval_rows) if eval_rows is not None else None
+    return DataSources(kind.train_source(cfg, train_rows, raw, tokenizer, generations), evaluation,
+                       kind.describe(cfg, train_rows, rows, evaluated, dropped, generations),
+                       uneven_labels=kind.uneven_labels(cfg))
 
 
 def _streamed(cfg, tokenizer, model_config) -> DataSources:
@@ -157,10 +109,10 @@ def _streamed(cfg, tokenizer, model_config) -> DataSources:
                                            f"{data.shuffle_buffer} rows)", uneven_labels=not data.packing)
 
 
-def _tokenized(cfg, tokenizer, model_config, task, generations):
+def _tokenized(cfg, tokenizer, model_config, generations):
     """(training rows, evaluation rows or None, rows dropped, the raw training rows, the raw evaluation rows or
     None): the raw ones as split, so that a tokenized row's `row` indexes them."""
-    from xla_shard.data import files, tokenize
+    from xla_shard.data import files
 
     data, train = cfg.data, cfg.train
     raw = files.read_rows(data.path, data.format, "data.path")
@@ -173,27 +125,13 @@ def _tokenized(cfg, tokenizer, model_config, task, generations):
         raw, raw_eval = split["train"], split["test"]
 
     dropped = 0
+    kind = row_kind(data.kind)
 
     def encode(rows, path):
         nonlocal dropped
-        if data.kind == "preference":
-            rows, cut = _preference_rows(cfg, tokenizer, rows, path)
-            dropped += cut
-            return rows
-        if data.kind == "prompt":
-            rows, cut = _prompt_rows(cfg, tokenizer, rows, path, generations)
-            dropped += cut
-            return rows
-        if data.kind != "text":
-            rows, cut = _sft_rows(cfg, tokenizer, model_config, rows, path)
-            dropped += cut
-            return rows
-        if task == "causal_lm":
-            return tokenize.causal_lm(rows, tokenizer, data.text_field, train.seq_len, data.packs, data.num_proc,
-                                      path)
-        return tokenize.classification(rows, tokenizer, data.text_fields, data.label_field,
-                                       dict(model_config.label2id or {}), model_config.num_labels, train.seq_len,
-                                       data.num_proc, path)
+        rows, cut = kind.encode(cfg, tokenizer, model_config, rows, path, generations)
+        dropped += cut
+        return rows
 
     train_rows = encode(raw, data.path)
     if raw_eval is None:
@@ -209,39 +147,6 @@ def _tokenized(cfg, tokenizer, model_config, task, generations):
             raise
         raise ConfigError("data.eval_path", f"{data.eval_path} is not UTF-8 text: byte {exc.start} of a value "
                                             f"cannot be decoded ({exc.reason})") from None
-
-
-def _sft_rows(cfg, tokenizer, model_config, rows, path):
-    """Chat or prompt/completion rows, tokenized as TRL does, then packed or padded to seq_len."""
-    from xla_shard.data import completions, packing, tokenize
-
-    data, seq_len = cfg.data, cfg.train.seq_len
-    workers = tokenize.worker_count(len(rows), data.num_proc)
-    examples, dropped = completions.examples(rows, tokenizer, completions.fields_of(data), seq_len, workers, path)
-    pad = completions.pad_id(tokenizer)
-    if data.packs:
-        completions.require_position_ids(model_config)
-        return packing.pack(examples, seq_len, pad, workers, split=data.packs == "bfd_split"), dropped
-    return completions.padded(examples, seq_len, pad, workers), dropped
-
-
-def _preference_rows(cfg, tokenizer, rows, path):
-    """Prompt / chosen / rejected rows, tokenized as TRL's DPOTrainer does, both sequences of a row padded."""
-    from xla_shard.data import completions, preference, tokenize
-
-    workers = tokenize.worker_count(len(rows), cfg.data.num_proc)
-    return preference.examples(rows, tokenizer, preference.fields_of(cfg.data), cfg.train.seq_len,
-                               completions.pad_id(tokenizer), workers, path)
-
-
-def _prompt_rows(cfg, tokenizer, rows, path, generations):
-    """Prompts alone, tokenized as TRL's GRPOTrainer does, left-padded to what the completion leaves of seq_len."""
-    from xla_shard.data import completions, prompts, tokenize
-
-    workers = tokenize.worker_count(len(rows), cfg.data.num_proc)
-    return prompts.examples(rows, tokenizer, prompts.fields_of(cfg.data),
-                            generations.prompt_tokens(cfg.train.seq_len), completions.pad_id(tokenizer),
-                            workers, path, generations.length_key)
 
 
 def load_tokenizer(location: str | None, model_config, explicit: bool, model_name: str):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from xla_shard.data.tokenize import IGNORE
+from xla_shard.data.packing import IGNORE
 
 Batch = dict[str, torch.Tensor]
 

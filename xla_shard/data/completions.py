@@ -24,6 +24,7 @@ import inspect
 from dataclasses import dataclass
 
 from xla_shard.data import chat_template
+from xla_shard.data.kind import RowKind
 from xla_shard.data.tokenize import IGNORE, require_columns
 from xla_shard.errors import ConfigError, one_line
 
@@ -260,3 +261,23 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def kind_of(value) -> str:
     return "missing" if value is None else type(value).__name__
+
+
+class CompletionRows(RowKind):
+    """data.kind chat and prompt_completion: examples tokenized as TRL does, packed or padded to seq_len."""
+
+    @property
+    def loss_scope(self) -> str:
+        return "; loss on the assistant turns" if self.name == "chat" else "; loss on the completions"
+
+    def encode(self, cfg, tokenizer, model_config, rows, path, generations):
+        from xla_shard.data import packing, tokenize
+
+        data, seq_len = cfg.data, cfg.train.seq_len
+        workers = tokenize.worker_count(len(rows), data.num_proc)
+        found, dropped = examples(rows, tokenizer, fields_of(data), seq_len, workers, path)
+        pad = pad_id(tokenizer)
+        if data.packs:
+            require_position_ids(model_config)
+            return packing.pack(found, seq_len, pad, workers, split=data.packs == "bfd_split"), dropped
+        return padded(found, seq_len, pad, workers), dropped

@@ -114,3 +114,15 @@ def pack(rows, seq_len: int, pad_id: int, num_proc: int | None, split: bool = Fa
 def fill_rate(rows, seq_len: int) -> float:
     """Real (not filler) tokens over the tokens the packed rows hold."""
     return sum(rows["real_tokens"]) / (len(rows) * seq_len) if len(rows) else 0.0
+
+
+def real_fraction(rows, seq_len: int) -> float | None:
+    """The share of the rows' tokens that are not filler or padding (None: every token is real)."""
+    if "real_tokens" in rows.column_names:
+        return fill_rate(rows, seq_len)
+    if "attention_mask" in rows.column_names:
+        import numpy as np
+
+        mask = np.asarray(rows.with_format("numpy")["attention_mask"])
+        return float(mask.mean()) if mask.size else None
+    return None

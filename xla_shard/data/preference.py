@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xla_shard.data.completions import Renderer, common_prefix, padded_example
+from xla_shard.data.completions import Renderer, common_prefix, pad_id, padded_example
+from xla_shard.data.kind import RowKind
 from xla_shard.data.tokenize import IGNORE, require_columns
 from xla_shard.errors import ConfigError
 
@@ -73,3 +74,19 @@ class _PairEncoder(Renderer):
                                                      "learn")
         start = min(common_prefix(prompt_ids, ids) for ids in pairs)  # TRL's rule
         return prompt_ids[:start], pairs[0][start:], pairs[1][start:]
+
+
+class PreferenceRows(RowKind):
+    """data.kind preference: prompt / chosen / rejected rows, tokenized as TRL's DPOTrainer does, both sequences
+    of a row padded."""
+
+    loss_scope = "; the loss on the completions' log-probabilities"
+
+    def encode(self, cfg, tokenizer, model_config, rows, path, generations):
+        from xla_shard.data.tokenize import worker_count
+
+        return examples(rows, tokenizer, fields_of(cfg.data), cfg.train.seq_len, pad_id(tokenizer),
+                        worker_count(len(rows), cfg.data.num_proc), path)
+
+    def layout(self, cfg) -> str:
+        return "prompt + chosen and prompt + rejected, padded"

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xla_shard.data.completions import Renderer, check_messages, kind_of
+from xla_shard.data.completions import Renderer, check_messages, kind_of, pad_id
+from xla_shard.data.kind import RowKind
 from xla_shard.data.tokenize import require_columns
 from xla_shard.errors import ConfigError
 
@@ -150,3 +151,29 @@ class PromptEvalSource:
 def _columns(raw, rows: list[int], prompt_field: str) -> tuple[list, dict[str, list]]:
     picked = raw[rows]
     return picked[prompt_field], {key: values for key, values in picked.items() if key != prompt_field}
+
+
+class PromptRows(RowKind):
+    """data.kind prompt: prompts alone, tokenized as TRL's GRPOTrainer does, left-padded to what the completion
+    leaves of seq_len; each stands for its group of generated completions."""
+
+    def encode(self, cfg, tokenizer, model_config, rows, path, generations):
+        from xla_shard.data.tokenize import worker_count
+
+        return examples(rows, tokenizer, fields_of(cfg.data), generations.prompt_tokens(cfg.train.seq_len),
+                        pad_id(tokenizer), worker_count(len(rows), cfg.data.num_proc), path, generations.length_key)
+
+    def training_rows(self, encoded: int, generations) -> int:
+        return encoded * generations.per_prompt
+
+    def train_source(self, cfg, rows, raw, tokenizer, generations):
+        return PromptSource(rows, raw, tokenizer, generations, cfg.train.global_batch_size, cfg.train.seed)
+
+    def eval_source(self, cfg, rows, raw, tokenizer, generations):
+        return PromptEvalSource(rows, raw, tokenizer, generations, cfg.train.global_batch_size)
+
+    def describe(self, cfg, rows, count, evaluated, dropped, generations):
+        return (f"{cfg.data.path}: {len(rows)} prompts, left-padded to "
+                f"{generations.prompt_tokens(cfg.train.seq_len)} tokens, {generations.per_prompt} completions each"
+                + (f"; {dropped} prompt(s) longer dropped" if dropped else "")
+                + (f", {evaluated} for evaluation" if evaluated is not None else ""))

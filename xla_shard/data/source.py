@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from xla_shard.data.batches import Batch
-from xla_shard.data.tokenize import IGNORE
+from xla_shard.data.packing import IGNORE
 from xla_shard.errors import ConfigError
 
 

@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 from xla_shard.data import packing as packer
+from xla_shard.data.kind import RowKind
 from xla_shard.data.packing import IGNORE
 from xla_shard.errors import ConfigError
 
@@ -133,3 +134,23 @@ def _require_text(rows, field: str, path: str, key: str) -> None:
         first = pc.index(pc.is_null(column), True).as_py()
         raise ConfigError(key, f"{path}: row {first} has no {field!r} (null; {column.null_count} row(s) in all); "
                                "every row needs its text")
+
+
+class TextRows(RowKind):
+    """data.kind text: a causal LM's documents (packed or padded), or a classifier's texts and labels."""
+
+    def encode(self, cfg, tokenizer, model_config, rows, path, generations):
+        data, seq_len = cfg.data, cfg.train.seq_len
+        if cfg.model.task == "causal_lm":
+            return causal_lm(rows, tokenizer, data.text_field, seq_len, data.packs, data.num_proc, path), 0
+        return classification(rows, tokenizer, data.text_fields, data.label_field, dict(model_config.label2id or {}),
+                              model_config.num_labels, seq_len, data.num_proc, path), 0
+
+    def uneven_labels(self, cfg) -> bool:  # wrapped documents and classifier rows are labelled throughout
+        return cfg.model.task == "causal_lm" and cfg.data.packs != "wrapped"
+
+    def layout(self, cfg) -> str:
+        packs = cfg.data.packs if cfg.model.task == "causal_lm" else None  # a classifier's rows are never packed
+        if packs == "wrapped":
+            return "documents joined and cut into rows (wrapped packing)"
+        return f"documents packed best-fit decreasing ({packs})" if packs else "documents, one a row, padded"

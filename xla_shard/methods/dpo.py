@@ -18,7 +18,7 @@ from torch import nn
 
 from xla_shard import lm_head
 from xla_shard.data import Batch
-from xla_shard.data.tokenize import IGNORE
+from xla_shard.data.packing import IGNORE
 from xla_shard.methods.adapter import Adapter
 from xla_shard.methods.objective import Objective, scored_forward
 
