@@ -40,7 +40,7 @@ _EXPORTS = {
     "evaluate": ("xla_shard.methods", "evaluate"),
     "method_for": ("xla_shard.methods", "method_for"),
     "objective_for": ("xla_shard.methods", "objective_for"),
-    "make_optimizer": ("xla_shard.train", "make_optimizer"),
+    "make_optimizer": ("xla_shard.schedule", "make_optimizer"),
     "ConfigError": ("xla_shard.errors", "ConfigError"),
     "UserError": ("xla_shard.errors", "UserError"),
     "CheckpointError": ("xla_shard.checkpoint", "CheckpointError"),

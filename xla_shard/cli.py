@@ -45,7 +45,13 @@ def _positive(text: str) -> float:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xla-shard", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_train, _add_config, _add_gcp, _add_plan, _add_compile, _add_ckpt):
+        add(commands)
+    return parser
 
+
+def _add_train(commands) -> None:
+    """`xla-shard train`."""
     train = commands.add_parser("train", help="train a model as the config says")
     train.add_argument("config", nargs="?", help="YAML config (ours, accelerate's or transformers')")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -54,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="torch_fsdp: processes torchrun starts on this node (default: GPUs, or cpu_devices)")
     train.set_defaults(func=_train)
 
+
+def _add_config(commands) -> None:
+    """`xla-shard config check|import`."""
     config = commands.add_parser("config", help="check or import a config")
     config_commands = config.add_subparsers(dest="config_command", required=True)
     check = config_commands.add_parser("check", help="validate a config as `train` would, and say so in one line")
@@ -65,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("file")
     imp.add_argument("-o", "--output", help="write the converted config here instead of stdout")
     imp.set_defaults(func=_config_import)
+
+
+def _add_gcp(commands) -> None:
+    """`xla-shard gcp render`."""
     gcp = commands.add_parser("gcp", help="render gcloud / GKE deployment scripts from a config")
     gcp_commands = gcp.add_subparsers(dest="gcp_command", required=True)
     render = gcp_commands.add_parser("render", help="deploy.sh, teardown.sh and the config (VMs: startup.sh; "
@@ -77,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
                         "emergency save's time (default: measured by this run's newest checkpoint, else assumed)")
     render.set_defaults(func=_gcp_render, torch_xla=False)
 
+
+def _add_plan(commands) -> None:
+    """`xla-shard plan`."""
     plan = commands.add_parser("plan", help="rank the sharding triples for a model and a cluster by the cost model")
     plan.add_argument("config", nargs="?", help="YAML config (its model, batch, precision and optimizer)")
     plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -98,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="every candidate, as JSON")
     plan.set_defaults(func=_plan, torch_xla=False)
 
+
+def _add_compile(commands) -> None:
+    """`xla-shard compile`."""
     aot = commands.add_parser("compile", help="compile the config's training step for a TPU slice with the TPU "
                                                "compiler (no TPU needed): memory per device, collectives, roofline")
     aot.add_argument("config", nargs="?", help="YAML config (defaults and --set alone if omitted)")
@@ -115,6 +134,9 @@ def _parser() -> argparse.ArgumentParser:
     aot.add_argument("--no-suggest", action="store_true", help=argparse.SUPPRESS)  # a compile of a suggestion
     aot.set_defaults(func=_compile)
 
+
+def _add_ckpt(commands) -> None:
+    """`xla-shard ckpt list|verify|export`."""
     ckpt = commands.add_parser("ckpt", help="list, verify or export checkpoints")
     ckpt.set_defaults(torch_xla=False)
     ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
@@ -136,7 +158,6 @@ def _parser() -> argparse.ArgumentParser:
                         help="MoE: write each layer's experts as one tensor, as the model holds them (else one "
                              "tensor per expert, as save_pretrained writes them)")
     export.set_defaults(func=_ckpt_export)
-    return parser
 
 
 def _accelerators() -> list[str]:

@@ -6,7 +6,7 @@ trains on the same curve.
 
 A pure function of the step, so a resumed run continues the schedule exactly from its checkpoint's step:
 the step and the warm-up rule (recorded in each checkpoint) are the schedule's whole state. `lambda_lr` gives
-the same schedule as a torch LambdaLR for users with their own loop.
+the same schedule as a torch LambdaLR for users with their own loop; `make_optimizer` the optimizer it drives.
 """
 
 from __future__ import annotations
@@ -38,3 +38,14 @@ def lr_factor(step: int, train: TrainSection, total_steps: int, warmup_rule: str
 
 def lambda_lr(optimizer: torch.optim.Optimizer, train: TrainSection, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, train, total_steps))
+
+
+def make_optimizer(params, train: TrainSection, accelerator: str = "cpu") -> torch.optim.Optimizer:
+    params = [p for p in params if p.requires_grad]
+    if train.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=train.lr, weight_decay=train.weight_decay)
+    # On CPUs and TPUs, foreach=False: the same kernels on every backend (XLA and DTensor take different
+    # foreach paths), which the cross-backend tests compare. On GPUs torch's default multi-tensor kernels: one
+    # launch per group instead of several per parameter (6% of a 1B-parameter step on an H100).
+    return torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay,
+                             foreach=None if accelerator == "cuda" else False)

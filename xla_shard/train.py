@@ -22,7 +22,7 @@ from xla_shard import data as datalib
 from xla_shard.backends.base import Backend
 from xla_shard.checkpoint import Checkpointer, CheckpointError, NoCheckpoints, RunRecord, finished_message
 from xla_shard.checkpoint.export import check_final_export, export, final_export_dir
-from xla_shard.config.schema import ShardConfig, TrainSection
+from xla_shard.config.schema import ShardConfig
 from xla_shard.data import Batch, process_rows
 from xla_shard.data.batches import trimmed
 from xla_shard.data.source import check_eval_labels
@@ -35,19 +35,8 @@ from xla_shard.metrics import (GraphCount, MemoryReport, Mfu, StepClock, StepLog
 from xla_shard.models import model_config, resolve_source
 from xla_shard.preemption import PreemptionGuard
 from xla_shard.pretrained import PretrainedWeights, build_for, check_model, reference_model
-from xla_shard.schedule import WARMUP_RULE, lr_factor
+from xla_shard.schedule import WARMUP_RULE, lr_factor, make_optimizer
 from xla_shard.wrap import inferred_layers
-
-
-def make_optimizer(params, train: TrainSection, accelerator: str = "cpu") -> torch.optim.Optimizer:
-    params = [p for p in params if p.requires_grad]
-    if train.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=train.lr, weight_decay=train.weight_decay)
-    # On CPUs and TPUs, foreach=False: the same kernels on every backend (XLA and DTensor take different
-    # foreach paths), which the cross-backend tests compare. On GPUs torch's default multi-tensor kernels: one
-    # launch per group instead of several per parameter (6% of a 1B-parameter step on an H100).
-    return torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay,
-                             foreach=None if accelerator == "cuda" else False)
 
 
 def preflight(cfg: ShardConfig, capabilities=None, method: Method | None = None) -> None:
@@ -172,22 +161,7 @@ class Trainer:
         self.mfu = Mfu(self.flops_per_token, backend.device_kind, backend.num_devices,
                        cfg.train.peak_flops_per_device)
         if cfg.checkpoint.dir:
-            self.checkpointer = Checkpointer(cfg.checkpoint, backend.state, log=self._log,
-                                             trained_only=self.adapter.freezes_base, record=self.record)
-            own: dict = {}
-            self.start_step = self.checkpointer.restore(self.model, self.optimizer, own=own)
-            resumed = self.method.rollout.resume(self.start_step, own)
-            if resumed:
-                self._log(resumed)
-            self.warmup_rule = self.record.go_on_with_warmup_rule(self._restored(), self.start_step,
-                                                                  cfg.train.lr_warmup_steps, self._log)
-            key = "train.epochs" if cfg.train.epochs else "train.steps"
-            if self.start_step > self.total_steps:
-                raise ConfigError(key, f"{self.total_steps} steps are behind the checkpoint's step {self.start_step} "
-                                       f"(under {cfg.checkpoint.dir})")
-            if self.start_step == self.total_steps:  # a rerun of a finished run: exit 0, but not silently
-                self._log(finished_message(self.start_step, key, getattr(cfg.train, key.split(".")[1]),
-                                           self.total_steps))
+            self._restore()
         self._log(f"model: attention {model.config._attn_implementation}"
                   + (" (model.attn_implementation=auto)" if cfg.model.attn_implementation == "auto" else ""))
         self._fill_model(weights, source, model_class)
@@ -197,6 +171,27 @@ class Trainer:
         if prepared:
             self._log(prepared)
         return self
+
+    def _restore(self) -> None:
+        """The checkpointer, and what a resume restores: the model's and optimizer's state, the rollout's, the
+        warm-up rule the run goes on with; a run already past its steps is refused, one at its end said."""
+        cfg = self.cfg
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.backend.state, log=self._log,
+                                         trained_only=self.adapter.freezes_base, record=self.record)
+        own: dict = {}
+        self.start_step = self.checkpointer.restore(self.model, self.optimizer, own=own)
+        resumed = self.method.rollout.resume(self.start_step, own)
+        if resumed:
+            self._log(resumed)
+        self.warmup_rule = self.record.go_on_with_warmup_rule(self._restored(), self.start_step,
+                                                              cfg.train.lr_warmup_steps, self._log)
+        key = "train.epochs" if cfg.train.epochs else "train.steps"
+        if self.start_step > self.total_steps:
+            raise ConfigError(key, f"{self.total_steps} steps are behind the checkpoint's step {self.start_step} "
+                                   f"(under {cfg.checkpoint.dir})")
+        if self.start_step == self.total_steps:  # a rerun of a finished run: exit 0, but not silently
+            self._log(finished_message(self.start_step, key, getattr(cfg.train, key.split(".")[1]),
+                                       self.total_steps))
 
     def _fill_model(self, weights: PretrainedWeights | None, source, model_class: str) -> None:
         """What the wrapped model's values come from, past what a resume restored: nothing more (no weights

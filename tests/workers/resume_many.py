@@ -10,7 +10,8 @@ import sys
 import torch
 
 from xla_shard import config
-from xla_shard.train import Trainer, make_optimizer
+from xla_shard.schedule import make_optimizer
+from xla_shard.train import Trainer
 
 
 def main(url: str, times: str, *overrides: str) -> None:

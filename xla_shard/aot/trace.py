@@ -177,7 +177,7 @@ def _optimizer_state(trainer) -> None:
     """The optimizer's state, made as a resume makes it (zeros laid out as the backend shards them), so that the
     traced step is the one every step after the first repeats, without running one (which would hold the
     activations in host memory). Which state the optimizer keeps is learnt from one step on a 2-element tensor."""
-    from xla_shard.train import make_optimizer
+    from xla_shard.schedule import make_optimizer
 
     optimizer = trainer.optimizer
     probe = torch.nn.Parameter(torch.zeros(2))
