@@ -160,7 +160,7 @@ def test_a_resume_names_its_files_any_way_that_reaches_them(tmp_path, monkeypatc
     import types
 
     from xla_shard import config
-    from xla_shard.checkpoint.manager import changed_identity
+    from xla_shard.checkpoint.run_record import changed_identity
 
     data = tmp_path / "corpus.txt"
     data.write_text("some text\n")

@@ -15,7 +15,7 @@ from xla_shard import config
 from xla_shard.checkpoint import Checkpointer, layout
 from xla_shard.checkpoint.manager import NoCheckpoints
 from xla_shard.checkpoint.export import export
-from xla_shard.checkpoint.manager import MAX_EXTRA_DEPTH
+from xla_shard.checkpoint.extra_state import MAX_EXTRA_DEPTH
 from xla_shard.checkpoint.manifest import committed_steps, read_manifest
 from xla_shard.errors import UserError
 from xla_shard.io.storage import Storage

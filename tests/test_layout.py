@@ -23,8 +23,8 @@ LAYERS = [
               "xla_shard.planner.hlo", "xla_shard.schedule",
               "xla_shard.attention", "xla_shard.sequence", "xla_shard.experts", "xla_shard.metrics"]),
     ("storage formats and data", ["xla_shard.checkpoint", "xla_shard.data"]),
-    ("model", ["xla_shard.models", "xla_shard.wrap", "xla_shard.lm_head", "xla_shard.sampling", "xla_shard.methods",
-               "xla_shard.quant", "xla_shard.tensor_parallel"]),
+    ("model", ["xla_shard.models", "xla_shard.wrap", "xla_shard.lm_head", "xla_shard.logit_tail", "xla_shard.sampling",
+               "xla_shard.methods", "xla_shard.quant", "xla_shard.tensor_parallel"]),
     # the exporter writes a checkpoint's adapters in the format their method's room holds
     ("loading and planning", ["xla_shard.pretrained", "xla_shard.planner", "xla_shard.checkpoint.export"]),
     ("backends", ["xla_shard.backends"]),

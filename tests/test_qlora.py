@@ -126,7 +126,7 @@ def test_a_resume_under_other_quantization_is_refused_and_an_older_checkpoint_wa
     another; a checkpoint written before model.quantization existed resumes an unquantized run only."""
     import types
 
-    from xla_shard.checkpoint.manager import changed_identity
+    from xla_shard.checkpoint.run_record import changed_identity
 
     def written_with(*sets, drop=False):
         saved = config.load(None, list(sets)).model_dump(mode="json", by_alias=True)

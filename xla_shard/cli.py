@@ -51,7 +51,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_train(commands) -> None:
-    """`xla-shard train`."""
     train = commands.add_parser("train", help="train a model as the config says")
     train.add_argument("config", nargs="?", help="YAML config (ours, accelerate's or transformers')")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -62,7 +61,6 @@ def _add_train(commands) -> None:
 
 
 def _add_config(commands) -> None:
-    """`xla-shard config check|import`."""
     config = commands.add_parser("config", help="check or import a config")
     config_commands = config.add_subparsers(dest="config_command", required=True)
     check = config_commands.add_parser("check", help="validate a config as `train` would, and say so in one line")
@@ -77,7 +75,6 @@ def _add_config(commands) -> None:
 
 
 def _add_gcp(commands) -> None:
-    """`xla-shard gcp render`."""
     gcp = commands.add_parser("gcp", help="render gcloud / GKE deployment scripts from a config")
     gcp_commands = gcp.add_subparsers(dest="gcp_command", required=True)
     render = gcp_commands.add_parser("render", help="deploy.sh, teardown.sh and the config (VMs: startup.sh; "
@@ -92,7 +89,6 @@ def _add_gcp(commands) -> None:
 
 
 def _add_plan(commands) -> None:
-    """`xla-shard plan`."""
     plan = commands.add_parser("plan", help="rank the sharding triples for a model and a cluster by the cost model")
     plan.add_argument("config", nargs="?", help="YAML config (its model, batch, precision and optimizer)")
     plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -116,7 +112,6 @@ def _add_plan(commands) -> None:
 
 
 def _add_compile(commands) -> None:
-    """`xla-shard compile`."""
     aot = commands.add_parser("compile", help="compile the config's training step for a TPU slice with the TPU "
                                                "compiler (no TPU needed): memory per device, collectives, roofline")
     aot.add_argument("config", nargs="?", help="YAML config (defaults and --set alone if omitted)")
@@ -136,7 +131,6 @@ def _add_compile(commands) -> None:
 
 
 def _add_ckpt(commands) -> None:
-    """`xla-shard ckpt list|verify|export`."""
     ckpt = commands.add_parser("ckpt", help="list, verify or export checkpoints")
     ckpt.set_defaults(torch_xla=False)
     ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
@@ -221,25 +215,16 @@ def _preemption(cfg, args, hardware, backend, view) -> str:
     """The emergency save of the plan's pick against the window a preempted machine of this kind gets."""
     from xla_shard import backends
     from xla_shard.checkpoint import window
+    from xla_shard.deploy import tpu
 
     work = view.plan.work
     hosts = (args.hosts or max(1, args.devices // hardware.domain_max)) if hardware.domain_max else \
-        _tpu_hosts(args.accelerator, args.devices)
+        tpu.slice_hosts(args.accelerator, args.devices)
     writers = hosts if backends.capabilities(backend).launcher == "in_process" else args.devices
     step_s = view.best.step_s if view.best is not None else 0.0
     _, said = window.say(cfg, "gpu-vm" if hardware.domain_max else "tpu-vm", work.params, work.trained_params,
                          work.frozen_bytes, writers, step_s, window.rate_for(cfg, args.write_mib_s))
     return f"preemption ({cfg.deploy.provisioning}): {said}"
-
-
-def _tpu_hosts(accelerator: str, devices: int) -> int:
-    """A TPU slice's hosts: its name's, or `devices` chips at the generation's chips per host."""
-    from xla_shard.deploy import tpu
-
-    if "-" in accelerator:
-        return tpu.vm_hosts(accelerator)
-    generation = next(g for g in tpu.GENERATIONS.values() if accelerator.startswith(g.prefix))
-    return max(1, devices // generation.chips_per_host)
 
 
 def _ranking(cfg, args, hardware, backend):

@@ -281,24 +281,30 @@ def run_torchrun(nproc: int, settled: str, rendezvous: list[str] | None = None, 
         # traceback as the interpreter ends: nothing of this process is left to finalize.
         exit_without_finalizing(128 + exc.sigval)
     except ChildFailedError as exc:
-        said = sorted(Path(errors).glob("rank-*.txt"), key=lambda p: int(p.stem.split("-")[1]))
-        lost = sorted(Path(errors).glob("lost-*.txt"))
-        codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
-        if said:  # the others were stopped by the agent when the first failed
-            raise UserError(said[0].read_text().strip()) from None
-        crashed = sorted(set(codes) - {int(p.stem.split("-")[1]) for p in lost})
-        if lost and not crashed:  # every failure here a peer's loss: say it once
-            print(f"xla-shard: error: {lost[0].read_text().strip()}", file=sys.stderr)
-            return 1
-        if _say_interrupted(errors) or set(codes.values()) <= {INTERRUPTED_EXIT}:  # Ctrl-C: whatever else followed
-            return INTERRUPTED_EXIT
-        if set(codes.values()) == {PREEMPTED_EXIT}:
-            return PREEMPTED_EXIT
-        rank = crashed[0] if crashed else min(codes)
-        print(f"xla-shard: worker {rank} failed (exit code {codes[rank]}); its traceback is above", file=sys.stderr)
-        return 1
+        return _workers_failed(errors, {rank: failure.exitcode for rank, failure in exc.failures.items()})
     finally:
         shutil.rmtree(errors, ignore_errors=True)
+
+
+def _workers_failed(errors: str, codes: dict[int, int]) -> int:
+    """The exit status of a run whose workers failed with exit `codes` (by rank), each having left its one line,
+    if it had one, in the folder `errors`: a user error is raised as the first worker's line, a peer lost is said
+    once, a signal's stop is its status, and a crash names the worker whose traceback is above."""
+    said = sorted(Path(errors).glob("rank-*.txt"), key=lambda p: int(p.stem.split("-")[1]))
+    lost = sorted(Path(errors).glob("lost-*.txt"))
+    if said:  # the others were stopped by the agent when the first failed
+        raise UserError(said[0].read_text().strip()) from None
+    crashed = sorted(set(codes) - {int(p.stem.split("-")[1]) for p in lost})
+    if lost and not crashed:  # every failure here a peer's loss: say it once
+        print(f"xla-shard: error: {lost[0].read_text().strip()}", file=sys.stderr)
+        return 1
+    if _say_interrupted(errors) or set(codes.values()) <= {INTERRUPTED_EXIT}:  # Ctrl-C: whatever else followed
+        return INTERRUPTED_EXIT
+    if set(codes.values()) == {PREEMPTED_EXIT}:
+        return PREEMPTED_EXIT
+    rank = crashed[0] if crashed else min(codes)
+    print(f"xla-shard: worker {rank} failed (exit code {codes[rank]}); its traceback is above", file=sys.stderr)
+    return 1
 
 
 def _say_interrupted(errors: str) -> bool:

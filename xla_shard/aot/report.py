@@ -157,15 +157,7 @@ class Report:
         if c.heap_bytes is not None and c.heap_bytes != c.temp_bytes:
             lines.append(f"  (temporaries: the buffer assignment's block; libtpu's own stat says {_gib(c.temp_bytes)}, "
                          "that block and about its largest buffer again: docs/planner.md)")
-        largest = self.largest_temporaries()
-        if largest:
-            counted: dict[tuple[str, str, int], int] = {}
-            for what, slot in largest:  # alike slots (one a layer) said once, with their count
-                key = (what, slot.spelled, slot.bytes)
-                counted[key] = counted.get(key, 0) + 1
-            lines.append("largest temporaries: " + "; ".join(
-                (f"{n} x " if n > 1 else "") + f"{_gib(size)} {what} ({spelled})"
-                for (what, spelled, size), n in counted.items()))
+        lines += self._largest_temporaries_line()
         lines.append(f"compiler's cost analysis per device: {c.flops / 1e12:.3f} TFLOP, "
                      f"{c.bytes_accessed / 1e9:.3f} GB accessed"
                      + (f" (a loop's body counted once: {self.trace.loop_trips} scanned layers run it; the model's "
@@ -208,6 +200,15 @@ class Report:
                          + ("fits" if generating <= d.hbm_bytes else "does NOT fit"))
         return "\n".join(lines)
 
+
+    def _largest_temporaries_line(self) -> list[str]:
+        """The largest temporary buffers, alike slots (one a layer) said once with their count."""
+        counted: dict[tuple[str, str, int], int] = {}
+        for what, slot in self.largest_temporaries():
+            key = (what, slot.spelled, slot.bytes)
+            counted[key] = counted.get(key, 0) + 1
+        return ["largest temporaries: " + "; ".join((f"{n} x " if n > 1 else "") + f"{_gib(size)} {what} ({spelled})"
+                                                    for (what, spelled, size), n in counted.items())] if counted else []
 
 def _gib(size: float) -> str:
     return f"{size / GiB:.2f} GiB" if size >= GiB else f"{size / 2**20:.1f} MiB"

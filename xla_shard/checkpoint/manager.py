@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import os
 import threading
 import time
 import uuid
@@ -27,9 +26,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from xla_shard.checkpoint import layout, schema, window
+from xla_shard.checkpoint import extra_state, layout, schema, window
 from xla_shard.checkpoint.contract import ShardedState
-from xla_shard.checkpoint.run_record import RunRecord
+from xla_shard.checkpoint.extra_state import Extra
+from xla_shard.checkpoint.run_record import RunRecord, changed_identity
 from xla_shard.checkpoint.manifest import (
     UNRECORDED_RUN,
     CheckpointError,
@@ -42,10 +42,9 @@ from xla_shard.checkpoint.manifest import (
 )
 from xla_shard.checkpoint.model_config import hf_config
 from xla_shard.checkpoint.reader import ChunkReader, fill
-from xla_shard.config.schema import ShardConfig
 from xla_shard.errors import ConfigError, UserError
-from xla_shard.io.storage import Storage, StorageError
-from xla_shard.io.untrusted_json import MAX_JSON_DEPTH, SchemaError
+from xla_shard.io.storage import Storage
+from xla_shard.io.untrusted_json import SchemaError
 
 if TYPE_CHECKING:
     import torch
@@ -61,97 +60,6 @@ def versions() -> dict[str, str]:
         except PackageNotFoundError:
             pass
     return found
-
-
-Extra = dict[str, Any]  # name -> an object with state_dict()/load_state_dict(), or a dict
-
-
-# A manifest holds extra state at manifest -> "extra" -> name -> state: the reader's depth limit less those two.
-MAX_EXTRA_DEPTH = MAX_JSON_DEPTH - 2
-
-
-def _snapshot(extra: Extra) -> dict[str, Any]:
-    """The extra state as JSON values, taken now (the save may finish in the background), refused here if the
-    manifest reader would not give it back as it was: keys that are not strings (JSON would turn `{1: 'a'}`
-    into `{'1': 'a'}`), values JSON cannot hold, or nesting deeper than the reader accepts (such a checkpoint
-    would be set aside as corrupt on resume)."""
-    found = {}
-    for name, value in extra.items():
-        if not isinstance(name, str) or not name:
-            raise UserError(f"checkpoint extra state {name!r}: names are non-empty strings")
-        state = value.state_dict() if hasattr(value, "state_dict") else value
-        if not isinstance(state, dict):
-            raise UserError(f"checkpoint extra state {name!r}: expected a dict or an object with state_dict(), got "
-                            f"{type(value).__name__}")
-        problem = _unfaithful(state)
-        if problem:
-            raise UserError(f"checkpoint extra state {name!r}: {problem}; it would not come back as saved, so it is "
-                            "not saved")
-        found[name] = json.loads(json.dumps(state))  # Python's JSON: inf and nan round-trip
-    return found
-
-
-def _unfaithful(state: dict) -> str | None:
-    """What of `state` JSON and the manifest reader would not return as it is, if anything (walked without
-    recursion, so any depth is reported rather than crashing)."""
-    stack: list[tuple[Any, str, int]] = [(state, "", 1)]
-    while stack:
-        node, where, depth = stack.pop()
-        if isinstance(node, dict):
-            if depth > MAX_EXTRA_DEPTH:
-                return f"nested deeper than {MAX_EXTRA_DEPTH} levels (at {where or 'the top'})"
-            for key, child in node.items():
-                if not isinstance(key, str):
-                    return f"key {key!r} at {where or 'the top'} is a {type(key).__name__}, not a string"
-                stack.append((child, f"{where}[{key!r}]", depth + 1))
-        elif isinstance(node, list):
-            if depth > MAX_EXTRA_DEPTH:
-                return f"nested deeper than {MAX_EXTRA_DEPTH} levels (at {where or 'the top'})"
-            stack.extend((child, f"{where}[{i}]", depth + 1) for i, child in enumerate(node))
-        elif isinstance(node, tuple):
-            return f"{where} is a tuple, which comes back as a list: store a list"
-        elif not (node is None or isinstance(node, (str, bool, int, float))):
-            return f"{where} is a {type(node).__name__}, not JSON data (dicts, lists, strings, numbers, None)"
-    return None
-
-
-def _restorable(extra: Any) -> Extra:
-    """`restore(extra=...)` checked before anything is read or changed: a dict of names to objects with
-    `load_state_dict()` or dicts (filled in place), as `save(extra=...)` takes them."""
-    if extra is None:
-        return {}
-    if not isinstance(extra, dict):
-        raise UserError(f"checkpoint extra state: expected a dict of names to objects with load_state_dict() or "
-                        f"dicts, got a {type(extra).__name__}")
-    for name, target in extra.items():
-        if not isinstance(name, str) or not name:
-            raise UserError(f"checkpoint extra state {name!r}: names are non-empty strings")
-        if not (hasattr(target, "load_state_dict") or isinstance(target, dict)):
-            raise UserError(f"checkpoint extra state {name!r}: expected a dict or an object with load_state_dict() to "
-                            f"restore into, got a {type(target).__name__}")
-    return extra
-
-
-def _check_extra(manifest: Manifest, wanted: Extra) -> None:
-    stored = manifest.data.get("extra") or {}
-    missing = [name for name in wanted if name not in stored]
-    if missing:
-        raise CheckpointError(f"{manifest.url} holds no extra state {missing[0]!r} (it has: "
-                              f"{', '.join(sorted(stored)) or 'none'}); it was saved without it")
-    for name, target in wanted.items():
-        if not hasattr(target, "load_state_dict") and not isinstance(stored[name], dict):
-            raise CorruptCheckpointError(f"{manifest.url}/{layout.MANIFEST} is damaged: its extra state {name!r} is "
-                                         f"a {type(stored[name]).__name__}, not the dict that was saved")
-
-
-def _load_extra(manifest: Manifest, wanted: Extra) -> None:
-    stored = manifest.data.get("extra") or {}
-    for name, target in wanted.items():
-        if hasattr(target, "load_state_dict"):
-            target.load_state_dict(stored[name])
-        else:
-            target.clear()
-            target.update(stored[name])
 
 
 # ---- writing ------------------------------------------------------------------------------------------
@@ -203,7 +111,7 @@ class Checkpointer:
         if step == self.last_saved:
             return
         self.wait()  # at most one save in flight; an earlier failure surfaces here
-        self._extra = _snapshot(extra) if extra else None
+        self._extra = extra_state.snapshot(extra) if extra else None
         self._hf_config = hf_config(model)
         entries = [layout.Entry(t.name, t.shape, t.dtype, t.chunks()) for t in self._tensors(model, optimizer)]
         prefix = _own_prefix(self.state.writer[0])
@@ -356,7 +264,7 @@ class Checkpointer:
         process saved as its own, where the checkpoint's writers are this run's); return the step to continue
         from, 0 for a fresh start (`extra` and `own` then stay as they are)."""
         resume = self.section.resume
-        extra = _restorable(extra)
+        extra = extra_state.restorable(extra)
         self._own = own
         if resume == "never":
             self._claim(0, "checkpoint.resume=never starts a new run")
@@ -453,10 +361,10 @@ class Checkpointer:
                   for name, meta in manifest.tensors.items() if not name.startswith(_OWN)}
         targets = self._tensors(model, optimizer, stored)
         _match(manifest, stored, targets)
-        _check_extra(manifest, extra)
+        extra_state.check_extra(manifest, extra)
         reader = ChunkReader(storage, manifest)
         fill(reader, targets)
-        _load_extra(manifest, extra)
+        extra_state.load_extra(manifest, extra)
         self.restored = RunRecord.from_manifest(manifest.data)
         rank, world = self.state.writer
         if self._own is not None and manifest.data["writers"] == world:
@@ -497,60 +405,6 @@ class Checkpointer:
                                                 + "; resuming would not continue that run")
 
 
-def changed_identity(manifest: Manifest, identity: dict[str, Any]) -> tuple[str, str] | None:
-    """(key, why) for the first run-identity key whose value differs from the one `manifest`'s run was written
-    with; None when resuming it would continue the same run."""
-    saved = manifest.data["config"]
-    defaults = None
-    for key, value in identity.items():
-        section, _, field = key.partition(".")
-        if isinstance(saved.get(section), dict) and field not in saved[section]:
-            # a key added since that checkpoint was written: it was written with the key's default
-            defaults = defaults or ShardConfig().run_identity()
-            was = defaults[key]
-        else:
-            was = _dotted(saved, key)
-        if key in ShardConfig.PLACE_KEYS:
-            was, value = _local_place(was), _local_place(value)
-        if was != value:
-            return key, (f"is {value!r} but the checkpoint {manifest.url} was written with {was!r}; resuming would "
-                         "not continue that run (use another checkpoint.dir to start a new one)")
-    return None
-
-
-def _local_place(value: Any) -> Any:
-    """A local path that exists as the real path it names (a relative one from here); anything else as it is."""
-    if isinstance(value, str) and "://" not in value and os.path.exists(value):
-        return os.path.realpath(value)
-    return value
-
-
-def nothing_to_train(cfg: ShardConfig) -> str | None:
-    """What a rerun of a finished run says before anything starts (no process, no model, no device): the newest
-    committed checkpoint of this same run already reaches train.steps. None when there may be something to
-    train, or only the training can tell: a run counted in epochs (its steps come from the data), another
-    run's checkpoint (refused by name when resumed), or one that does not read (resume falls back past it)."""
-    section = cfg.checkpoint
-    if not section.dir or section.resume != "auto" or cfg.train.epochs:
-        return None
-    try:
-        storage = Storage(section.dir, section.retry_deadline_s)
-        steps = committed_steps(storage)
-        if not steps or steps[-1] != cfg.train.steps:
-            return None
-        manifest = read_manifest(storage, layout.step_dir(steps[-1]))
-    except (CheckpointError, StorageError):  # said by the run itself, which reads it again
-        return None
-    if changed_identity(manifest, cfg.run_identity()):
-        return None
-    return finished_message(steps[-1], "train.steps", cfg.train.steps, cfg.train.steps)
-
-
-def finished_message(step: int, key: str, value: float, total: int) -> str:
-    return (f"the checkpoint at step {step} already reaches {key}={value:g} ({total} steps); nothing to train "
-            f"(raise {key} to continue)")
-
-
 def _refuse_non_finite(step: int, entries: list[layout.Entry], last_committed: int | None) -> None:
     """A diverged run's state is worth nothing as a resume point: never commit NaN or inf."""
     def finite(chunk) -> bool:  # a NaN or inf makes the sum non-finite; only then (or on overflow) look closer
@@ -586,7 +440,7 @@ class NoCheckpoints:
         return True
 
     def restore(self, model, optimizer, extra: Extra | None = None, own: dict | None = None) -> int:
-        _restorable(extra)  # a mistake is said whether or not there is a checkpoint to restore from
+        extra_state.restorable(extra)  # a mistake is said whether or not there is a checkpoint to restore from
         return 0
 
     def last_committed_url(self) -> None:
@@ -600,12 +454,6 @@ def _architecture(hf_config: dict[str, Any]) -> dict[str, Any]:
 
 def _new_run() -> dict[str, Any]:
     return {"id": uuid.uuid4().hex[:12], "started": time.time(), "parent": None}
-
-
-def _dotted(data: dict, key: str) -> Any:
-    for part in key.split("."):
-        data = data.get(part) if isinstance(data, dict) else None
-    return data
 
 
 _OWN = "own/"  # a process's own tensors (`save(own=)`), under its writer's index

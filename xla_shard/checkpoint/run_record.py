@@ -1,14 +1,19 @@
 """What every manifest records of the run beside its tensors, and the checks a resume makes against it: that it
-goes on with the same frozen base, the same reference and the same learning-rate warm-up rule."""
+goes on with the same run (its identity keys), the same frozen base, the same reference and the same
+learning-rate warm-up rule; and what a rerun of a finished run says."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
-from xla_shard.checkpoint import hf_dir
+from xla_shard.checkpoint import hf_dir, layout
+from xla_shard.checkpoint.manifest import CheckpointError, Manifest, committed_steps, read_manifest
+from xla_shard.config.schema import ShardConfig
 from xla_shard.errors import ConfigError
+from xla_shard.io.storage import Storage, StorageError
 from xla_shard.schedule import EARLIER_WARMUP_RULE, WARMUP_RULE
 
 
@@ -88,3 +93,63 @@ def _differs(recorded: dict | None, weights, what: str, step: int, log: Callable
             f"{weights.source.directory} is taken as that {what} unchecked")
         return None
     return hf_dir.identity_mismatch(recorded["files"], weights.storage, weights.manifest)
+
+
+def changed_identity(manifest: Manifest, identity: dict[str, Any]) -> tuple[str, str] | None:
+    """(key, why) for the first run-identity key whose value differs from the one `manifest`'s run was written
+    with; None when resuming it would continue the same run."""
+    saved = manifest.data["config"]
+    defaults = None
+    for key, value in identity.items():
+        section, _, field = key.partition(".")
+        if isinstance(saved.get(section), dict) and field not in saved[section]:
+            # a key added since that checkpoint was written: it was written with the key's default
+            defaults = defaults or ShardConfig().run_identity()
+            was = defaults[key]
+        else:
+            was = _dotted(saved, key)
+        if key in ShardConfig.PLACE_KEYS:
+            was, value = _local_place(was), _local_place(value)
+        if was != value:
+            return key, (f"is {value!r} but the checkpoint {manifest.url} was written with {was!r}; resuming would "
+                         "not continue that run (use another checkpoint.dir to start a new one)")
+    return None
+
+
+def _local_place(value: Any) -> Any:
+    """A local path that exists as the real path it names (a relative one from here); anything else as it is."""
+    if isinstance(value, str) and "://" not in value and os.path.exists(value):
+        return os.path.realpath(value)
+    return value
+
+
+def nothing_to_train(cfg: ShardConfig) -> str | None:
+    """What a rerun of a finished run says before anything starts (no process, no model, no device): the newest
+    committed checkpoint of this same run already reaches train.steps. None when there may be something to
+    train, or only the training can tell: a run counted in epochs (its steps come from the data), another
+    run's checkpoint (refused by name when resumed), or one that does not read (resume falls back past it)."""
+    section = cfg.checkpoint
+    if not section.dir or section.resume != "auto" or cfg.train.epochs:
+        return None
+    try:
+        storage = Storage(section.dir, section.retry_deadline_s)
+        steps = committed_steps(storage)
+        if not steps or steps[-1] != cfg.train.steps:
+            return None
+        manifest = read_manifest(storage, layout.step_dir(steps[-1]))
+    except (CheckpointError, StorageError):  # said by the run itself, which reads it again
+        return None
+    if changed_identity(manifest, cfg.run_identity()):
+        return None
+    return finished_message(steps[-1], "train.steps", cfg.train.steps, cfg.train.steps)
+
+
+def finished_message(step: int, key: str, value: float, total: int) -> str:
+    return (f"the checkpoint at step {step} already reaches {key}={value:g} ({total} steps); nothing to train "
+            f"(raise {key} to continue)")
+
+
+def _dotted(data: dict, key: str) -> Any:
+    for part in key.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data

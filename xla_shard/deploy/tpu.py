@@ -146,3 +146,10 @@ def topology(chips: int, dims: int) -> list[int] | None:
         shape[last] *= 2
     return shape if math.prod(shape) == chips else None
 
+
+def slice_hosts(accelerator: str, devices: int) -> int:
+    """A TPU slice's hosts: its name's, or `devices` chips at the generation's chips per host."""
+    if "-" in accelerator:
+        return vm_hosts(accelerator)
+    generation = next(g for g in GENERATIONS.values() if accelerator.startswith(g.prefix))
+    return max(1, devices // generation.chips_per_host)
