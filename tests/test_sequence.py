@@ -328,3 +328,33 @@ def test_the_cost_model_prices_the_sequence_axis():
     assert memory(work, Triple(32, 32, 32), 32)["context"] == 2 * kv
     plain = Workload(**{**work.__dict__, "context": 1})
     assert "context_kv" not in {x.name for x in collectives(plain, Triple(32, 32, 32), 32)}
+
+
+def test_a_model_the_split_sequence_cannot_hold_is_refused_where_every_loaded_model_is_checked():
+    """The sequence axis's refusals of a model are `pretrained.check_model`'s, which the run's preflight calls on
+    the meta model before any process starts (and a backend again where it splits the sequence): sliding-window
+    attention, and a loss that cannot be scored per piece of the sequence."""
+    from model_dirs import family_model
+
+    from xla_shard.pretrained import check_model
+
+    cfg = config.load(None, ["model.name=tiny-llama", "train.seq_len=64", "mesh.context=2"])
+    llama = family_model("llama")
+    check_model(cfg, llama)  # attends to every earlier position; its loss is scored in chunks
+    with pytest.raises(ConfigError, match="sliding windows or chunks") as refused:
+        check_model(cfg, family_model("gemma2"))
+    assert refused.value.key == "mesh.context"
+
+    class Clamped(type(llama)):
+        def forward(self, input_ids=None, labels=None, **kwargs):  # a tail the chunked loss does not know
+            logits = self.lm_head(self.model(input_ids=input_ids, **kwargs).last_hidden_state)
+            logits = logits.clamp(-5, 5)
+            loss = None
+            if labels is not None:
+                loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+            return loss, logits
+
+    llama.__class__ = Clamped
+    with pytest.raises(ConfigError, match="scored per piece of the split sequence, and Clamped"):
+        check_model(cfg, llama)
+    check_model(config.load(None, ["model.name=tiny-llama", "train.seq_len=64"]), llama)  # no axis, no refusal

@@ -319,6 +319,25 @@ def check_model(cfg, model: nn.Module) -> None:
         check_scannable(model, cfg.fsdp)
     if cfg.fsdp.activation_checkpointing:
         checkpoint_targets(model, cfg.fsdp)
+    if cfg.mesh.context > 1:
+        check_split_sequence(model, cfg.mesh.context)
+
+
+def check_split_sequence(model: nn.Module, context: int, backend: str | None = None) -> None:
+    """What the sequence axis (mesh.context > 1) asks of a model, whichever backend splits it: a loss scored per
+    piece of the split sequence (`lm_head`), and attention to every earlier position (no sliding windows or
+    chunks, which the split sequence's mask does not express). Checked on the meta model before any process
+    starts, and again where a backend splits the sequence."""
+    from xla_shard import lm_head
+    from xla_shard.attention import plain_causal
+
+    if lm_head.unscorable(model) is not None:
+        raise ConfigError("mesh.context", f"{context}: the loss is scored per piece of the split sequence, and "
+                                          f"{lm_head.unscorable(model)}", backend=backend)
+    if not plain_causal(model.config):
+        raise ConfigError("mesh.context", f"{context}: {type(model).__name__} attends through sliding windows or "
+                                          "chunks, which the split sequence's mask does not express; set it to 1",
+                          backend=backend)
 
 
 def reference_model(cfg, objective, policy_config, **build) -> tuple[nn.Module, Any]:

@@ -227,16 +227,9 @@ def split_sequences(backend: Backend, model: nn.Module, implementation: str) -> 
     """The sequence axis (mesh.context): attention across the split sequence through `implementation` (one of
     `xla_shard.sequence`'s), for every module sharing the model's config (DPO's reference is wrapped too)."""
     from xla_shard import sequence
-    from xla_shard.attention import plain_causal
+    from xla_shard.pretrained import check_split_sequence
 
-    context = backend.plan.context
-    if lm_head.scorer(model) is None:
-        backend.capabilities.refuse("mesh.context", f"{context}: the loss is scored per piece of the split "
-                                                    f"sequence, and {lm_head.unscorable(model)}")
-    if not plain_causal(model.config):
-        backend.capabilities.refuse("mesh.context", f"{context}: {type(model).__name__} attends through sliding "
-                                                    "windows or chunks, which the split sequence's mask does not "
-                                                    "express; set it to 1")
+    check_split_sequence(model, backend.plan.context, backend.name)  # as preflight checked it, for your own loop
     sequence.register()
     for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
         config._attn_implementation = implementation
