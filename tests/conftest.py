@@ -145,20 +145,17 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = 1
 
 
-# Seconds each end-to-end file took alone (torch 2.9, `--durations=0`, Nov 2026; test_aot*.py and test_ray.py as
-# timed in CI on Nov 27). The parallel tier hands out whole files (`--dist loadfile --no-loadscope-reorder`) in
+# Seconds each end-to-end file took in the torch 2.9 tier (`--durations=0`, setup and calls summed, Dec 7 2026,
+# both xdist workers busy). The parallel tier hands out whole files (`--dist loadfile --no-loadscope-reorder`) in
 # collection order, so the heaviest go first and the tier does not end on one long file while the other worker
 # idles. Only the order matters; a file not listed goes last, in its usual place.
-E2E_SECONDS = {  # the torch 2.9 end-to-end tier, timed Nov 27 (its fsdp2 tests left out; test_compile's is theirs);
-    # test_grpo and test_sequence estimated from CI's slowest tests on Dec 7 (unweighted, they were sorted last),
-    # test_grpo less the 430 s its generation compiles lost when the sampler's hash shifted rather than divided
-    "test_checkpoint.py": 715, "test_grpo.py": 420, "test_aot.py": 520, "test_trainer.py": 370,
-    "test_aot_planner.py": 330,
-    "test_pretrained.py": 260, "test_planner.py": 240, "test_moe.py": 190, "test_compile.py": 175, "test_ray.py": 154,
-    "test_backends.py": 136, "test_importers.py": 128, "test_lora.py": 100, "test_api.py": 91, "test_untrusted.py": 87,
-    "test_hostile_checkpoints.py": 63, "test_sft.py": 56, "test_deploy.py": 56, "test_dpo.py": 55, "test_config.py": 54,
-    "test_neutral.py": 49, "test_hardening.py": 46, "test_families.py": 40, "test_models.py": 31,
-    "test_sequence.py": 120, "test_qlora.py": 230,
+E2E_SECONDS = {
+    "test_checkpoint.py": 434, "test_aot_planner.py": 427, "test_pretrained.py": 270, "test_grpo.py": 269,
+    "test_aot.py": 256, "test_sequence.py": 247, "test_qlora.py": 230, "test_trainer.py": 204, "test_moe.py": 170,
+    "test_ray.py": 163, "test_planner.py": 159, "test_backends.py": 120, "test_hostile_checkpoints.py": 106,
+    "test_api.py": 103, "test_untrusted.py": 86, "test_neutral.py": 80, "test_dpo.py": 75, "test_importers.py": 68,
+    "test_lora.py": 65, "test_deploy.py": 55, "test_config.py": 53, "test_sft.py": 53, "test_hardening.py": 37,
+    "test_families.py": 25, "test_models.py": 21, "test_data.py": 17, "test_gke.py": 16,
 }
 
 
