@@ -5,6 +5,7 @@ import json
 import math
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -60,6 +61,46 @@ def test_each_schedule_is_the_transformers_scheduler_of_its_name(schedule, min_r
         optimizer.step()
         scheduler.step()
     assert [lr_factor(s, cfg.train, total) for s in range(total)] == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+def test_mfu_is_taken_against_the_planners_peak_and_stops_once_above_one():
+    """`metrics.Mfu`, the step record's: the configured peak, else the hardware table's for the device kind (the
+    planner's own), else none; a rate that would put it above 1 stops it with one warning."""
+    from xla_shard.metrics import Mfu
+    from xla_shard.planner import accelerator
+
+    mfu = Mfu(1e9, "tpu v5p-8", 4)
+    assert mfu.peak == accelerator("v5p").peak_flops and "dense bf16 peak" in mfu.basis
+    assert mfu.of(1e3, print) == pytest.approx(1e12 / (mfu.peak * 4))
+    warned = []
+    assert mfu.of(1e9, warned.append) is None and len(warned) == 1 and "MFU" in warned[0]
+    assert mfu.of(1e3, warned.append) is None and len(warned) == 1  # stopped, said once
+    assert Mfu(1e9, "tpu v5p-8", 4, configured=5e14).peak == 5e14
+    cpu = Mfu(1e9, "cpu", 1)
+    assert cpu.of(1e3, print) is None and cpu.basis.startswith("no MFU: cpu")
+
+
+def test_the_steps_graphs_are_counted_apart_from_evaluations_and_recompiles_are_said():
+    from xla_shard.metrics import GraphCount
+
+    compiled = types.SimpleNamespace(graphs=3, seconds=1.0)  # what setup compiled: not the steps'
+    count, warned = GraphCount(lambda: types.SimpleNamespace(**vars(compiled)), warmed_up_at=2), []
+    compiled.graphs = 5
+    record = {}
+    count.count_step(record, 1, warned.append)
+    assert record == {"compilations": 2}
+    compiled.graphs = 6
+    count.count_step(record := {}, 2, warned.append)  # the end of the warm-up
+    assert record == {"compilations": 3} and not warned
+    with count.evaluation(2, warned.append) as found:
+        compiled.graphs, compiled.seconds = 8, 3.0
+    assert found == {"eval_compilations": 2, "eval_compile_time_s": 2.0} and not warned
+    count.count_step(record := {}, 3, warned.append)
+    assert record == {"compilations": 3} and not warned  # evaluation's graphs are not the steps'
+    compiled.graphs = 9
+    count.count_step(record := {}, 4, warned.append)
+    assert record == {"compilations": 4, "recompiles": 1} and "after warm-up" in warned[0]
+    assert GraphCount(lambda: None, 1).count_step(record := {}, 1, print) is None and record == {}
 
 
 def test_a_checkpoint_from_before_the_rule_keeps_its_warm_up():
