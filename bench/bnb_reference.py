@@ -16,7 +16,7 @@ import torch
 
 # bitsandbytes registers its pure-torch reference kernels for this key; its native CPU kernels for CPU.
 REFERENCE_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
-_overrides: list = []  # an override lasts as long as its Library object
+_held: list = []  # once held: the Library the dequantization override lives in (it lasts as long as this object)
 
 
 def reference_dequantize_4bit(A, absmax, blocksize, quant_type, shape, dtype):
@@ -26,18 +26,19 @@ def reference_dequantize_4bit(A, absmax, blocksize, quant_type, shape, dtype):
 
 def hold_bitsandbytes_to_its_reference() -> None:
     """Call before bitsandbytes builds or runs a layer, in each process that computes a reference."""
-    if _overrides:
+    if _held:
         return
     import bitsandbytes.functional as F
     import bitsandbytes.nn.modules as modules
 
     weight = torch.randn(2, 48, generator=torch.Generator().manual_seed(0))  # 96 values: a block spans both rows
     packed, state = F.quantize_4bit(weight, quant_type="nf4")
-    library = torch.library.Library("bitsandbytes", "IMPL")
+    library = None
     if not torch.equal(F.dequantize_4bit(packed, state), reference_dequantize_4bit(
             packed, state.absmax, state.blocksize, "nf4", weight.shape, weight.dtype)):
+        library = torch.library.Library("bitsandbytes", "IMPL")
         with warnings.catch_warnings():  # "Overriding a previously registered kernel": what is meant
             warnings.simplefilter("ignore", UserWarning)
             library.impl("dequantize_4bit", reference_dequantize_4bit, "CPU", allow_override=True)
-    _overrides.append(library)
+    _held.append(library)
     modules.has_avx512bf16 = lambda: False

@@ -191,14 +191,14 @@ def test_no_code_outside_a_backend_compares_a_backend_name():
         if module.startswith("xla_shard.backends.") and module != "xla_shard.backends.base":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Compare) and _names_a_backend([node.left, *node.comparators], names):
+            if isinstance(node, ast.Compare) and _names_one_of([node.left, *node.comparators], names):
                 found.append(f"{module}:{node.lineno}")
     assert not found, found
 
 
-def _names_a_backend(operands: list[ast.expr], names: set[str]) -> bool:
-    """An operand that is a backend's name or the schema's enum member for one (`Backend.TORCH_FSDP`), or a
-    tuple, list or set holding one (`name in ("a", "b")`)."""
+def _names_one_of(operands: list[ast.expr], names: set[str]) -> bool:
+    """An operand that is one of `names` (a backend's, a data kind's) or an enum member spelling one
+    (`Backend.TORCH_FSDP`), or a tuple, list or set holding one (`name in ("a", "b")`)."""
     for operand in operands:
         items = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
         if any((isinstance(item, ast.Constant) and item.value in names)
@@ -228,19 +228,19 @@ def test_a_data_kind_is_a_registry_line_and_only_its_own_module_names_it():
     for module, path in MODULES.items():
         own = {name for name, entry in KINDS.items() if entry.rows.split(":")[0] == module}
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Compare) and _names_a_backend([node.left, *node.comparators], set(KINDS) - own):
+            if isinstance(node, ast.Compare) and _names_one_of([node.left, *node.comparators], set(KINDS) - own):
                 found.append(f"{module}:{node.lineno}")
     assert not found, found
 
 
 def test_the_name_check_looks_inside_tuples_and_sees_enum_members():
     compare = ast.parse('backend not in ("auto", "torch_fsdp")').body[0].value
-    assert _names_a_backend([compare.left, *compare.comparators], set(BACKENDS))
-    assert not _names_a_backend([compare.left], set(BACKENDS))
+    assert _names_one_of([compare.left, *compare.comparators], set(BACKENDS))
+    assert not _names_one_of([compare.left], set(BACKENDS))
     compare = ast.parse("self.backend is Backend.TORCH_FSDP").body[0].value
-    assert _names_a_backend([compare.left, *compare.comparators], set(BACKENDS))
+    assert _names_one_of([compare.left, *compare.comparators], set(BACKENDS))
     compare = ast.parse("self.backend is Backend.AUTO").body[0].value  # `auto` names no backend
-    assert not _names_a_backend([compare.left, *compare.comparators], set(BACKENDS))
+    assert not _names_one_of([compare.left, *compare.comparators], set(BACKENDS))
 
 
 def test_every_module_has_its_layer_whatever_it_imports():

@@ -19,6 +19,7 @@ from xla_shard.errors import ConfigError
 from xla_shard.io.staged import StagedDir, is_url
 from xla_shard.planner.hardware import for_device_kind
 
+
 def train_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     """PaLM's count (appendix B): 6 x non-embedding params + 12 x layers x hidden x seq for attention.
 

@@ -331,9 +331,10 @@ def check_split_sequence(model: nn.Module, context: int, backend: str | None = N
     from xla_shard import lm_head
     from xla_shard.attention import plain_causal
 
-    if lm_head.unscorable(model) is not None:
+    unscorable = lm_head.unscorable(model)
+    if unscorable is not None:
         raise ConfigError("mesh.context", f"{context}: the loss is scored per piece of the split sequence, and "
-                                          f"{lm_head.unscorable(model)}", backend=backend)
+                                          f"{unscorable}", backend=backend)
     if not plain_causal(model.config):
         raise ConfigError("mesh.context", f"{context}: {type(model).__name__} attends through sliding windows or "
                                           "chunks, which the split sequence's mask does not express; set it to 1",

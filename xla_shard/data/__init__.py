@@ -54,12 +54,12 @@ def build(cfg, model_config, model_directory: str | None = None, generations=Non
                                model_name=cfg.model.name)
     if data.streaming:
         return _streamed(cfg, tokenizer, model_config)
+    kind = row_kind(data.kind)
     try:
-        train_rows, eval_rows, dropped, raw, raw_eval = _tokenized(cfg, tokenizer, model_config, generations)
+        train_rows, eval_rows, dropped, raw, raw_eval = _tokenized(cfg, kind, tokenizer, model_config, generations)
     except UnicodeDecodeError as exc:  # arrow hands undecodable text on when the rows are first read
         raise ConfigError("data.path", f"{data.path} (or data.eval_path) is not UTF-8 text: byte {exc.start} of a "
                                        f"value cannot be decoded ({exc.reason})") from None
-    kind = row_kind(data.kind)
     evaluation = None
     if eval_rows is not None:
         evaluation = kind.eval_source(cfg, eval_rows, raw_eval, tokenizer, generations)
@@ -109,7 +109,7 @@ def _streamed(cfg, tokenizer, model_config) -> DataSources:
                                            f"{data.shuffle_buffer} rows)", uneven_labels=not data.packing)
 
 
-def _tokenized(cfg, tokenizer, model_config, generations):
+def _tokenized(cfg, kind, tokenizer, model_config, generations):
     """(training rows, evaluation rows or None, rows dropped, the raw training rows, the raw evaluation rows or
     None): the raw ones as split, so that a tokenized row's `row` indexes them."""
     from xla_shard.data import files
@@ -125,7 +125,6 @@ def _tokenized(cfg, tokenizer, model_config, generations):
         raw, raw_eval = split["train"], split["test"]
 
     dropped = 0
-    kind = row_kind(data.kind)
 
     def encode(rows, path):
         nonlocal dropped

@@ -76,7 +76,7 @@ class StagedDir:
 
 def check_output_dir(path: str) -> None:
     """output_dir is a directory, or can become one (a URL is written through a staging folder)."""
-    if is_url(path):  # written through a staging folder (xla_shard.io.staged)
+    if is_url(path):  # written through a staging folder (StagedDir)
         return
     blocker = file_in_the_way(Path(path))
     if blocker:
